@@ -1,0 +1,84 @@
+"""A keyed, stateless bijection on [0, n) for any n in [1, 2**62]: Feistel rounds plus cycle-walking."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+
+ROUNDS = 6
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
+def derive_key(*parts: int) -> int:
+    """A 64-bit key from a tuple of non-negative ints (seed, epoch, window, ...), stable everywhere."""
+    blob = b"".join(struct.pack("<Q", p & 0xFFFFFFFFFFFFFFFF) + struct.pack("<Q", p >> 64) for p in parts)
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8, person=b"croupier-key").digest(), "little")
+
+
+def round_keys(key: int) -> np.ndarray:
+    """The ROUNDS round keys derived from one 64-bit key, as uint64 of shape (ROUNDS,)."""
+    return np.array([derive_key(key, i) for i in range(ROUNDS)], dtype=np.uint64)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    # splitmix64's finaliser: a cheap, well-mixing 64-bit hash (the Feistel round function).
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+def _domain_bits(n: int) -> int:
+    # The smallest power-of-two domain holding [0, n), at least 2 bits so both halves exist.
+    return max(2, (n - 1).bit_length())
+
+
+def _encrypt(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
+    """One pass of the Feistel network on [0, 2**bits); keys is (ROUNDS,) or (ROUNDS, len(x))."""
+    # NOTE: an unbalanced network whose halves swap widths each round, so any bit count works
+    # and the power-of-two domain is < 2n: cycle-walking takes fewer than 2 passes on average.
+    lo_bits = bits // 2
+    for i in range(ROUNDS):
+        hi_bits = bits - lo_bits
+        lo_mask = np.uint64((1 << lo_bits) - 1)
+        hi_mask = np.uint64((1 << hi_bits) - 1)
+        lo = x & lo_mask
+        hi = x >> np.uint64(lo_bits)
+        f = _mix(lo ^ keys[i]) & hi_mask
+        # (hi, lo) -> (lo, hi ^ F(lo)): lo becomes the high part, the new low part has hi_bits.
+        x = (lo << np.uint64(hi_bits)) | (hi ^ f)
+        lo_bits = hi_bits
+    return x
+
+
+def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """Maps positions in [0, n) to indices in [0, n) by a keyed bijection.
+
+    Args:
+        positions: Integer array of positions, each in [0, n).
+        n: Domain size, 1 <= n <= 2**62.
+        keys: Round keys from :func:`round_keys`, shape (ROUNDS,), or (ROUNDS, len(positions))
+            to give every element its own key (used for per-window shuffles).
+
+    Returns:
+        int64 array of the same shape: the permuted indices.
+    """
+    x = np.asarray(positions).astype(np.uint64, copy=True)
+    if n == 1:
+        return np.zeros(x.shape, dtype=np.int64)
+    bits = _domain_bits(n)
+    un = np.uint64(n)
+    x = _encrypt(x, bits, keys)
+    out = x >= un
+    while out.any():
+        # Cycle-walk: re-encrypt the elements that landed outside [0, n); the walk from a
+        # position in [0, n) always returns to [0, n), so this is still a bijection.
+        idx = np.flatnonzero(out)
+        sub_keys = keys if keys.ndim == 1 else keys[:, idx]
+        x[idx] = _encrypt(x[idx], bits, sub_keys)
+        out[idx] = x[idx] >= un
+    return x.astype(np.int64)

@@ -1,0 +1,302 @@
+"""The order engine: which dataset indices rank r of W gets in batch j, as pure functions.
+
+Vocabulary:
+    position  -- a place in an epoch's order, in [0, n). ``order()`` maps positions to indices.
+    cursor    -- topology-free progress through an epoch: the epoch number and the positions
+                 not yet consumed, as sorted disjoint intervals. A fresh epoch has [(0, n)].
+    virtual   -- the remaining positions of a cursor laid end to end, [0, R), then extended
+                 by the tail policy to [0, T) (padding past R); partitions deal virtual
+                 positions to ranks.
+
+Everything here is O(batch) or O(world) per call, never O(n) (except the ``torch``
+permutation, which is torch's own randperm), so any point of any epoch is reachable at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from croupier.server._permute import PERMUTATIONS
+from croupier.server._spec import Spec
+
+Interval = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """Where a job is in its data: an epoch and the positions of its order not yet consumed.
+
+    Attributes:
+        epoch: The epoch number, >= 0.
+        remaining: Sorted, disjoint, non-empty ``(start, end)`` intervals of positions of the
+            epoch's order that have not been consumed.
+        base_world: For ``scope="rank"`` specs, the world size the epoch's order was split for
+            (0 until a generation starts the epoch); always 0 for ``scope="global"``.
+    """
+
+    epoch: int
+    remaining: tuple[Interval, ...]
+    base_world: int = 0
+
+    @property
+    def left(self) -> int:
+        """How many positions remain."""
+        return sum(b - a for a, b in self.remaining)
+
+
+def fresh(spec: Spec, epoch: int) -> Cursor:
+    """The cursor at the start of `epoch`."""
+    return Cursor(epoch=epoch, remaining=((0, spec.n),))
+
+
+def is_fresh(spec: Spec, cursor: Cursor) -> bool:
+    """True when nothing of the cursor's epoch has been consumed."""
+    return cursor.remaining == ((0, spec.n),)
+
+
+def bind(spec: Spec, cursor: Cursor, world: int) -> Cursor:
+    """Fixes the epoch's layout for a generation of `world` ranks (``scope="rank"`` only)."""
+    if spec.scope == "rank" and cursor.base_world == 0:
+        return dataclasses.replace(cursor, base_world=world)
+    return cursor
+
+
+def validate_cursor(spec: Spec, cursor: Cursor) -> None:
+    """Raises ValueError, naming the value, if `cursor` cannot belong to a job with `spec`."""
+    if isinstance(cursor.epoch, bool) or not isinstance(cursor.epoch, int) or cursor.epoch < 0:
+        raise ValueError(f"cursor epoch must be an int >= 0 (got epoch={cursor.epoch!r})")
+    prev = 0
+    for iv in cursor.remaining:
+        if len(iv) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in iv):
+            raise ValueError(f"cursor intervals must be pairs of ints (got {iv!r})")
+        a, b = iv
+        if not (prev <= a < b <= spec.n):
+            raise ValueError(
+                f"cursor intervals must be sorted, disjoint, non-empty and inside [0, {spec.n}) "
+                f"(got {list(cursor.remaining)!r})"
+            )
+        prev = b
+    if not cursor.remaining:
+        raise ValueError("cursor has no remaining positions; a finished epoch is the next epoch's fresh cursor")
+    if spec.scope == "global" and cursor.base_world != 0:
+        raise ValueError(f"base_world must be 0 for scope='global' (got base_world={cursor.base_world})")
+    if cursor.base_world < 0:
+        raise ValueError(f"base_world must be >= 0 (got base_world={cursor.base_world})")
+
+
+# --------------------------------------------------------------------------- the order
+
+
+def part_bounds(spec: Spec, world: int) -> np.ndarray:
+    """Boundaries of the rank parts of [0, n) that ``scope="rank"`` shuffles within; (world + 1,)."""
+    if spec.scope == "global" or world == 0:
+        return np.array([0, spec.n], dtype=np.int64)
+    starts = _starts(spec.partition, spec.n, world)
+    return np.append(starts, spec.n)
+
+
+def order(spec: Spec, epoch: int, positions: np.ndarray, base_world: int = 0) -> np.ndarray:
+    """Maps positions of `epoch`'s order to dataset indices.
+
+    Args:
+        spec: The job's spec.
+        epoch: Epoch number, >= 0.
+        positions: Integer array of positions, each in [0, spec.n).
+        base_world: For ``scope="rank"``, the world size the epoch was split for.
+
+    Returns:
+        int64 array of dataset indices, same shape as `positions`.
+    """
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size == 0:
+        return np.zeros(pos.shape, dtype=np.int64)
+    return PERMUTATIONS[spec.permutation](spec, epoch, pos, part_bounds(spec, base_world))
+
+
+# --------------------------------------------------------------------------- tails and partitions
+
+
+def total(spec: Spec, left: int, world: int) -> int:
+    """T: how many virtual positions the tail policy makes of `left` remaining ones for `world` ranks."""
+    if spec.tail == "drop":
+        return left // world * world
+    if spec.tail == "uneven":
+        return left
+    return -(-left // world) * world  # pad, pad_last: up to the next multiple of world
+
+
+def _starts(partition: str, t: int, world: int) -> np.ndarray:
+    r = np.arange(world, dtype=np.int64)
+    if partition == "chunked":
+        c = -(-t // world)
+        return np.minimum(r * c, t)
+    if partition == "contiguous":
+        q, m = divmod(t, world)
+        return r * q + np.minimum(r, m)
+    raise ValueError(f"partition {partition!r} has no contiguous parts")
+
+
+def counts(spec: Spec, t: int, world: int) -> np.ndarray:
+    """How many virtual positions each rank gets out of [0, t); shape (world,)."""
+    r = np.arange(world, dtype=np.int64)
+    if spec.partition == "strided":
+        q, m = divmod(t, world)
+        return q + (r < m)
+    if spec.partition == "chunked":
+        c = -(-t // world)
+        return np.clip(t - r * c, 0, c)
+    q, m = divmod(t, world)
+    return q + (r < m)
+
+
+def batch_counts(spec: Spec, n_r: np.ndarray) -> np.ndarray:
+    """How many batches each rank gets from its n_r positions; shape (world,)."""
+    b = spec.batch_size
+    nb = n_r // b if spec.drop_last_batch else -(-n_r // b)
+    if spec.even_batches:
+        nb = np.full_like(nb, nb.min())
+    return nb
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one epoch's remainder is dealt to `world` ranks. Cheap to make: O(world)."""
+
+    spec: Spec
+    cursor: Cursor
+    world: int
+    left: int  # R
+    t: int  # T
+    n_r: np.ndarray  # (world,) positions per rank
+    nb_r: np.ndarray  # (world,) batches per rank
+    cum: np.ndarray  # (k + 1,) cumulative lengths of cursor.remaining
+    starts: np.ndarray  # (k,) interval starts
+
+    def virtual(self, rank: int, local: np.ndarray) -> np.ndarray:
+        """Virtual positions of rank's local positions `local`."""
+        if self.spec.partition == "strided":
+            return rank + local * self.world
+        return _starts(self.spec.partition, self.t, self.world)[rank] + local
+
+    def positions(self, v: np.ndarray) -> np.ndarray:
+        """Order positions of virtual positions `v` (padding mapped by the tail policy)."""
+        real = v < self.left
+        k = np.searchsorted(self.cum, v, side="right") - 1  # (len,) interval of each v
+        k = np.minimum(k, len(self.starts) - 1)
+        pos = self.starts[k] + (v - self.cum[k])
+        if not real.all():
+            if self.spec.tail == "pad_last":
+                pad = np.full(v.shape, self.spec.n - 1, dtype=np.int64)
+            else:  # pad: repeat from the start of the epoch's order, as torch does
+                pad = (v - self.left) % self.spec.n
+            pos = np.where(real, pos, pad)
+        return pos
+
+    def batch_positions(self, rank: int, j: int) -> np.ndarray | None:
+        """Order positions of batch j of `rank`, or None when the rank has no batch j."""
+        if j >= self.nb_r[rank]:
+            return None
+        b = self.spec.batch_size
+        local = np.arange(j * b, min((j + 1) * b, int(self.n_r[rank])), dtype=np.int64)
+        return self.positions(self.virtual(rank, local))
+
+    def batch_indices(self, rank: int, j: int) -> np.ndarray | None:
+        """Dataset indices of batch j of `rank`, or None when the rank has no batch j."""
+        pos = self.batch_positions(rank, j)
+        if pos is None:
+            return None
+        return order(self.spec, self.cursor.epoch, pos, self.cursor.base_world)
+
+    def samples(self, rank: int) -> int:
+        """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""
+        return int(min(int(self.nb_r[rank]) * self.spec.batch_size, int(self.n_r[rank])))
+
+    def done(self, j: int) -> bool:
+        """True when every rank has had all its batches once each has had j."""
+        return bool(j >= self.nb_r.max(initial=0))
+
+    def advance(self, j: int) -> Cursor:
+        """The cursor once every rank has consumed min(j, its batch count) batches.
+
+        NOTE: this is what makes the cursor topology-free: ranks of a lockstep job consume the
+        same number of batches, so their common progress is one set of positions, and any new
+        world size can deal out what is left.
+        """
+        if j <= 0:
+            return self.cursor
+        if self.done(j):
+            return fresh(self.spec, self.cursor.epoch + 1)
+        b = self.spec.batch_size
+        consumed = np.minimum(np.minimum(j, self.nb_r) * b, self.n_r)  # (world,) local items eaten
+        vleft = self._virtual_left(consumed)
+        return dataclasses.replace(self.cursor, remaining=self._map(vleft))
+
+    def _virtual_left(self, consumed: np.ndarray) -> list[Interval]:
+        """Virtual intervals inside [0, R) that no rank has consumed."""
+        w, r_left = self.world, self.left
+        if self.spec.partition != "strided":
+            st = _starts(self.spec.partition, self.t, w)
+            out = []
+            for s, c, n in zip(st.tolist(), consumed.tolist(), self.n_r.tolist()):
+                a, e = s + c, min(s + n, r_left)
+                if a < e:
+                    out.append((a, e))
+            return out
+        lo, hi = int(consumed.min()), int(consumed.max())
+        # Rows below lo are consumed by every rank; rows from hi on by none. Only the rows in
+        # between (at most batch_size + 1 of them, at the end of an epoch) need a closer look.
+        v = np.arange(lo * w, min(hi * w, r_left), dtype=np.int64)
+        keep = v // w >= consumed[v % w]
+        out = _runs(v[keep])
+        if hi * w < r_left:
+            out.append((hi * w, r_left))
+        return _merge(out)
+
+    def _map(self, vints: list[Interval]) -> tuple[Interval, ...]:
+        """Order-position intervals of virtual intervals (which lie inside [0, R))."""
+        out: list[Interval] = []
+        cum = self.cum.tolist()
+        starts = self.starts.tolist()
+        for a, e in vints:
+            k = int(np.searchsorted(self.cum, a, side="right")) - 1
+            while a < e:
+                seg_end = min(e, cum[k + 1])
+                out.append((starts[k] + a - cum[k], starts[k] + seg_end - cum[k]))
+                a = seg_end
+                k += 1
+        return tuple(_merge(out))
+
+
+def plan(spec: Spec, cursor: Cursor, world: int) -> Plan:
+    """How `cursor`'s remainder is dealt to `world` ranks."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1 (got world={world})")
+    left = cursor.left
+    t = total(spec, left, world)
+    n_r = counts(spec, t, world)
+    lengths = np.array([b - a for a, b in cursor.remaining], dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    starts = np.array([a for a, _ in cursor.remaining], dtype=np.int64)
+    return Plan(spec, cursor, world, left, t, n_r, batch_counts(spec, n_r), cum, starts)
+
+
+def _runs(v: np.ndarray) -> list[Interval]:
+    """Sorted int array -> list of maximal [a, b) runs of consecutive values."""
+    if v.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(v) != 1)
+    starts = np.concatenate([[v[0]], v[breaks + 1]])
+    ends = np.concatenate([v[breaks], [v[-1]]]) + 1
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def _merge(ints: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for a, b in sorted(ints):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

@@ -1,0 +1,101 @@
+"""Epoch orders: pure maps from positions in [0, n) to dataset indices, one per permutation kind."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from croupier.server import _feistel
+from croupier.server._spec import Spec
+
+# A permutation maps (spec, epoch, positions, windows) -> indices. `windows` is the list of
+# window boundaries the shuffle must stay inside: [0, n] for a global shuffle, or the
+# rank parts' boundaries for scope="rank" (split first, then shuffle each part).
+Permutation = Callable[[Spec, int, np.ndarray, np.ndarray], np.ndarray]
+
+
+def _identity(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    return positions.astype(np.int64, copy=True)
+
+
+@functools.lru_cache(maxsize=2)
+def _torch_randperm(n: int, seed: int) -> np.ndarray:
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return torch.randperm(n, generator=g).numpy()
+
+
+def _torch(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    # NOTE: bit-exact with torch's DistributedSampler, which seeds with seed + epoch. This is
+    # the one order that is not random access: the whole randperm is built (and cached).
+    return _torch_randperm(spec.n, spec.seed + epoch)[positions]
+
+
+def _windowed(spec: Spec, positions: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each position: its part number, and the start and size of its shuffle window."""
+    part = np.searchsorted(bounds, positions, side="right") - 1  # (len,)
+    part_start = bounds[part]
+    part_end = bounds[part + 1]
+    buf = spec.buffer_size
+    if buf is None or spec.permutation == "feistel":
+        return part, part_start, part_end - part_start
+    w_start = part_start + (positions - part_start) // buf * buf
+    w_size = np.minimum(w_start + buf, part_end) - w_start
+    return part, w_start, w_size
+
+
+def _keyed_shuffle(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    part, w_start, w_size = _windowed(spec, positions, bounds)
+    out = np.empty(positions.shape, dtype=np.int64)
+    # Group by window: a batch touches one or two windows, a whole epoch a few hundred.
+    starts, inverse = np.unique(w_start, return_inverse=True)
+    for k, start in enumerate(starts):
+        sel = inverse == k
+        size = int(w_size[sel][0])
+        key = _feistel.derive_key(spec.seed, epoch, int(part[sel][0]), int(start))
+        out[sel] = start + _feistel.permute(positions[sel] - start, size, _feistel.round_keys(key))
+    return out
+
+
+def _feistel_global(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    if len(bounds) == 2:  # one window: the fast path, no grouping
+        key = _feistel.derive_key(spec.seed, epoch, 0, 0)
+        return _feistel.permute(positions, spec.n, _feistel.round_keys(key))
+    return _keyed_shuffle(spec, epoch, positions, bounds)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_window(spec: Spec, epoch: int, start: int) -> np.ndarray:
+    """d9d's five steps for the window starting at `start`, seeded by (seed, epoch, window)."""
+    assert spec.buffer_size is not None and spec.pack_size is not None  # checked by Spec
+    end = min(start + spec.buffer_size, spec.n)
+    keys = spec.sort_keys[start:end]
+    local = np.argsort(keys, kind="stable")  # sorted by key, ties by index (Python's sorted)
+    packs = [local[i : i + spec.pack_size] for i in range(0, len(local), spec.pack_size)]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([spec.seed, epoch, start // spec.buffer_size])))
+    order = rng.permutation(len(packs))
+    return start + np.concatenate([packs[i] for i in order]).astype(np.int64)
+
+
+def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    assert spec.buffer_size is not None
+    buf = spec.buffer_size
+    out = np.empty(positions.shape, dtype=np.int64)
+    w_start = positions // buf * buf
+    for start in np.unique(w_start):
+        sel = w_start == start
+        out[sel] = _bucket_window(spec, epoch, int(start))[positions[sel] - start]
+    return out
+
+
+PERMUTATIONS: dict[str, Permutation] = {
+    "none": _identity,
+    "torch": _torch,
+    "feistel": _feistel_global,
+    "window": _keyed_shuffle,
+    "bucket": _bucket,
+}

@@ -1,0 +1,170 @@
+"""A job's spec: every setting that decides which indices a rank receives, and in what order."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+PERMUTATIONS = ("none", "torch", "feistel", "window", "bucket")
+PARTITIONS = ("strided", "chunked", "contiguous")
+TAILS = ("pad", "drop", "uneven", "pad_last")
+SCOPES = ("global", "rank")
+
+#: Largest dataset size the engine accepts (positions are int64; the Feistel domain is < 2**63).
+MAX_N = 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What a job's data order is made of. Every rank of a job MUST send the same spec.
+
+    Attributes:
+        n: Dataset size N; indices are drawn from [0, n).
+        seed: Shuffle seed, in [0, 2**63).
+        permutation: How an epoch's order is laid out over positions [0, n):
+            ``none`` (identity), ``torch`` (``torch.randperm`` seeded with ``seed + epoch``,
+            bit-exact with torch's ``DistributedSampler``), ``feistel`` (a keyed stateless
+            bijection, O(1) memory and random access), ``window`` (shuffle within windows of
+            ``buffer_size`` consecutive positions, DGL's buffer), ``bucket`` (d9d's length
+            bucketing: sort each window of ``buffer_size`` by ``lengths``, cut into packs of
+            ``pack_size``, shuffle the packs).
+        partition: How positions are dealt to ranks: ``strided`` (round-robin: torch, spdl,
+            d9d ``sequential``), ``chunked`` (d9d ``chunked``: contiguous blocks of
+            ``ceil(T / W)``), ``contiguous`` (DGL's split: contiguous blocks whose sizes differ
+            by at most one).
+        tail: What happens when the epoch's remainder R does not divide by the world size W:
+            ``pad`` (torch ``drop_last=False``: repeat from the start of the order up to
+            ``ceil(R / W) * W``), ``drop`` (torch ``drop_last=True``, spdl
+            ``ddp_drop_last_distributed_round=True``: keep ``floor(R / W) * W``), ``uneven``
+            (spdl ``False``: keep all R, ranks differ by at most one), ``pad_last`` (d9d
+            ``pad_to_equal_size_across_shards``: repeat the order's last element up to
+            ``ceil(R / W) * W``).
+        scope: ``global`` shuffles the whole epoch; ``rank`` splits first and shuffles within
+            each rank's part (DGL ``DistributedItemSampler``), which needs a contiguous
+            partition.
+        buffer_size: Window size for ``window`` and ``bucket``; ``None`` means one window.
+        pack_size: Pack size for ``bucket``.
+        batch_size: Indices per batch of one rank.
+        drop_last_batch: Drop a rank's last batch of an epoch when it is incomplete.
+        even_batches: Give every rank the same number of batches, the smallest any rank has
+            (DGL ``drop_uneven_inputs``).
+        lengths: Per-sample sort keys for ``bucket`` as little-endian int64 bytes (see
+            :meth:`with_lengths`); when given, ``n`` is their count.
+    """
+
+    n: int
+    seed: int = 0
+    permutation: str = "feistel"
+    partition: str = "strided"
+    tail: str = "pad"
+    scope: str = "global"
+    buffer_size: int | None = None
+    pack_size: int | None = None
+    batch_size: int = 1
+    drop_last_batch: bool = False
+    even_batches: bool = False
+    lengths: bytes | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def with_lengths(cls, lengths: Any, **kwargs: Any) -> Spec:
+        """Builds a ``bucket`` spec from per-sample sort keys (any int sequence or array)."""
+        arr = np.asarray(lengths)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"lengths must be a 1-D sequence of ints (got dtype={arr.dtype}, ndim={arr.ndim})")
+        kwargs.setdefault("permutation", "bucket")
+        return cls(n=int(arr.size), lengths=arr.astype("<i8").tobytes(), **kwargs)
+
+    @property
+    def sort_keys(self) -> np.ndarray:
+        """The per-sample sort keys as an int64 array (empty when none were given)."""
+        if self.lengths is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.frombuffer(self.lengths, dtype="<i8")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of the spec (``lengths`` stays bytes), for msgpack and for errors."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Spec:
+        """Inverse of :meth:`to_dict`; unknown keys are refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown spec fields {unknown} (known: {sorted(names)})")
+        return cls(**dict(data))
+
+    def describe(self) -> str:
+        """A short, readable rendering for error messages (lengths shown by count and digest)."""
+        d = self.to_dict()
+        if self.lengths is not None:
+            d["lengths"] = f"<{self.n} keys, sha256 {hashlib.sha256(self.lengths).hexdigest()[:12]}>"
+        return ", ".join(f"{k}={v!r}" for k, v in d.items())
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable digest of the spec: same settings, same fingerprint, on any machine."""
+        d = self.to_dict()
+        d["lengths"] = None if self.lengths is None else hashlib.sha256(self.lengths).hexdigest()
+        blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int (got {name}={value!r})")
+    if value < lo or (hi is not None and value >= hi):
+        bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {bound} (got {name}={value})")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)} (got {name}={value!r})")
+
+
+def _validate(s: Spec) -> None:
+    _check_int("n", s.n, 1, MAX_N + 1)
+    _check_int("seed", s.seed, 0, 2**63)
+    _check_choice("permutation", s.permutation, PERMUTATIONS)
+    _check_choice("partition", s.partition, PARTITIONS)
+    _check_choice("tail", s.tail, TAILS)
+    _check_choice("scope", s.scope, SCOPES)
+    _check_int("batch_size", s.batch_size, 1, 2**31)
+    for name in ("drop_last_batch", "even_batches"):
+        if not isinstance(getattr(s, name), bool):
+            raise TypeError(f"{name} must be a bool (got {name}={getattr(s, name)!r})")
+    if s.buffer_size is not None:
+        _check_int("buffer_size", s.buffer_size, 1)
+    if s.pack_size is not None:
+        _check_int("pack_size", s.pack_size, 1)
+    if s.permutation == "bucket":
+        if s.lengths is None or s.pack_size is None or s.buffer_size is None:
+            raise ValueError(
+                "permutation='bucket' needs lengths, buffer_size and pack_size "
+                f"(got lengths={'set' if s.lengths is not None else None}, "
+                f"buffer_size={s.buffer_size}, pack_size={s.pack_size})"
+            )
+    if s.lengths is not None:
+        if not isinstance(s.lengths, bytes) or len(s.lengths) != 8 * s.n:
+            raise ValueError(
+                f"lengths must be {s.n} little-endian int64 values, i.e. {8 * s.n} bytes "
+                f"(got {len(s.lengths) if isinstance(s.lengths, bytes) else type(s.lengths).__name__})"
+            )
+        if s.permutation != "bucket":
+            raise ValueError(f"lengths are only used by permutation='bucket' (got permutation={s.permutation!r})")
+    if s.scope == "rank":
+        if s.partition == "strided":
+            raise ValueError("scope='rank' (split first, then shuffle each part) needs partition "
+                             "'chunked' or 'contiguous' (got partition='strided')")
+        if s.permutation not in ("feistel", "window", "none"):
+            raise ValueError(f"scope='rank' supports permutation 'feistel', 'window' or 'none' "
+                             f"(got permutation={s.permutation!r})")
