@@ -243,7 +243,9 @@ class Plan:
                 a, e = s + c, min(s + n, r_left)
                 if a < e:
                     out.append((a, e))
-            return out
+            if self.t < r_left:  # tail "drop": [T, R) was dealt to no rank and is not consumed
+                out.append((self.t, r_left))
+            return _merge(out)
         lo, hi = int(consumed.min()), int(consumed.max())
         # Rows below lo are consumed by every rank; rows from hi on by none. Only the rows in
         # between (at most batch_size + 1 of them, at the end of an epoch) need a closer look.

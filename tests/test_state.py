@@ -1,0 +1,214 @@
+"""Unit tests of the state machine: validation, fencing, idempotency, epochs (G5), snapshots, checkpoint states."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from croupier.server._checkpoint import from_state, to_state
+from croupier.server._errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from croupier.server._order import Cursor, fresh
+from croupier.server._spec import Spec
+from croupier.server._state import JoinRequest, State, decode_event, encode_event
+
+SPEC = Spec(n=100, seed=1, batch_size=4)
+
+
+def commit(s: State, req: JoinRequest) -> list:
+    evs = s.decide_join(req)
+    for ev in evs:
+        s.apply(decode_event(msgpack.unpackb(msgpack.packb(encode_event(ev)))))
+    return evs
+
+
+def started(world: int = 2, token: str = "a", resume: Cursor | None = None, epoch: int | None = None) -> State:
+    s = State()
+    for r in range(world):
+        commit(s, JoinRequest("j", SPEC, token, world, r, resume, epoch))
+    return s
+
+
+def frozen(s: State) -> bytes:
+    return msgpack.packb(s.snapshot())
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"job": ""}, "job name"),
+        ({"job": "x" * 300}, "job name"),
+        ({"rank": 2}, "rank must be in [0, 2)"),
+        ({"rank": -1}, "rank"),
+        ({"world": 0, "rank": 0}, "world must be"),
+        ({"token": ""}, "token"),
+        ({"epoch": -3}, "epoch"),
+        ({"resume": Cursor(0, ((50, 200),))}, "inside [0, 100)"),
+        ({"resume": Cursor(0, ((10, 5),))}, "sorted"),
+    ],
+)
+def test_bad_join_is_refused_and_changes_nothing(kwargs: dict, words: str) -> None:
+    s = started()
+    before = frozen(s)
+    base = dict(job="j", spec=SPEC, token="b", world=2, rank=0)
+    base.update(kwargs)
+    with pytest.raises(InvalidArgument, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        s.decide_join(JoinRequest(**base))
+    assert frozen(s) == before
+
+
+def test_other_spec_is_refused_showing_both() -> None:
+    s = started()
+    other = Spec(n=100, seed=2, batch_size=4)
+    with pytest.raises(FailedPrecondition) as e:
+        s.decide_join(JoinRequest("j", other, "a", 2, 0))
+    assert "seed=1" in str(e.value) and "seed=2" in str(e.value)
+
+
+def test_world_mismatch_in_a_generation() -> None:
+    s = State()
+    commit(s, JoinRequest("j", SPEC, "a", 2, 0))
+    with pytest.raises(FailedPrecondition, match="world size 2"):
+        s.decide_join(JoinRequest("j", SPEC, "a", 3, 1))
+
+
+def test_generation_waits_for_every_rank() -> None:
+    s = State()
+    commit(s, JoinRequest("j", SPEC, "a", 3, 2))
+    commit(s, JoinRequest("j", SPEC, "a", 3, 0))
+    assert s.join_result("j", 0).waiting_for == (1,)
+    with pytest.raises(FailedPrecondition, match=r"waiting for ranks \[1\]"):
+        s.serve("j", 1, 0, 0, 0)
+    commit(s, JoinRequest("j", SPEC, "a", 3, 1))
+    assert s.join_result("j", 1).start == fresh(SPEC, 0)
+    assert s.serve("j", 1, 0, 0, 0) is not None
+
+
+def test_join_is_idempotent_and_serving_is_deterministic() -> None:
+    s = started()
+    assert s.decide_join(JoinRequest("j", SPEC, "a", 2, 1)) == []
+    a = s.serve("j", 1, 1, 0, 3)
+    b = s.serve("j", 1, 1, 0, 3)
+    assert a is not None and b is not None and a.tolist() == b.tolist()
+
+
+def test_fencing_old_generation() -> None:
+    s = started(token="a")
+    commit(s, JoinRequest("j", SPEC, "b", 3, 0))
+    before = frozen(s)
+    with pytest.raises(Aborted, match="replaced by generation 2"):
+        s.serve("j", 1, 0, 0, 0)
+    with pytest.raises(Aborted, match="older generation"):
+        s.decide_join(JoinRequest("j", SPEC, "a", 2, 1))
+    with pytest.raises(NotFound):
+        s.serve("j", 7, 0, 0, 0)
+    with pytest.raises(NotFound, match="not known"):
+        s.serve("nope", 1, 0, 0, 0)
+    assert frozen(s) == before
+
+
+def test_ranks_must_resume_from_the_same_checkpoint() -> None:
+    s = State()
+    commit(s, JoinRequest("j", SPEC, "a", 3, 0, Cursor(0, ((40, 100),))))
+    commit(s, JoinRequest("j", SPEC, "a", 3, 2, None))  # a scale-up rank: no state
+    before = frozen(s)
+    with pytest.raises(FailedPrecondition, match="same checkpoint"):
+        s.decide_join(JoinRequest("j", SPEC, "a", 3, 1, Cursor(0, ((44, 100),))))
+    assert frozen(s) == before
+    commit(s, JoinRequest("j", SPEC, "a", 3, 1, Cursor(0, ((40, 100),))))
+    assert s.join_result("j", 2).start == Cursor(0, ((40, 100),))
+
+
+def test_epochs_advance_by_themselves() -> None:
+    s = started(world=1)
+    p0 = s.plan("j", 1, 0)
+    p1 = s.plan("j", 1, 1)
+    assert p0 is not None and p1 is not None
+    e0 = [i for j in range(25) for i in p0.batch_indices(0, j).tolist()]  # type: ignore[union-attr]
+    e1 = [i for j in range(25) for i in p1.batch_indices(0, j).tolist()]  # type: ignore[union-attr]
+    assert sorted(e0) == sorted(e1) == list(range(100)) and e0 != e1
+
+
+def test_set_epoch_on_a_fresh_job_starts_there() -> None:
+    s = started(epoch=5)
+    assert s.join_result("j", 0).start == fresh(SPEC, 5)
+    assert s.serve("j", 1, 0, 4, 0) is None  # the epoch before a fresh start counts as complete
+    with pytest.raises(OutOfRange, match="epoch 3 is before"):
+        s.serve("j", 1, 0, 3, 0)
+
+
+def test_set_epoch_must_agree_with_the_checkpoint() -> None:
+    mid = Cursor(3, ((40, 100),))
+    s = State()
+    commit(s, JoinRequest("j", SPEC, "a", 2, 0, mid, 3))
+    with pytest.raises(FailedPrecondition, match=r"set_epoch\(7\)"):
+        s.decide_join(JoinRequest("j", SPEC, "a", 2, 1, None, 7))
+    commit(s, JoinRequest("j", SPEC, "a", 2, 1, None, 3))
+    # A finished epoch: the checkpoint is epoch 4's fresh start; set_epoch(3) gets no batches.
+    s2 = started(resume=fresh(SPEC, 4), epoch=3)
+    assert s2.serve("j", 1, 0, 3, 0) is None
+    assert s2.serve("j", 1, 0, 4, 0) is not None
+    with pytest.raises(OutOfRange):
+        s2.serve("j", 1, 0, 2, 0)
+
+
+def test_snapshot_and_journal_rebuild_the_same_state() -> None:
+    s = State()
+    journal = []
+    for tok, world in (("a", 2), ("b", 3), ("c", 1)):
+        for r in range(world):
+            for ev in s.decide_join(JoinRequest("j", SPEC, tok, world, r, Cursor(1, ((10, 100),)) if tok == "c" else None)):
+                journal.append(msgpack.packb(encode_event(ev)))
+                s.apply(ev)
+        if tok == "a":
+            snap, upto = msgpack.packb(s.snapshot()), len(journal)
+    restored = State.restore(msgpack.unpackb(snap), [decode_event(msgpack.unpackb(b)) for b in journal[upto:]])
+    assert restored.snapshot() == s.snapshot()
+    replayed = State.restore(None, [decode_event(msgpack.unpackb(b)) for b in journal])
+    assert replayed.snapshot() == s.snapshot()
+    assert restored.serve("j", 3, 0, 1, 2).tolist() == s.serve("j", 3, 0, 1, 2).tolist()  # type: ignore[union-attr]
+
+
+def test_checkpoint_state_round_trip_and_refusals() -> None:
+    cur = Cursor(2, ((5, 9), (20, 100)))
+    st = to_state("j", SPEC, cur)
+    assert from_state("j", SPEC, st) == cur
+    assert from_state("j", SPEC, {}) is None
+    with pytest.raises(FailedPrecondition, match="from job 'j', not from this job 'k'"):
+        from_state("k", SPEC, st)
+    other = Spec(n=100, seed=9, batch_size=4)
+    with pytest.raises(FailedPrecondition) as e:
+        from_state("j", other, st)
+    assert SPEC.fingerprint in str(e.value) and other.fingerprint in str(e.value)
+    with pytest.raises(InvalidArgument, match="missing keys"):
+        from_state("j", SPEC, {"version": 1})
+    with pytest.raises(InvalidArgument, match="malformed"):
+        from_state("j", SPEC, {**st, "remaining": [[5, 200]]})
+    with pytest.raises(FailedPrecondition, match="version 99"):
+        from_state("j", SPEC, {**st, "version": 99})
+
+
+def test_checkpoint_is_topology_free() -> None:
+    """All ranks' states agree, and a strided job's state is one interval whatever the world."""
+    s = started(world=4)
+    st = s.checkpoint("j", 1, 0, 3)
+    assert st["remaining"] == [[3 * 4 * 4, 100]]
+    assert len(msgpack.packb(st)) < 200
+
+
+def test_scope_rank_layout_is_kept_across_a_resize() -> None:
+    spec = Spec(n=40, partition="contiguous", scope="rank", permutation="feistel", tail="uneven", batch_size=2)
+    s = State()
+    for r in range(4):
+        commit(s, JoinRequest("d", spec, "a", 4, r))
+    assert s.join_result("d", 0).start.base_world == 4  # type: ignore[union-attr]
+    st = s.checkpoint("d", 1, 0, 2)
+    assert st["base_world"] == 4
+    part0 = set(s.plan("d", 1, 0).batch_indices(0, 0).tolist())  # type: ignore[union-attr]
+    assert part0 <= set(range(10))  # split first, then shuffled within rank 0's part
+    s2 = State()
+    for r in range(2):
+        commit(s2, JoinRequest("d", spec, "b", 2, r, from_state("d", spec, st)))
+    p = s2.plan("d", 1, 0)
+    got = [i for r in range(2) for j in range(10) if (b := p.batch_indices(r, j)) is not None for i in b.tolist()]  # type: ignore[union-attr]
+    first = [i for r in range(4) for j in range(2) for i in s.plan("d", 1, 0).batch_indices(r, j).tolist()]  # type: ignore[union-attr]
+    assert sorted(got + first) == list(range(40))
