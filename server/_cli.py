@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from croupier.server._order import fresh, plan
 from croupier.server._spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
+from croupier.server._store import StoreError
 
 
 def _order_cmd(args: argparse.Namespace) -> int:
@@ -34,10 +36,27 @@ def _order_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_cmd(args: argparse.Namespace) -> int:
+    from croupier.server._service import serve
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return serve(args.host, args.port, args.store, grace=args.grace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `croupier` command."""
     parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run a coordinator (first line on stdout: 'listening on HOST:PORT')")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
+    s.add_argument("--store", default="sqlite:///croupier.db",
+                   help="memory:// or sqlite:///relative.db or sqlite:////absolute.db (default sqlite:///croupier.db)")
+    s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM (default 5)")
+    s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
+    s.set_defaults(func=_serve_cmd)
 
     o = sub.add_parser("order", help="print the first batches one rank gets in one epoch")
     o.add_argument("--n", type=int, required=True, help="dataset size")
@@ -59,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError, StoreError) as e:
         print(f"croupier: error: {e}", file=sys.stderr)
         return 2
 

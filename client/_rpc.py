@@ -1,0 +1,126 @@
+"""A typed client of the coordinator's API v1: retries while it is unavailable, domain errors otherwise."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from croupier.server import _errors as E
+from croupier.server._order import Cursor
+from croupier.server._spec import Spec
+from croupier.server._state import JoinRequest, JoinResult
+from croupier.server._wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_batches
+from croupier.v1 import coordinator_pb2 as pb
+from croupier.v1 import coordinator_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+#: Status codes back to the domain errors (the inverse of the server's table).
+ERRORS: dict[grpc.StatusCode, type[E.CroupierError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: E.InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: E.NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: E.FailedPrecondition,
+    grpc.StatusCode.ABORTED: E.Aborted,
+    grpc.StatusCode.OUT_OF_RANGE: E.OutOfRange,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: E.ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: E.Unavailable,
+}
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class LeaseReply:
+    """Batches of one lease, decoded."""
+
+    __slots__ = ("batches", "end_of_epoch", "epoch_samples")
+
+    def __init__(self, batches: list[np.ndarray], end_of_epoch: bool, epoch_samples: int) -> None:
+        self.batches = batches
+        self.end_of_epoch = end_of_epoch
+        self.epoch_samples = epoch_samples
+
+
+class CoordinatorClient:
+    """Calls one coordinator. Retries UNAVAILABLE (e.g. while it restarts) with jittered backoff.
+
+    Args:
+        address: HOST:PORT of the coordinator.
+        retry_for: Seconds to keep retrying an unavailable coordinator before giving up.
+        call_timeout: Deadline of one attempt, in seconds.
+    """
+
+    def __init__(self, address: str, retry_for: float = 120.0, call_timeout: float = 30.0) -> None:
+        self.address = address
+        self.retry_for = retry_for
+        self.call_timeout = call_timeout
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.retries = 0
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.02
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code()
+                if code in RETRYABLE and time.monotonic() < deadline:
+                    self.retries += 1
+                    time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
+                    delay = min(delay * 2, 1.0)
+                    continue
+                kind = ERRORS.get(code)
+                details = e.details() or ""
+                if kind is None:
+                    raise RuntimeError(f"coordinator at {self.address}: {what} failed with {code.name}: {details}") from None
+                raise kind(f"coordinator at {self.address}: {details}") from None
+
+    def join(self, req: JoinRequest, wait_s: float = 10.0, request_id: str | None = None) -> JoinResult:
+        """Joins `req.rank` to its generation; waits up to `wait_s` for the generation to start."""
+        m = pb.JoinRequest(request_id=request_id or uuid.uuid4().hex, job=req.job, spec=spec_to_proto(req.spec),
+                           token=req.token, world=req.world, rank=req.rank, wait_ms=int(wait_s * 1000))
+        if req.resume is not None:
+            m.resume.CopyFrom(cursor_to_proto(req.resume))
+        if req.epoch is not None:
+            m.epoch = req.epoch
+        r = self._call("join", lambda: self.stub.Join(m, timeout=self.call_timeout + wait_s))
+        return JoinResult(r.generation, r.world, cursor_from_proto(r.start) if r.started else None, tuple(r.waiting_for))
+
+    def join_started(self, req: JoinRequest, timeout: float = 600.0) -> JoinResult:
+        """Joins and keeps waiting (long polls, no busy loop) until every rank has joined."""
+        request_id = uuid.uuid4().hex
+        end = time.monotonic() + timeout
+        while True:
+            r = self.join(req, wait_s=min(10.0, max(0.0, end - time.monotonic())), request_id=request_id)
+            if r.start is not None:
+                return r
+            if time.monotonic() >= end:
+                raise TimeoutError(
+                    f"generation {r.generation} of job {req.job!r} still waits for ranks {list(r.waiting_for)} "
+                    f"after {timeout:.0f} s"
+                )
+
+    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> LeaseReply:
+        m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
+        r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout))
+        return LeaseReply(unpack_batches(r.indices, list(r.sizes), r.itemsize), r.end_of_epoch, r.epoch_samples)
+
+    def get_job(self, job: str) -> tuple[Spec, JoinResult]:
+        r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))
+        start: Cursor | None = cursor_from_proto(r.start) if r.started else None
+        return spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for))
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,202 @@
+"""The coordinator core: the state machine behind a journal — decide, journal, apply, reply."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+import msgpack
+import numpy as np
+
+from croupier.server._errors import InvalidArgument, ResourceExhausted, Unavailable
+from croupier.server._spec import Spec
+from croupier.server._state import Event, JoinRequest, JoinResult, State, _plan_for, decode_event, encode_event
+from croupier.server._store import Store, StoreError
+
+log = logging.getLogger("croupier.server")
+
+#: The most batches one lease may ask for, and the most indices it may return.
+MAX_LEASE_BATCHES = 4096
+MAX_LEASE_INDICES = 1 << 24
+#: How long a join may wait for the other ranks of its generation, at most.
+MAX_JOIN_WAIT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """Consecutive batches of one rank in one epoch."""
+
+    batches: list[np.ndarray]
+    end_of_epoch: bool
+    epoch_samples: int
+    n: int
+
+
+class Coordinator:
+    """Holds the jobs: every change is journaled to the store before anyone is answered.
+
+    Joins apply their events at once, in order, and wait until the store has made them durable
+    (a writer thread commits everything queued in one append, so concurrent joins share one
+    fsync). Leases are read-only and never touch the store. A snapshot of the whole state is
+    written every ``snapshot_every`` events so that recovery replays a short journal.
+
+    If the store fails, the coordinator stops acknowledging: every call raises Unavailable
+    until the process is restarted and recovers from what the store made durable.
+    """
+
+    def __init__(self, store: Store, snapshot_every: int = 1000) -> None:
+        self.store = store
+        self.snapshot_every = snapshot_every
+        rec = store.load()
+        snap = None if rec.snapshot is None else msgpack.unpackb(rec.snapshot)
+        self._state = State.restore(snap, [decode_event(msgpack.unpackb(p)) for _, p in rec.records])
+        self._seq = rec.last_seq
+        self._durable = self._seq
+        self._since_snapshot = len(rec.records)
+        self._pending: list[bytes] = []
+        self._snapshots: list[tuple[int, bytes]] = []
+        self._failed: str | None = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._writer = threading.Thread(target=self._write_loop, name="croupier-journal", daemon=True)
+        self._writer.start()
+        log.info("recovered %d jobs from %s (snapshot at %d, %d journal records)",
+                 len(self._state.jobs), store.url, rec.snapshot_seq, len(rec.records))
+
+    # ---------------------------------------------------------------- writes
+
+    def join(self, req: JoinRequest, wait_s: float = 0.0) -> JoinResult:
+        """Decides, journals and applies a join; answers once durable and the generation started or `wait_s` passed."""
+        if not 0 <= wait_s <= MAX_JOIN_WAIT_S:
+            raise InvalidArgument(f"join wait must be in [0, {MAX_JOIN_WAIT_S}] s (got {wait_s})")
+        with self._cond:
+            self._check_ok()
+            events = self._state.decide_join(req)
+            self._journal(events)
+            target = self._seq
+            while self._durable < target and self._failed is None:
+                self._cond.wait()
+            self._check_ok()
+            deadline = time.monotonic() + wait_s
+            result = self._state.join_result(req.job, req.rank)
+            while result.start is None and result.generation == self._generation_of(req.job):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+                self._check_ok()
+                result = self._state.join_result(req.job, req.rank)
+            if result.start is not None and self._durable < self._seq:
+                # The start we saw may be another rank's event still on its way to disk.
+                target = self._seq
+                while self._durable < target and self._failed is None:
+                    self._cond.wait()
+                self._check_ok()
+            return result
+
+    def _generation_of(self, job: str) -> int:
+        return self._state.current(job).number
+
+    def _journal(self, events: list[Event]) -> None:
+        # Under the lock: apply in order and queue for the writer, which keeps that order.
+        for ev in events:
+            self._pending.append(msgpack.packb(encode_event(ev)))
+            self._state.apply(ev)
+            self._seq += 1
+        self._since_snapshot += len(events)
+        if events and self._since_snapshot >= self.snapshot_every:
+            self._snapshots.append((self._seq, msgpack.packb(self._state.snapshot())))
+            self._since_snapshot = 0
+        if events:
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._snapshots and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._pending and not self._snapshots:
+                    return
+                batch, self._pending = self._pending, []
+                snaps, self._snapshots = self._snapshots, []
+            try:
+                last = self.store.append(batch) if batch else self._durable
+                for seq, blob in snaps:
+                    self.store.write_snapshot(seq, blob)
+            except StoreError as e:
+                log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
+                with self._cond:
+                    self._failed = f"the coordinator's store {self.store.url} failed: {e}"
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._durable = last
+                self._cond.notify_all()
+
+    def _check_ok(self) -> None:
+        if self._failed is not None:
+            raise Unavailable(f"{self._failed}; restart the coordinator to recover from what it made durable")
+
+    # ---------------------------------------------------------------- reads
+
+    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Lease:
+        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end)."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise InvalidArgument(f"lease count must be an int >= 1 (got count={count!r})")
+        if count > MAX_LEASE_BATCHES:
+            raise ResourceExhausted(f"lease count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
+        with self._cond:
+            self._check_ok()
+            gen = self._state.generation(job, generation)
+            spec = self._state.jobs[job].spec
+            start, world = gen.start, gen.world
+        assert start is not None
+        _validate_lease(world, rank, epoch, first)
+        if spec.batch_size * count > MAX_LEASE_INDICES:
+            raise ResourceExhausted(
+                f"lease of {count} batches of {spec.batch_size} is more than the {MAX_LEASE_INDICES} indices one call serves"
+            )
+        p = _plan_for(spec, start, world, epoch)
+        if p is None:
+            return Lease([], True, 0, spec.n)
+        out = []
+        for j in range(first, first + count):
+            b = p.batch_indices(rank, j)
+            if b is None:
+                break
+            out.append(b)
+        end = int(p.nb_r[rank]) <= first + len(out)
+        return Lease(out, end, p.samples(rank), spec.n)
+
+    def job(self, job: str) -> tuple[Spec, JoinResult]:
+        """The job's spec and its current generation's standing."""
+        with self._cond:
+            self._check_ok()
+            gen = self._state.current(job)
+            return self._state.jobs[job].spec, JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
+
+    def snapshot_state(self) -> bytes:
+        """The whole state, msgpack-encoded (for tests that check a call changed nothing)."""
+        with self._cond:
+            return bytes(msgpack.packb(self._state.snapshot()))
+
+    @property
+    def failed(self) -> str | None:
+        """Why the coordinator stopped acknowledging, or None."""
+        return self._failed
+
+    def close(self) -> None:
+        """Flushes what is queued, stops the writer and closes the store."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._writer.join()
+        self.store.close()
+
+
+def _validate_lease(world: int, rank: int, epoch: int, first: int) -> None:
+    for name, value, hi in (("rank", rank, world), ("epoch", epoch, 2**62), ("first batch", first, 2**62)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < hi:
+            raise InvalidArgument(f"{name} must be in [0, {hi}) (got {value!r})")

@@ -1,0 +1,101 @@
+"""Conversions between the domain types and API v1 messages, and the channel settings both ends share."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from croupier.server._errors import InvalidArgument
+from croupier.server._order import Cursor
+from croupier.server._spec import Spec
+from croupier.v1 import coordinator_pb2 as pb
+
+SERVICE = "croupier.v1.Coordinator"
+MAX_MESSAGE_BYTES = 256 << 20
+
+# Keepalive: the client pings an idle connection every 30 s and gives up after 10 s without an
+# answer; the server allows pings that often, with or without calls in flight.
+KEEPALIVE_TIME_MS = 30_000
+KEEPALIVE_TIMEOUT_MS = 10_000
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.so_reuseport", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def spec_to_proto(s: Spec) -> pb.Spec:
+    m = pb.Spec(
+        n=s.n, seed=s.seed, permutation=s.permutation, partition=s.partition, tail=s.tail, scope=s.scope,
+        batch_size=s.batch_size, drop_last_batch=s.drop_last_batch, even_batches=s.even_batches,
+    )
+    if s.buffer_size is not None:
+        m.buffer_size = s.buffer_size
+    if s.pack_size is not None:
+        m.pack_size = s.pack_size
+    if s.lengths is not None:
+        m.lengths = s.lengths
+    return m
+
+
+def spec_from_proto(m: pb.Spec) -> Spec:
+    """The Spec a message describes; InvalidArgument (naming the value) if it is not a valid one."""
+    try:
+        return Spec(
+            n=m.n, seed=m.seed, permutation=m.permutation, partition=m.partition, tail=m.tail,
+            scope=m.scope or "global",
+            buffer_size=m.buffer_size if m.HasField("buffer_size") else None,
+            pack_size=m.pack_size if m.HasField("pack_size") else None,
+            batch_size=m.batch_size, drop_last_batch=m.drop_last_batch, even_batches=m.even_batches,
+            lengths=m.lengths if m.HasField("lengths") else None,
+        )
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"invalid spec: {e}") from None
+
+
+def cursor_to_proto(c: Cursor) -> pb.Cursor:
+    flat = np.array(c.remaining, dtype="<i8").reshape(-1)  # (2k,)
+    return pb.Cursor(epoch=c.epoch, remaining=flat.tobytes(), base_world=c.base_world)
+
+
+def cursor_from_proto(m: pb.Cursor) -> Cursor:
+    if len(m.remaining) % 16:
+        raise InvalidArgument(f"cursor.remaining must be int64 pairs, a multiple of 16 bytes (got {len(m.remaining)} bytes)")
+    flat = np.frombuffer(m.remaining, dtype="<i8").reshape(-1, 2)  # (k, 2)
+    return Cursor(int(m.epoch), tuple((int(a), int(b)) for a, b in flat.tolist()), int(m.base_world))
+
+
+def itemsize_for(n: int) -> int:
+    """Bytes per index on the wire: 4 while every index fits in uint32, else 8."""
+    return 4 if n <= 2**32 else 8
+
+
+def pack_batches(batches: list[np.ndarray], n: int) -> tuple[bytes, list[int], int]:
+    """(indices laid end to end, size of each batch, itemsize)."""
+    size = itemsize_for(n)
+    if not batches:
+        return b"", [], size
+    flat = np.concatenate(batches).astype("<u4" if size == 4 else "<i8", copy=False)
+    return flat.tobytes(), [int(b.size) for b in batches], size
+
+
+def unpack_batches(data: bytes, sizes: list[int] | tuple[int, ...], itemsize: int) -> list[np.ndarray]:
+    """Inverse of :func:`pack_batches`: int64 arrays, one per batch."""
+    if itemsize not in (4, 8):
+        raise ValueError(f"itemsize must be 4 or 8 (got {itemsize})")
+    flat = np.frombuffer(data, dtype="<u4" if itemsize == 4 else "<i8").astype(np.int64)
+    if flat.size != sum(sizes):
+        raise ValueError(f"lease holds {flat.size} indices but its sizes add up to {sum(sizes)}")
+    return np.split(flat, np.cumsum(sizes)[:-1]) if sizes else []

@@ -1,0 +1,81 @@
+"""Shared fixtures: a coordinator on a real port (in-process or as a `croupier serve` process), always stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from croupier.client._rpc import CoordinatorClient
+from croupier.server._service import Server
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    """An in-process coordinator on port 0 with a SQLite store in tmp_path."""
+    s = Server(f"sqlite:///{tmp_path}/coordinator.db").start()
+    try:
+        yield s
+    finally:
+        s.stop(grace=0.5)
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[CoordinatorClient]:
+    c = CoordinatorClient(server.address, retry_for=5.0)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+class ServeProcess:
+    """`croupier serve` in a child process; the first stdout line gives its address."""
+
+    def __init__(self, store: str, port: int = 0, extra_env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(extra_env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "croupier.server._cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--store", store],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("listening on "):
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            self.proc.wait(timeout=10)
+            raise RuntimeError(f"croupier serve did not start (exit {self.proc.returncode}): {line!r} {err}")
+        self.address = line.split()[-1]
+        self.port = int(self.address.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        """kill -9."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+@pytest.fixture
+def serve_process() -> Iterator[type[ServeProcess]]:
+    """A factory of `croupier serve` processes; every one it made is killed at teardown."""
+    made: list[ServeProcess] = []
+
+    class Tracked(ServeProcess):
+        def __init__(self, *a: object, **kw: object) -> None:
+            super().__init__(*a, **kw)  # type: ignore[arg-type]
+            made.append(self)
+
+    try:
+        yield Tracked
+    finally:
+        for p in made:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait(timeout=10)
