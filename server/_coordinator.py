@@ -161,12 +161,7 @@ class Coordinator:
         p = _plan_for(spec, start, world, epoch)
         if p is None:
             return Lease([], True, 0, spec.n)
-        out = []
-        for j in range(first, first + count):
-            b = p.batch_indices(rank, j)
-            if b is None:
-                break
-            out.append(b)
+        out = p.lease(rank, first, count)
         end = int(p.nb_r[rank]) <= first + len(out)
         return Lease(out, end, p.samples(rank), spec.n)
 

@@ -209,6 +209,19 @@ class Plan:
             return None
         return order(self.spec, self.cursor.epoch, pos, self.cursor.base_world)
 
+    def lease(self, rank: int, first: int, count: int) -> list[np.ndarray]:
+        """Dataset indices of batches first .. first + count - 1 of `rank` (fewer at the epoch's end).
+
+        One vectorised pass over all the batches: the per-call cost of the order is paid once.
+        """
+        stop = min(first + count, int(self.nb_r[rank]))
+        if stop <= first:
+            return []
+        b = self.spec.batch_size
+        local = np.arange(first * b, min(stop * b, int(self.n_r[rank])), dtype=np.int64)
+        idx = order(self.spec, self.cursor.epoch, self.positions(self.virtual(rank, local)), self.cursor.base_world)
+        return np.split(idx, np.arange(b, idx.size, b))  # (stop - first) batches, the last maybe short
+
     def samples(self, rank: int) -> int:
         """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""
         return int(min(int(self.nb_r[rank]) * self.spec.batch_size, int(self.n_r[rank])))
