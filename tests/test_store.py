@@ -1,0 +1,758 @@
+"""The store contract over every backend, the sqlite store's checks and group commit, and kill -9 durability."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from croupier.server._store import (
+    SCHEMA_VERSION,
+    MemoryStore,
+    Recovered,
+    SqliteStore,
+    Store,
+    StoreCorrupt,
+    StoreUnavailable,
+    StoreVersionError,
+    open_store,
+    parse_url,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _payload(tag: int) -> bytes:
+    """A distinct payload for ``tag``, with NUL and high bytes in it."""
+    return b"\x00rec\xff" + tag.to_bytes(8, "little") + bytes(tag % 7)
+
+
+class _WaiterCountingCondition(threading.Condition):
+    """A condition that sets :attr:`all_waiting` once ``want`` distinct threads have waited on it."""
+
+    def __init__(self, want: int) -> None:
+        super().__init__(threading.Lock())
+        self.want = want
+        self.all_waiting = threading.Event()
+        self._seen: set[int] = set()
+
+    @property
+    def seen(self) -> int:
+        """How many distinct threads have waited since the last reset."""
+        return len(self._seen)
+
+    def reset(self) -> None:
+        self._seen.clear()
+        self.all_waiting.clear()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._seen.add(threading.get_ident())
+        if len(self._seen) >= self.want:
+            self.all_waiting.set()
+        return super().wait(timeout)
+
+
+class StoreContract:
+    """What every backend MUST do; a subclass per backend says how to open and reopen one.
+
+    Reopening stands for a coordinator restart: a file store is closed and opened again from
+    its URL; the memory store lives as long as its process, so it is handed back as it is.
+    """
+
+    def _open(self, tmp: Path) -> Store:
+        raise NotImplementedError
+
+    def _reopen(self, store: Store) -> Store:
+        raise NotImplementedError
+
+    @pytest.fixture(autouse=True)
+    def _close_all(self) -> Iterator[None]:
+        self._opened: list[Store] = []
+        yield
+        for s in self._opened:
+            s.close()
+
+    def open(self, tmp: Path) -> Store:
+        """Opens a new, empty store whose files (if any) go under ``tmp``; closed after the test."""
+        s = self._open(tmp)
+        self._opened.append(s)
+        return s
+
+    def reopen(self, store: Store) -> Store:
+        """What a restarted coordinator would open in place of ``store``; closed after the test."""
+        s = self._reopen(store)
+        self._opened.append(s)
+        return s
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        return self.open(tmp_path)
+
+    def test_is_a_store(self, store: Store) -> None:
+        assert isinstance(store, Store)
+        assert isinstance(store.url, str)
+
+    def test_empty_store_loads_nothing(self, store: Store) -> None:
+        assert store.load() == Recovered(None, 0, [])
+        assert self.reopen(store).load() == Recovered(None, 0, [])
+
+    def test_append_round_trips(self, store: Store) -> None:
+        assert store.append([b"first"]) == 1
+        # Other bytes-like records are taken too, and read back as bytes.
+        assert store.append([b"", b"\x00\xff" * 3, bytearray(b"ba")]) == 4  # type: ignore[list-item]
+        big = os.urandom(1 << 20)
+        assert store.append([memoryview(big)]) == 5  # type: ignore[list-item]
+        expected = [(1, b"first"), (2, b""), (3, b"\x00\xff" * 3), (4, b"ba"), (5, big)]
+        assert store.load() == Recovered(None, 0, expected)
+        store = self.reopen(store)
+        assert store.load() == Recovered(None, 0, expected)
+        assert all(type(p) is bytes for _, p in store.load().records)
+
+    def test_sequences_are_contiguous(self, store: Store) -> None:
+        rng = random.Random(0)
+        last = 0
+        for i in range(100):
+            k = rng.randint(1, 5)
+            got = store.append([_payload(i)] * k)
+            assert got == last + k
+            last = got
+        seqs = [s for s, _ in store.load().records]
+        assert seqs == list(range(1, last + 1))
+
+    def test_numbering_continues_after_reopen(self, store: Store) -> None:
+        store.append([b"a", b"b"])
+        store = self.reopen(store)
+        assert store.append([b"c"]) == 3
+        assert store.load().records == [(1, b"a"), (2, b"b"), (3, b"c")]
+
+    def test_snapshot_prunes_and_load_returns_only_later_records(self, store: Store) -> None:
+        for i in range(10):
+            store.append([_payload(i)])
+        store.write_snapshot(6, b"state@6")
+        want = Recovered(b"state@6", 6, [(s, _payload(s - 1)) for s in range(7, 11)])
+        assert store.load() == want
+        assert store.append([b"after"]) == 11
+        store = self.reopen(store)
+        got = store.load()
+        assert (got.snapshot, got.snapshot_seq) == (b"state@6", 6)
+        assert got.records == [*want.records, (11, b"after")]
+        assert got.last_seq == 11
+
+    def test_newer_snapshot_replaces_older(self, store: Store) -> None:
+        store.append([b"a", b"b", b"c"])
+        store.write_snapshot(1, b"s1")
+        store.write_snapshot(1, b"s1 again")
+        store.write_snapshot(3, b"s3")
+        got = self.reopen(store).load()
+        assert got == Recovered(b"s3", 3, [])
+        assert got.last_seq == 3
+
+    def test_snapshot_of_everything_then_append(self, store: Store) -> None:
+        store.append([b"a", b"b"])
+        store.write_snapshot(2, b"all")
+        assert store.load() == Recovered(b"all", 2, [])
+        assert store.append([b"c"]) == 3
+        assert self.reopen(store).load() == Recovered(b"all", 2, [(3, b"c")])
+
+    def test_snapshot_of_empty_store(self, store: Store) -> None:
+        store.write_snapshot(0, b"")
+        assert store.load() == Recovered(b"", 0, [])
+        assert store.append([b"x"]) == 1
+
+    def test_snapshot_seq_is_checked(self, store: Store) -> None:
+        store.append([b"a", b"b", b"c"])
+        with pytest.raises(ValueError, match=r"<= the last acknowledged record 3 \(got seq=4\)"):
+            store.write_snapshot(4, b"s")
+        store.write_snapshot(2, b"s")
+        with pytest.raises(ValueError, match=r">= the current snapshot's 2 \(got seq=1\)"):
+            store.write_snapshot(1, b"s")
+        with pytest.raises(TypeError, match="seq must be an int"):
+            store.write_snapshot(True, b"s")
+        with pytest.raises(TypeError, match="payload must be bytes"):
+            store.write_snapshot(2, "s")  # type: ignore[arg-type]
+        assert store.load() == Recovered(b"s", 2, [(3, b"c")])
+
+    def test_append_arguments_are_checked(self, store: Store) -> None:
+        with pytest.raises(ValueError, match="at least one record"):
+            store.append([])
+        with pytest.raises(TypeError, match=r"records\[1\] must be bytes \(got str\)"):
+            store.append([b"ok", "no"])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="not a single bytes"):
+            store.append(b"abc")  # type: ignore[arg-type]
+        assert store.load() == Recovered(None, 0, [])
+        assert store.append([b"x"]) == 1
+
+    def test_closed_store_refuses(self, tmp_path: Path) -> None:
+        store = self.open(tmp_path)
+        store.append([b"x"])
+        store.close()
+        store.close()
+        with pytest.raises(StoreUnavailable, match="closed"):
+            store.append([b"y"])
+        with pytest.raises(StoreUnavailable, match="closed"):
+            store.write_snapshot(1, b"s")
+        with pytest.raises(StoreUnavailable, match="closed"):
+            store.load()
+
+    def test_concurrent_appends(self, store: Store) -> None:
+        threads, per_thread = 16, 200
+        acked: list[list[tuple[int, bytes]]] = [[] for _ in range(threads)]
+        start = threading.Barrier(threads)
+        errors: list[BaseException] = []
+
+        def writer(t: int) -> None:
+            try:
+                start.wait()
+                for i in range(per_thread):
+                    payload = b"%d:%d" % (t, i)
+                    acked[t].append((store.append([payload]), payload))
+            except BaseException as exc:  # reported below; a thread's exception is otherwise lost
+                errors.append(exc)
+
+        workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert not errors, errors
+        for mine in acked:  # each thread's own acknowledgements come in increasing order
+            assert [s for s, _ in mine] == sorted(s for s, _ in mine)
+        everything = sorted(r for mine in acked for r in mine)
+        assert [s for s, _ in everything] == list(range(1, threads * per_thread + 1))
+        assert store.load() == Recovered(None, 0, everything)
+        assert self.reopen(store).load() == Recovered(None, 0, everything)
+
+    def test_matches_a_model(self) -> None:
+        """Any mix of appends, snapshots and reopens loads as a plain list model says."""
+        ops = st.lists(
+            st.one_of(
+                st.tuples(st.just("append"), st.integers(1, 4)),
+                st.tuples(st.just("snapshot"), st.integers(0, 5)),
+                st.tuples(st.just("reopen"), st.just(0)),
+            ),
+            max_size=25,
+        )
+
+        # Defined per call so that each backend's class runs its own hypothesis test.
+        @settings(max_examples=25, deadline=None)
+        @given(ops=ops)
+        def check(ops: list[tuple[str, int]]) -> None:
+            with tempfile.TemporaryDirectory() as tmp:
+                store = self.open(Path(tmp))
+                records: list[tuple[int, bytes]] = []
+                snapshot: tuple[int, bytes] | None = None
+                try:
+                    for n, (op, arg) in enumerate(ops):
+                        last = records[-1][0] if records else (snapshot[0] if snapshot else 0)
+                        if op == "append":
+                            batch = [_payload(n * 10 + i) for i in range(arg)]
+                            assert store.append(batch) == last + arg
+                            records += [(last + 1 + i, p) for i, p in enumerate(batch)]
+                        elif op == "snapshot":
+                            seq = max(snapshot[0] if snapshot else 0, last - arg)
+                            store.write_snapshot(seq, b"snap%d" % n)
+                            snapshot = (seq, b"snap%d" % n)
+                            records = [r for r in records if r[0] > seq]
+                        else:
+                            store = self.reopen(store)
+                        want = Recovered(
+                            snapshot[1] if snapshot else None, snapshot[0] if snapshot else 0, list(records)
+                        )
+                        assert store.load() == want
+                finally:
+                    store.close()
+
+        check()
+
+
+class TestMemoryStore(StoreContract):
+    def _open(self, tmp: Path) -> Store:
+        return open_store("memory://")
+
+    def _reopen(self, store: Store) -> Store:
+        return store
+
+    def test_open_store_gives_a_memory_store(self) -> None:
+        s = open_store("memory://")
+        assert isinstance(s, MemoryStore)
+        assert s.url == "memory://"
+
+
+class TestSqliteStore(StoreContract):
+    def _open(self, tmp: Path) -> Store:
+        return open_store(f"sqlite:///{tmp}/store.db")
+
+    def _reopen(self, store: Store) -> Store:
+        store.close()
+        return open_store(store.url)
+
+    # -- URLs and files ---------------------------------------------------------------------------
+
+    def test_relative_url(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.chdir(tmp_path)
+        store = open_store("sqlite:///state/rel.db")
+        try:
+            assert isinstance(store, SqliteStore)
+            assert store.path == tmp_path / "state" / "rel.db"
+            assert store.path.is_file()
+        finally:
+            store.close()
+
+    def test_absolute_url_creates_parent_directories(self, tmp_path: Path) -> None:
+        url = f"sqlite:///{tmp_path}/a/b/c/abs.db"
+        assert url.startswith("sqlite:////")
+        store = open_store(url)
+        try:
+            assert isinstance(store, SqliteStore)
+            assert store.path == tmp_path / "a" / "b" / "c" / "abs.db"
+            assert store.url == url
+            store.append([b"x"])
+        finally:
+            store.close()
+        assert (tmp_path / "a" / "b" / "c" / "abs.db").is_file()
+
+    def test_parse_url(self) -> None:
+        assert parse_url("memory://") == ("memory", "")
+        assert parse_url("sqlite:///rel/x.db") == ("sqlite", "rel/x.db")
+        assert parse_url("sqlite:////abs/x.db") == ("sqlite", "/abs/x.db")
+
+    @pytest.mark.parametrize(
+        ("url", "why"),
+        [
+            ("postgres://db/x", "supported schemes are memory://, sqlite:///"),
+            ("sqlite:x.db", "supported schemes are memory://, sqlite:///"),
+            ("/tmp/x.db", "supported schemes are memory://, sqlite:///"),
+            ("", "supported schemes are memory://, sqlite:///"),
+            ("sqlite://host/x.db", "sqlite URLs have no host"),
+            ("sqlite://", "sqlite URLs have no host"),
+            ("sqlite:///", "no database file"),
+            ("sqlite:////tmp/dir/", "no database file"),
+            ("memory://name", "memory:// takes nothing"),
+        ],
+    )
+    def test_bad_urls(self, url: str, why: str) -> None:
+        with pytest.raises(ValueError, match=why) as info:
+            open_store(url)
+        assert repr(url) in str(info.value)
+
+    def test_unwritable_directory_is_unavailable(self, tmp_path: Path) -> None:
+        (tmp_path / "file").write_bytes(b"")
+        with pytest.raises(StoreUnavailable, match="cannot create its directory") as info:
+            open_store(f"sqlite:///{tmp_path}/file/sub/x.db")
+        assert str(tmp_path / "file" / "sub" / "x.db") in str(info.value)
+
+    def test_second_open_is_refused_while_the_first_is_open(self, tmp_path: Path) -> None:
+        self.open(tmp_path).close()
+        store = open_store(f"sqlite:///{tmp_path}/store.db")  # an existing file, opened again
+        try:
+            with pytest.raises(StoreUnavailable, match="second coordinator") as info:
+                open_store(store.url)
+            assert str(tmp_path / "store.db") in str(info.value)
+            other = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    f"from croupier.server._store import open_store; open_store({store.url!r})",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert other.returncode != 0
+            assert "StoreUnavailable" in other.stderr and "second coordinator" in other.stderr, other.stderr
+            assert store.append([b"still mine"]) == 1
+        finally:
+            store.close()
+        reopened = open_store(store.url)  # closing lets go of the lock
+        reopened.close()
+
+    # -- group commit -------------------------------------------------------------------------------
+
+    def test_group_commit_shares_commits(self, tmp_path: Path) -> None:
+        """16 threads x 50 appends: the appends that queue during a commit MUST share the next one.
+
+        Left to the scheduler, how many appends meet in a commit depends on how long the fsync
+        takes (on tmpfs it takes nothing, and groups of one are common). So each of the 50 rounds
+        is made to hold a commit in flight deterministically: the test holds the connection's
+        lock while the 16 threads append, and lets go once 15 of them are waiting on the store's
+        condition (the 16th is the leader, blocked on the connection). The leader then commits
+        what it took, and one commit MUST carry everything that queued meanwhile: 1 or 2
+        commits per round, however the threads are scheduled.
+        """
+        store = self.open(tmp_path)
+        assert isinstance(store, SqliteStore)
+        threads, rounds = 16, 50
+        gate = _WaiterCountingCondition(want=threads - 1)
+        store._cond = gate
+        step = threading.Barrier(threads + 1)
+        errors: list[BaseException] = []
+
+        def writer(t: int) -> None:
+            try:
+                for i in range(rounds):
+                    step.wait()  # the round starts
+                    store.append([b"%d:%d" % (t, i)])
+                    step.wait()  # the round is over
+            except BaseException as exc:  # reported below; a thread's exception is otherwise lost
+                errors.append(exc)
+                step.abort()
+
+        workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+        try:
+            for w in workers:
+                w.start()
+            for _ in range(rounds):
+                with store._db:
+                    gate.reset()
+                    step.wait()
+                    if not gate.all_waiting.wait(timeout=60):
+                        raise AssertionError(f"only {gate.seen} appends queued behind the leader")
+                step.wait()
+        except threading.BrokenBarrierError:
+            pass  # a writer failed: its error is reported below
+        except BaseException:
+            step.abort()  # so that the writers stop and the join below returns
+            raise
+        finally:
+            for w in workers:
+                w.join()
+            store.close()
+        assert not [e for e in errors if not isinstance(e, threading.BrokenBarrierError)], errors
+        assert not errors, errors
+        appends = threads * rounds
+        assert rounds <= store.commits <= 2 * rounds, f"{store.commits} commits for {appends} appends"
+        got = open_store(store.url)
+        try:
+            records = got.load().records
+        finally:
+            got.close()
+        assert [s for s, _ in records] == list(range(1, appends + 1))
+        assert sorted(p for _, p in records) == sorted(
+            b"%d:%d" % (t, i) for t in range(threads) for i in range(rounds)
+        )
+
+    def test_one_caller_commits_once_per_append(self, store: Store) -> None:
+        assert isinstance(store, SqliteStore)
+        for _ in range(5):
+            store.append([b"a", b"b"])
+        assert store.commits == 5
+
+    def test_failed_commit_acknowledges_nothing_and_poisons(self, tmp_path: Path) -> None:
+        store = self.open(tmp_path)
+        assert isinstance(store, SqliteStore)
+        store.append([b"kept"])
+
+        def deny_inserts(action: int, *_: object) -> int:
+            return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_INSERT else sqlite3.SQLITE_OK
+
+        store._conn.set_authorizer(deny_inserts)  # the next INSERT fails inside sqlite
+        with pytest.raises(StoreUnavailable, match="cannot append") as info:
+            store.append([b"lost"])
+        assert str(store.path) in str(info.value)
+        store._conn.set_authorizer(None)
+        with pytest.raises(StoreUnavailable, match="an earlier write failed"):
+            store.append([b"after"])
+        with pytest.raises(StoreUnavailable, match="an earlier write failed"):
+            store.write_snapshot(1, b"s")
+        store.close()
+        store = open_store(store.url)
+        try:
+            assert store.load() == Recovered(None, 0, [(1, b"kept")])
+            assert store.append([b"again"]) == 2
+        finally:
+            store.close()
+
+    # -- corruption ----------------------------------------------------------------------------------
+
+    def _filled(self, tmp_path: Path, n: int = 10, snapshot: int = 0) -> Path:
+        store = self.open(tmp_path)
+        assert isinstance(store, SqliteStore)
+        for i in range(n):
+            store.append([_payload(i)])
+        if snapshot:
+            store.write_snapshot(snapshot, b"snapshot")
+        store.close()
+        return store.path
+
+    def _corrupt(self, path: Path, match: str) -> StoreCorrupt:
+        with pytest.raises(StoreCorrupt, match=match) as info:
+            open_store(f"sqlite:///{path}")
+        assert str(path) in str(info.value)
+        return info.value
+
+    def test_garbage_file_is_corrupt(self, tmp_path: Path) -> None:
+        path = tmp_path / "garbage.db"
+        path.write_bytes(os.urandom(8192))
+        self._corrupt(path, "not a database")
+
+    def test_truncated_file_is_corrupt(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path, n=300)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        self._corrupt(path, "malformed")
+
+    def test_damaged_page_is_corrupt(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path, n=300)
+        data = bytearray(path.read_bytes())
+        page = 4096
+        data[2 * page : 2 * page + 64] = bytes(b ^ 0xFF for b in data[2 * page : 2 * page + 64])
+        path.write_bytes(bytes(data))
+        self._corrupt(path, "is corrupt")
+
+    def test_flipped_record_fails_its_checksum(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path)
+        with sqlite3.connect(path) as db:
+            (payload,) = db.execute("SELECT payload FROM journal WHERE seq = 5").fetchone()
+            flipped = bytes([payload[0] ^ 0x01]) + payload[1:]
+            db.execute("UPDATE journal SET payload = ? WHERE seq = 5", (flipped,))
+        db.close()
+        self._corrupt(path, "record 5 fails its checksum")
+
+    def test_record_moved_to_another_seq_fails_its_checksum(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path)
+        with sqlite3.connect(path) as db:
+            db.execute("DELETE FROM journal WHERE seq = 10")
+            db.execute("UPDATE journal SET seq = 10 WHERE seq = 9")
+            db.execute("INSERT INTO journal SELECT 9, crc, payload FROM journal WHERE seq = 8")
+        db.close()
+        self._corrupt(path, "record 9 fails its checksum")
+
+    def test_flipped_snapshot_fails_its_checksum(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path, snapshot=4)
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE snapshot SET payload = ?", (b"Snapshot",))
+        db.close()
+        self._corrupt(path, "snapshot 4 fails its checksum")
+
+    def test_text_payload_is_corrupt(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path)
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE journal SET payload = 'text' WHERE seq = 3")
+        db.close()
+        self._corrupt(path, "record 3 has a payload of type str")
+
+    @pytest.mark.parametrize(("missing", "snapshot"), [(1, 0), (5, 0), (5, 4), (9, 4)])
+    def test_gap_is_corrupt(self, tmp_path: Path, missing: int, snapshot: int) -> None:
+        path = self._filled(tmp_path, snapshot=snapshot)
+        with sqlite3.connect(path) as db:
+            db.execute("DELETE FROM journal WHERE seq = ?", (missing,))
+        db.close()
+        self._corrupt(path, f"journal gap: expected record {missing} .* found record {missing + 1}")
+
+    def test_two_snapshots_are_corrupt(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path, snapshot=4)
+        with sqlite3.connect(path) as db:
+            db.execute("INSERT INTO snapshot SELECT 3, crc, payload FROM snapshot")
+        db.close()
+        self._corrupt(path, "2 snapshots")
+
+    def test_foreign_database_is_refused(self, tmp_path: Path) -> None:
+        path = tmp_path / "other.db"
+        with sqlite3.connect(path) as db:
+            db.execute("CREATE TABLE users (name TEXT)")
+        db.close()
+        self._corrupt(path, r"not a croupier store \(tables: \['users'\]\)")
+        with sqlite3.connect(path) as db:  # and left as it was
+            assert db.execute("SELECT name FROM sqlite_master").fetchall() == [("users",)]
+        db.close()
+
+    def test_missing_table_is_corrupt(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path)
+        with sqlite3.connect(path) as db:
+            db.execute("DROP TABLE snapshot")
+        db.close()
+        self._corrupt(path, r"tables \['snapshot'\] are missing")
+
+    def test_newer_schema_is_refused(self, tmp_path: Path) -> None:
+        path = self._filled(tmp_path)
+        with sqlite3.connect(path) as db:
+            db.execute("UPDATE croupier_schema SET version = ?", (SCHEMA_VERSION + 1,))
+        db.close()
+        with pytest.raises(StoreVersionError, match=f"schema version {SCHEMA_VERSION + 1}, newer") as info:
+            open_store(f"sqlite:///{path}")
+        assert str(path) in str(info.value)
+
+
+# -- kill -9 --------------------------------------------------------------------------------------------
+
+#: Appends from several threads, printing each acknowledgement as soon as ``append`` returns:
+#: ``A <last seq> <payload hex> ...``; thread 0 also writes snapshots as it goes and prints
+#: ``S <seq>`` once one is durable. Snapshots only cover records that were in the store when the
+#: child started, which the parent has already checked byte for byte after the previous kill.
+CHILD = textwrap.dedent(
+    """
+    import random, sys, threading
+    from croupier.server._store import open_store
+
+    url, round_no, threads, snapshot_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    store = open_store(url)
+    start = store.load()
+    out = threading.Lock()
+
+    def say(line):
+        with out:
+            sys.stdout.write(line + "\\n")
+            sys.stdout.flush()
+
+    def writer(t):
+        rng = random.Random(f"{round_no}:{t}")
+        n = 0
+        appends = 0
+        while True:
+            k = rng.randint(1, 4)
+            names = [b"%d:%d:%d:" % (round_no, t, n + i) for i in range(k)]
+            payloads = [name + rng.randbytes(rng.randint(0, 48)) for name in names]
+            n += k
+            last = store.append(payloads)
+            say("A %d %s" % (last, " ".join(p.hex() for p in payloads)))
+            appends += 1
+            if t == 0 and snapshot_every and appends % snapshot_every == 0:
+                seq = min(start.last_seq, start.snapshot_seq + 40 * appends // snapshot_every)
+                store.write_snapshot(seq, b"snapshot@%d" % seq)
+                say("S %d" % seq)
+
+    for t in range(threads):
+        threading.Thread(target=writer, args=(t,), daemon=True).start()
+    threading.Event().wait()
+    """
+)
+
+
+def _kill_rounds(
+    tmp_path: Path, rounds: int, acks: tuple[int, int], threads: int, seed: int
+) -> tuple[int, int]:
+    """Runs ``rounds`` children on one store, each killed with SIGKILL after a random number of acks.
+
+    After every kill, the store MUST hold every acknowledged record (exact payload) that its
+    snapshot does not cover, a snapshot no older than the last acknowledged one, contiguous
+    sequence numbers, and no record twice.
+
+    Returns:
+        (acknowledged appends, acknowledged records), every record checked byte for byte after
+        the kill that ended the round it was acknowledged in.
+    """
+    rng = random.Random(seed)
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    url = f"sqlite:///{tmp_path}/kill.db"
+    acked: dict[int, bytes] = {}
+    acked_snapshot = 0
+    ack_lines = 0
+    verified: set[int] = set()
+    for r in range(1, rounds + 1):
+        target = rng.randint(*acks)
+        log = tmp_path / f"child-{r}.err"
+        with log.open("wb") as err:
+            child = subprocess.Popen(
+                [sys.executable, str(script), url, str(r), str(threads), "10"],
+                stdout=subprocess.PIPE,
+                stderr=err,
+                cwd=tmp_path,
+            )
+        assert child.stdout is not None
+        lines: list[bytes] = []
+        try:
+            seen = 0
+            while seen < target:
+                line = child.stdout.readline()
+                if not line:
+                    pytest.fail(
+                        f"round {r}: child exited ({child.wait()}) after {seen} acks: {log.read_text()}"
+                    )
+                lines.append(line)
+                seen += line.startswith(b"A ")
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            lines += child.stdout.read().splitlines(keepends=True)  # acks printed before the kill
+            child.stdout.close()
+            child.wait()
+        assert child.returncode == -signal.SIGKILL
+        for line in lines:
+            if not line.endswith(b"\n"):
+                continue  # cut short by the kill
+            kind, *fields = line.split()
+            if kind == b"S":
+                acked_snapshot = max(acked_snapshot, int(fields[0]))
+                continue
+            ack_lines += 1
+            last = int(fields[0])
+            for i, hexed in enumerate(fields[1:]):
+                seq = last - len(fields) + 2 + i
+                assert seq not in acked, f"round {r}: seq {seq} acknowledged twice"
+                acked[seq] = bytes.fromhex(hexed.decode())
+
+        store = open_store(url)
+        try:
+            got = store.load()
+        finally:
+            store.close()
+        ctx = f"round {r} (seed {seed})"
+        assert got.snapshot_seq >= acked_snapshot, ctx
+        if got.snapshot is not None:
+            assert got.snapshot == b"snapshot@%d" % got.snapshot_seq, ctx
+        assert [s for s, _ in got.records] == list(range(got.snapshot_seq + 1, got.last_seq + 1)), ctx
+        top, end = max(acked), got.last_seq
+        assert top <= end, f"{ctx}: acknowledged up to {top}, the store ends at {end}"
+        held = dict(got.records)
+        for seq, payload in acked.items():
+            if seq > got.snapshot_seq:
+                assert held.get(seq) == payload, f"{ctx}: acknowledged record {seq} lost or changed"
+                verified.add(seq)
+        names = [p.split(b":")[:3] for _, p in got.records]
+        assert len(set(map(tuple, names))) == len(names), f"{ctx}: a record is stored twice"
+        assert all(int(name[0]) <= r for name in names), ctx
+        assert verified == set(acked), f"{ctx}: a snapshot covered records acknowledged in this round"
+    return ack_lines, len(acked)
+
+
+def _report(rounds: int, result: tuple[int, int]) -> None:
+    ack_lines, records = result
+    print(
+        f"\nkill -9: {rounds} kills; {ack_lines} acknowledged appends of {records} records, "
+        "each found byte for byte"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_acknowledged_appends_survive_kill_9(tmp_path: Path) -> None:
+    rounds = 10
+    result = _kill_rounds(tmp_path, rounds, acks=(50, 300), threads=4, seed=1234)
+    _report(rounds, result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_acknowledged_appends_survive_kill_9_long(tmp_path: Path) -> None:
+    rounds = 100
+    result = _kill_rounds(tmp_path, rounds, acks=(1, 2000), threads=8, seed=random.randrange(2**32))
+    _report(rounds, result)
+
+
+# -- the benchmark -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_store_bench_quick_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "store_bench.py"), "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "8", "64"], out.stdout
+    assert "p99 ms" in out.stdout
