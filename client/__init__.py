@@ -1,3 +1,5 @@
-"""croupier's client side. The `DistributedSampler` drop-in is not built yet; this package is a placeholder."""
+"""croupier's client: drop-in samplers for torch's DataLoader, fed by a croupier coordinator."""
 
-__all__: list[str] = []
+from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
+
+__all__ = ["DistributedBatchSampler", "DistributedSampler"]

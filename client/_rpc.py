@@ -15,7 +15,7 @@ from croupier.server import _errors as E
 from croupier.server._order import Cursor
 from croupier.server._spec import Spec
 from croupier.server._state import JoinRequest, JoinResult
-from croupier.server._wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_batches
+from croupier.server._wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_indices
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -35,14 +35,22 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class LeaseReply:
-    """Batches of one lease, decoded."""
+    """Batches of one lease, decoded: their indices end to end, and each batch's size."""
 
-    __slots__ = ("batches", "end_of_epoch", "epoch_samples")
+    __slots__ = ("indices", "sizes", "end_of_epoch", "epoch_samples")
 
-    def __init__(self, batches: list[np.ndarray], end_of_epoch: bool, epoch_samples: int) -> None:
-        self.batches = batches
+    def __init__(self, indices: np.ndarray, sizes: list[int], end_of_epoch: bool, epoch_samples: int) -> None:
+        if indices.size != sum(sizes):
+            raise ValueError(f"lease holds {indices.size} indices but its batch sizes add up to {sum(sizes)}")
+        self.indices = indices
+        self.sizes = sizes
         self.end_of_epoch = end_of_epoch
         self.epoch_samples = epoch_samples
+
+    @property
+    def batches(self) -> list[np.ndarray]:
+        """The batches, one array each."""
+        return np.split(self.indices, np.cumsum(self.sizes)[:-1]) if self.sizes else []
 
 
 class CoordinatorClient:
@@ -109,7 +117,7 @@ class CoordinatorClient:
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> LeaseReply:
         m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
         r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout))
-        return LeaseReply(unpack_batches(r.indices, list(r.sizes), r.itemsize), r.end_of_epoch, r.epoch_samples)
+        return LeaseReply(unpack_indices(r.indices, r.itemsize), list(r.sizes), r.end_of_epoch, r.epoch_samples)
 
     def get_job(self, job: str) -> tuple[Spec, JoinResult]:
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))

@@ -28,7 +28,8 @@ MAX_JOIN_WAIT_S = 30.0
 class Lease:
     """Consecutive batches of one rank in one epoch."""
 
-    batches: list[np.ndarray]
+    indices: np.ndarray  # the batches laid end to end
+    sizes: list[int]  # the size of each batch
     end_of_epoch: bool
     epoch_samples: int
     n: int
@@ -160,10 +161,10 @@ class Coordinator:
             )
         p = _plan_for(spec, start, world, epoch)
         if p is None:
-            return Lease([], True, 0, spec.n)
-        out = p.lease(rank, first, count)
-        end = int(p.nb_r[rank]) <= first + len(out)
-        return Lease(out, end, p.samples(rank), spec.n)
+            return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
+        idx, sizes = p.lease(rank, first, count)
+        end = int(p.nb_r[rank]) <= first + len(sizes)
+        return Lease(idx, sizes, end, p.samples(rank), spec.n)
 
     def job(self, job: str) -> tuple[Spec, JoinResult]:
         """The job's spec and its current generation's standing."""

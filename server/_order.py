@@ -209,18 +209,23 @@ class Plan:
             return None
         return order(self.spec, self.cursor.epoch, pos, self.cursor.base_world)
 
-    def lease(self, rank: int, first: int, count: int) -> list[np.ndarray]:
-        """Dataset indices of batches first .. first + count - 1 of `rank` (fewer at the epoch's end).
+    def lease(self, rank: int, first: int, count: int) -> tuple[np.ndarray, list[int]]:
+        """Batches first .. first + count - 1 of `rank` (fewer at the epoch's end), laid end to end.
 
-        One vectorised pass over all the batches: the per-call cost of the order is paid once.
+        One vectorised pass over all the batches, so the per-call cost of the order is paid once.
+
+        Returns:
+            The dataset indices of the batches, concatenated, and the size of each batch.
         """
         stop = min(first + count, int(self.nb_r[rank]))
         if stop <= first:
-            return []
+            return np.zeros(0, dtype=np.int64), []
         b = self.spec.batch_size
-        local = np.arange(first * b, min(stop * b, int(self.n_r[rank])), dtype=np.int64)
+        end = min(stop * b, int(self.n_r[rank]))
+        local = np.arange(first * b, end, dtype=np.int64)
         idx = order(self.spec, self.cursor.epoch, self.positions(self.virtual(rank, local)), self.cursor.base_world)
-        return np.split(idx, np.arange(b, idx.size, b))  # (stop - first) batches, the last maybe short
+        sizes = [b] * (stop - first - 1) + [end - (stop - 1) * b]
+        return idx, sizes
 
     def samples(self, rank: int) -> int:
         """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""

@@ -24,7 +24,7 @@ from croupier.server._wire import (
     SERVICE,
     cursor_from_proto,
     cursor_to_proto,
-    pack_batches,
+    pack_indices,
     spec_from_proto,
     spec_to_proto,
 )
@@ -88,8 +88,8 @@ class CoordinatorServicer:
     def Lease(self, raw: bytes, context: grpc.ServicerContext) -> pb.LeaseResponse:
         m = _parse(pb.LeaseRequest, raw)
         lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count)
-        data, sizes, itemsize = pack_batches(lease.batches, lease.n)
-        return pb.LeaseResponse(indices=data, sizes=sizes, itemsize=itemsize,
+        data, itemsize = pack_indices(lease.indices, lease.n)
+        return pb.LeaseResponse(indices=data, sizes=lease.sizes, itemsize=itemsize,
                                 end_of_epoch=lease.end_of_epoch, epoch_samples=lease.epoch_samples)
 
     def GetJob(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetJobResponse:

@@ -82,20 +82,16 @@ def itemsize_for(n: int) -> int:
     return 4 if n <= 2**32 else 8
 
 
-def pack_batches(batches: list[np.ndarray], n: int) -> tuple[bytes, list[int], int]:
-    """(indices laid end to end, size of each batch, itemsize)."""
+def pack_indices(indices: np.ndarray, n: int) -> tuple[bytes, int]:
+    """(indices as little-endian bytes, itemsize) for a job of n samples."""
     size = itemsize_for(n)
-    if not batches:
-        return b"", [], size
-    flat = np.concatenate(batches).astype("<u4" if size == 4 else "<i8", copy=False)
-    return flat.tobytes(), [int(b.size) for b in batches], size
+    return np.ascontiguousarray(indices, dtype="<u4" if size == 4 else "<i8").tobytes(), size
 
 
-def unpack_batches(data: bytes, sizes: list[int] | tuple[int, ...], itemsize: int) -> list[np.ndarray]:
-    """Inverse of :func:`pack_batches`: int64 arrays, one per batch."""
+def unpack_indices(data: bytes, itemsize: int) -> np.ndarray:
+    """Inverse of :func:`pack_indices`: an int64 array."""
     if itemsize not in (4, 8):
         raise ValueError(f"itemsize must be 4 or 8 (got {itemsize})")
-    flat = np.frombuffer(data, dtype="<u4" if itemsize == 4 else "<i8").astype(np.int64)
-    if flat.size != sum(sizes):
-        raise ValueError(f"lease holds {flat.size} indices but its sizes add up to {sum(sizes)}")
-    return np.split(flat, np.cumsum(sizes)[:-1]) if sizes else []
+    return np.frombuffer(data, dtype="<u4" if itemsize == 4 else "<i8").astype(np.int64)
+
+
