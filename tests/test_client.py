@@ -1,0 +1,222 @@
+"""The client samplers against a real coordinator: drop-in equality, epochs, state, fencing, restarts."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from conftest import ServeProcess
+from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.server._service import Server
+
+
+def on_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
+    """Runs fn(rank) for every rank in its own thread (the ranks of one generation join together)."""
+    out: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_drop_in_for_torch(server: Server, shuffle: bool, drop_last: bool) -> None:
+    n, world, job, tok = 53, 3, f"torch-{shuffle}-{drop_last}", uuid.uuid4().hex
+
+    def rank(r: int) -> tuple[list[list[int]], list[int]]:
+        s = DistributedSampler(n, world, r, shuffle=shuffle, seed=5, drop_last=drop_last, address=server.address,
+                               job=job, token=tok, permutation="torch" if shuffle else None)
+        epochs, lens = [], []
+        for e in range(3):
+            s.set_epoch(e)  # the usual loop; also fine without it (see the next test)
+            lens.append(len(s))
+            epochs.append(list(s))
+        s.close()
+        return epochs, lens
+
+    got = on_ranks(world, rank)
+    for r in range(world):
+        t = TorchSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=5, drop_last=drop_last)
+        for e in range(3):
+            t.set_epoch(e)
+            assert got[r][0][e] == list(t), (r, e)
+            assert got[r][1][e] == len(t)
+
+
+def test_epochs_advance_without_set_epoch_in_one_process() -> None:
+    s = DistributedSampler(100, job=f"auto-{uuid.uuid4().hex}")  # no address: the embedded coordinator
+    e0, e1 = list(s), list(s)
+    assert sorted(e0) == sorted(e1) == list(range(100))
+    assert e0 != e1
+    assert s.epoch == 2
+    s.close()
+
+
+def test_set_epoch_loop_from_a_later_epoch_and_contradictions(server: Server) -> None:
+    job = f"epochs-{uuid.uuid4().hex}"
+    s = DistributedSampler(40, address=server.address, job=job, token="a", permutation="torch", seed=1)
+    for epoch in range(5, 7):  # a fresh job started at epoch 5
+        s.set_epoch(epoch)
+        t = TorchSampler(range(40), num_replicas=1, rank=0, seed=1)
+        t.set_epoch(epoch)
+        assert list(s) == list(t)
+    with pytest.raises(ValueError, match=r"set_epoch\(3\) contradicts the job's progress"):
+        s.set_epoch(3)
+    with pytest.raises(ValueError, match=r"set_epoch\(9\)"):
+        s.set_epoch(9)
+    state = s.state_dict()
+    assert state["epoch"] == 7
+    s.close()
+    s2 = DistributedSampler(40, address=server.address, job=job, token="b", permutation="torch", seed=1)
+    s2.load_state_dict(state)
+    with pytest.raises(ValueError, match="contradicts the checkpoint state"):
+        s2.set_epoch(2)
+    s2.set_epoch(7)
+    assert len(list(s2)) == 40
+    s2.close()
+
+
+def test_state_from_another_job_or_spec_is_refused(server: Server) -> None:
+    a = DistributedSampler(50, address=server.address, job="job-a", token="x")
+    state = a.state_dict()
+    b = DistributedSampler(50, address=server.address, job="job-b", token="x")
+    with pytest.raises(ValueError, match="from job 'job-a', not from this job 'job-b'"):
+        b.load_state_dict(state)
+    c = DistributedSampler(50, address=server.address, job="job-a", token="y", seed=99)
+    with pytest.raises(ValueError) as e:
+        c.load_state_dict(state)
+    assert state["fingerprint"] in str(e.value) and "seed=99" in str(e.value)
+    c.load_state_dict({})  # an empty dict is valid: from the start
+    with pytest.raises(ValueError, match="missing keys"):
+        c.load_state_dict({"epoch": 1})
+
+
+def test_a_fenced_rank_gets_a_runtime_error(server: Server) -> None:
+    job = f"fence-{uuid.uuid4().hex}"
+    old = DistributedSampler(10_000, address=server.address, job=job, token="g1", lease_ahead=16, prefetch=1)
+    it = iter(old)
+    next(it)
+    new = DistributedSampler(10_000, address=server.address, job=job, token="g2")
+    next(iter(new))  # a new incarnation of the job's world: generation 2
+    with pytest.raises(RuntimeError, match="fenced off"):
+        for _ in it:
+            pass
+    old.close()
+    new.close()
+
+
+def test_dataset_argument_and_validation() -> None:
+    with pytest.raises(TypeError, match="sized object or an int"):
+        DistributedSampler(iter([1, 2]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        DistributedSampler(10, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="n must be"):
+        DistributedSampler(0)
+    assert len(DistributedSampler(list(range(7)), num_replicas=2, rank=1, shuffle=False)) == 4
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resume_is_exact(server: Server, workers: int) -> None:
+    """Checkpoint mid-epoch under prefetching, train on, crash, resume: every index exactly once."""
+    n, bs, job = 97, 4, f"sdl-{workers}-{uuid.uuid4().hex}"
+
+    def loader(token: str) -> tuple[DistributedSampler, StatefulDataLoader]:
+        s = DistributedSampler(n, address=server.address, job=job, token=token, tail="uneven", lease_ahead=8)
+        return s, StatefulDataLoader(list(range(n)), batch_size=bs, sampler=s, num_workers=workers)
+
+    s1, l1 = loader("a")
+    seen: list[int] = []
+    it = iter(l1)
+    for _ in range(7):
+        seen += next(it).tolist()
+    ckpt = l1.state_dict()
+    for _ in range(5):  # trained after the checkpoint, then lost with the crash
+        next(it)
+    del it
+    s1.close()
+    s2, l2 = loader("b")
+    l2.load_state_dict(ckpt)
+    rest = [i for b in l2 for i in b.tolist()]
+    assert sorted(seen + rest) == list(range(n))
+    s2.close()
+
+
+def test_plain_dataloader_with_workers_uses_consumed(server: Server) -> None:
+    n, bs, job = 60, 5, f"plain-{uuid.uuid4().hex}"
+    s = DistributedSampler(n, address=server.address, job=job, token="a", tail="uneven")
+    dl = DataLoader(list(range(n)), batch_size=bs, sampler=s, num_workers=2)
+    seen: list[int] = []
+    it = iter(dl)
+    for _ in range(3):
+        seen += next(it).tolist()
+    state = s.state_dict(consumed=3 * bs)  # the loop took 3 batches; the loader read further ahead
+    assert s._yielded > 3 * bs
+    del it
+    s.close()
+    s2 = DistributedSampler(n, address=server.address, job=job, token="b", tail="uneven")
+    s2.load_state_dict(state)
+    rest = [i for b in DataLoader(list(range(n)), batch_size=bs, sampler=s2) for i in b.tolist()]
+    assert sorted(seen + rest) == list(range(n))
+    s2.close()
+
+
+def test_batch_sampler_with_bucketing(server: Server) -> None:
+    lengths = [(i * 37) % 101 for i in range(192)]
+    job = f"bucket-{uuid.uuid4().hex}"
+
+    def rank(r: int) -> list[list[int]]:
+        s = DistributedBatchSampler(192, 4, 2, r, address=server.address, job=job, token="t", lengths=lengths,
+                                    buffer_size=48, pack_size=8, tail="uneven")
+        dl = DataLoader(list(range(192)), batch_sampler=s)
+        out = [b.tolist() for b in dl]
+        assert len(out) == len(s)
+        s.close()
+        return out
+
+    got = on_ranks(2, rank)
+    flat = [i for r in got for b in r for i in b]
+    assert sorted(flat) == list(range(192))
+    # With W * batch_size == pack_size, one step's batches are one pack: lengths sorted within a
+    # window of 48, so a batch spans a small range of lengths (a random batch spans ~75).
+    spreads = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for r in got for b in r]
+    assert max(spreads) < 25
+
+
+def test_survives_a_coordinator_kill(tmp_path: pathlib.Path, serve_process: type[ServeProcess]) -> None:
+    store = f"sqlite:///{tmp_path}/c.db"
+    p = serve_process(store)
+    job = "survivor"
+    s = DistributedSampler(5000, address=p.address, job=job, token="a", lease_ahead=64, prefetch=1)
+    it = iter(s)
+    first = [next(it) for _ in range(1000)]
+    p.kill()
+    p2 = serve_process(store, port=p.port)
+    rest = list(it)
+    assert sorted(first + rest) == list(range(5000))
+    ref = DistributedSampler(5000, address=p2.address, job="reference", token="r")
+    assert first + rest == list(ref)
+    s.close()
+    ref.close()
