@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import warnings
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from croupier.client._audit import AuditLog
 from croupier.client._resolve import resolve_address, resolve_job, resolve_token, resolve_world
 from croupier.client._rpc import CoordinatorClient, LeaseReply
 from croupier.server._checkpoint import from_state, to_state
@@ -83,9 +85,10 @@ class _Base(Sampler[Any]):
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state."""
 
     _unit: int  # positions per item this sampler yields: 1 for indices, batch_size for batches
+    _per_batch: bool  # yields batches (lists) rather than indices
 
     def __init__(self, spec: Spec, num_replicas: int | None, rank: int | None, address: str | None, job: str | None,
-                 token: str | None, lease_ahead: int, prefetch: int) -> None:
+                 token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None) -> None:
         self.spec = spec
         self.num_replicas, self.rank = resolve_world(num_replicas, rank)
         self.job = resolve_job(job)
@@ -105,6 +108,10 @@ class _Base(Sampler[Any]):
         self._complete = False  # self._epoch has been iterated to its end
         self._active: object | None = None  # the iterator allowed to yield
         self._prefetcher: _Prefetcher | None = None
+        self._origin: str | None = None  # the loaded checkpoint state's origin, for the audit log
+        self._token_used = ""
+        self._audit_dir = audit_dir or os.environ.get("CROUPIER_AUDIT_DIR") or None
+        self._audit: AuditLog | None = None
 
     # ---------------------------------------------------------------- joining
 
@@ -122,7 +129,13 @@ class _Base(Sampler[Any]):
         r = self._client.join_started(req)
         assert r.start is not None
         self._generation, self._start = r.generation, r.start
+        self._token_used = token
         self._epoch = r.start.epoch
+        if self._audit_dir:
+            self._audit = AuditLog(self._audit_dir, self.job, token, self.rank)
+            self._audit.start(job=self.job, token=token, generation=r.generation, world=self.num_replicas,
+                              rank=self.rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
+                              unit=self._unit, origin=self._origin, epoch=r.start.epoch)
         if self._hint is not None and self._hint == r.start.epoch - 1:
             self._epoch = self._hint  # that epoch is complete: its iteration yields nothing
         self._yielded = 0
@@ -204,13 +217,17 @@ class _Base(Sampler[Any]):
                 if lease is None:
                     break
                 # The index sampler takes a whole lease at once; the batch sampler one batch at a time.
-                for b in (lease.batches if self._unit > 1 else [lease.indices]):
+                for b in (lease.batches if self._per_batch else [lease.indices]):
                     if skip:
                         b, skip = b[skip:], 0
+                    if self._audit is not None:
+                        self._audit.batch(self._epoch, self._yielded, b)
                     yield b
                     if self._active is not it:
                         return
             self._complete = True
+            if self._audit is not None:
+                self._audit.write(t="end", epoch=self._epoch)
         finally:
             pf.close()
 
@@ -228,19 +245,32 @@ class _Base(Sampler[Any]):
                 need nothing: the sampler has yielded exactly what the loop took.
         """
         if self._start is None:
-            return to_state(self.job, self.spec, self._resume or fresh(self.spec, self._hint or 0))
+            state = to_state(self.job, self.spec, self._resume or fresh(self.spec, self._hint or 0))
+            if self._origin:
+                state["origin"] = self._origin
+            return state
         if self._complete and consumed is None:
-            return to_state(self.job, self.spec, fresh(self.spec, self._epoch + 1))
+            return self._stamp(to_state(self.job, self.spec, fresh(self.spec, self._epoch + 1)), self._epoch + 1, 0)
         items = self._yielded if consumed is None else consumed
         if isinstance(items, bool) or not isinstance(items, int) or not 0 <= items:
             raise ValueError(f"consumed must be an int >= 0 (got consumed={consumed!r})")
         p = self._plan(self._epoch)
         if p is None:
-            return to_state(self.job, self.spec, self._start)
+            return self._stamp(to_state(self.job, self.spec, self._start), self._start.epoch, 0)
         positions = items * self._unit
         if positions % self.spec.batch_size:
             raise ValueError(f"consumed={items} items is not a whole number of lease batches of {self.spec.batch_size}")
-        return to_state(self.job, self.spec, p.advance(positions // self.spec.batch_size))
+        cursor = p.advance(positions // self.spec.batch_size)
+        if cursor.epoch != self._epoch:  # the epoch is complete
+            return self._stamp(to_state(self.job, self.spec, cursor), cursor.epoch, 0)
+        return self._stamp(to_state(self.job, self.spec, cursor), self._epoch, items)
+
+    def _stamp(self, state: dict[str, Any], epoch: int, items: int) -> dict[str, Any]:
+        """Names the state after where this incarnation made it, and logs it for the audit."""
+        state["origin"] = f"{self._token_used}/{epoch}/{items}"
+        if self._audit is not None:
+            self._audit.ckpt(state["origin"], epoch, items)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes from a checkpoint state (any world size); an empty dict means "from the start".
@@ -255,6 +285,7 @@ class _Base(Sampler[Any]):
                 f"{self._generation} of job {self.job!r}; make a new sampler in the restarted process"
             )
         self._resume = from_state(self.job, self.spec, state_dict)
+        self._origin = state_dict.get("origin") if self._resume is not None else None
         if self._resume is not None and self._hint is not None and self._hint not in (self._resume.epoch, self._resume.epoch - 1):
             warnings.warn(f"set_epoch({self._hint}) before load_state_dict is overridden by the state's epoch "
                           f"{self._resume.epoch}", stacklevel=2)
@@ -266,6 +297,8 @@ class _Base(Sampler[Any]):
             self._prefetcher.close()
         if self._client is not None:
             self._client.close()
+        if self._audit is not None:
+            self._audit.close()
 
 
 def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
@@ -311,20 +344,24 @@ class DistributedSampler(_Base):
         token: Names this incarnation of the job's world (default: from torchrun / torch.distributed).
         lease_ahead: Indices leased per call to the coordinator.
         prefetch: Leases kept ready ahead of use.
+        audit_dir: Write an audit log of what this rank receives under this directory, for
+            ``croupier audit`` (default CROUPIER_AUDIT_DIR; off when neither is set).
     """
 
     _unit = 1
+    _per_batch = False
 
     def __init__(self, dataset: Sized | int, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, *, address: str | None = None,
                  job: str | None = None, permutation: str | None = None, partition: str = "strided",
                  tail: str | None = None, scope: str = "global", buffer_size: int | None = None,
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
-                 token: str | None = None, lease_ahead: int = 4096, prefetch: int = 2) -> None:
+                 token: str | None = None, lease_ahead: int = 4096, prefetch: int = 2,
+                 audit_dir: str | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths)
-        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch)
+        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
 
     def __iter__(self) -> Iterator[int]:
@@ -370,6 +407,7 @@ class DistributedBatchSampler(_Base):
     """
 
     _unit: int
+    _per_batch = True
 
     def __init__(self, dataset: Sized | int, batch_size: int, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, *, address: str | None = None,
@@ -377,12 +415,12 @@ class DistributedBatchSampler(_Base):
                  tail: str = "pad", even_batches: bool = False, scope: str = "global",
                  buffer_size: int | None = None, pack_size: int | None = None,
                  lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
-                 lease_ahead: int = 64, prefetch: int = 2) -> None:
+                 lease_ahead: int = 64, prefetch: int = 2, audit_dir: str | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size, drop_last, even_batches, scope,
                           buffer_size, pack_size, lengths)
-        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch)
         self._unit = batch_size
+        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir)
         self.batch_size, self.drop_last = batch_size, drop_last
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -11,6 +11,8 @@ from croupier.server._spec import Spec
 
 VERSION = 1
 _KEYS = {"version", "job", "fingerprint", "epoch", "remaining", "base_world"}
+#: Keys a state may carry beyond the cursor: ``origin`` names the checkpoint for the audit log.
+_OPTIONAL = {"origin"}
 
 
 def to_state(job: str, spec: Spec, cursor: Cursor) -> dict[str, Any]:
@@ -41,7 +43,7 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
     if not state:
         return None
     missing = sorted(_KEYS - set(state))
-    unknown = sorted(set(state) - _KEYS)
+    unknown = sorted(set(state) - _KEYS - _OPTIONAL)
     if missing or unknown:
         raise InvalidArgument(f"checkpoint state has missing keys {missing} and unknown keys {unknown} (got {dict(state)!r})")
     if state["version"] != VERSION:

@@ -44,6 +44,22 @@ def _serve_cmd(args: argparse.Namespace) -> int:
     return serve(args.host, args.port, args.store, grace=args.grace)
 
 
+def _audit_cmd(args: argparse.Namespace) -> int:
+    from croupier.client._audit import audit, render
+
+    try:
+        reports = audit(args.logdir)
+    except FileNotFoundError as e:
+        print(f"croupier: error: {e}", file=sys.stderr)
+        return 2
+    print(render(reports))
+    bad = [r for r in reports if not r.ok]
+    finished = [r for r in reports if r.finished]
+    print(f"\n{len(finished)} finished epochs audited, {sum(r.trained for r in reports)} indices; "
+          f"{'G1 holds' if not bad else f'G1 VIOLATED in {len(bad)} epochs'}")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `croupier` command."""
     parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
@@ -57,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM (default 5)")
     s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     s.set_defaults(func=_serve_cmd)
+
+    a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing")
+    a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")
+    a.set_defaults(func=_audit_cmd)
 
     o = sub.add_parser("order", help="print the first batches one rank gets in one epoch")
     o.add_argument("--n", type=int, required=True, help="dataset size")

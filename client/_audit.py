@@ -1,0 +1,213 @@
+"""The audit log: what each rank received, and `croupier audit`, which checks G1 from it.
+
+Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRANK.audit``:
+
+* ``start``: the generation (number, world, token), the spec's n / tail / partition, the wall
+  clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start);
+* ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
+  chunk), and the chunk's indices (little-endian int64);
+* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (token/epoch/items), epoch, items.
+
+The audit follows the chain backwards from the last incarnation to start: each resumed from a
+checkpoint that an earlier one made, so what counts of that earlier one is what it received up to
+that checkpoint. Everything it received after was lost with the restart (G1's rule). It then
+prints, per epoch, the indices expected, trained, duplicated and missing, and whether G1 holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import pathlib
+import time
+from collections.abc import Iterable
+from typing import Any, BinaryIO
+
+import msgpack
+import numpy as np
+
+
+class AuditLog:
+    """Appends one rank's records; each record is flushed so a kill -9 loses at most the last one."""
+
+    def __init__(self, root: str | os.PathLike[str], job: str, token: str, rank: int) -> None:
+        d = pathlib.Path(root) / job
+        d.mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in token)
+        self._f: BinaryIO = open(d / f"{safe}-r{rank}.audit", "ab")
+
+    def write(self, **record: Any) -> None:
+        self._f.write(msgpack.packb(record))
+        self._f.flush()
+
+    def start(self, **kw: Any) -> None:
+        self.write(t="start", ts=time.time(), **kw)
+
+    def batch(self, epoch: int, at: int, indices: np.ndarray) -> None:
+        self.write(t="batch", epoch=epoch, at=at, idx=np.ascontiguousarray(indices, dtype="<i8").tobytes())
+
+    def ckpt(self, origin: str, epoch: int, items: int) -> None:
+        self.write(t="ckpt", origin=origin, epoch=epoch, items=items)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclasses.dataclass
+class _Rank:
+    start: dict[str, Any]
+    batches: list[tuple[int, int, np.ndarray]]  # (epoch, at, indices)
+
+
+@dataclasses.dataclass
+class Incarnation:
+    """One generation of a job as its ranks logged it."""
+
+    token: str
+    generation: int
+    world: int
+    ts: float
+    origin: str | None
+    n: int
+    tail: str
+    partition: str
+    ranks: dict[int, _Rank]
+    ends: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> ranks that finished it
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochReport:
+    job: str
+    epoch: int
+    expected: int
+    trained: int
+    duplicates: int
+    missing: int
+    finished: bool
+    ok: bool
+    why: str
+
+
+def _read(path: pathlib.Path) -> list[dict[str, Any]]:
+    out = []
+    with open(path, "rb") as f:
+        unpacker = msgpack.Unpacker(f, raw=False)
+        try:
+            for rec in unpacker:
+                out.append(rec)
+        except (msgpack.OutOfData, ValueError):
+            pass  # a record cut short by a kill -9: everything before it counts
+    return out
+
+
+def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
+    """Every job's incarnations, oldest first."""
+    jobs: dict[str, dict[str, Incarnation]] = collections.defaultdict(dict)
+    for path in sorted(pathlib.Path(logdir).glob("*/*.audit")):
+        recs = _read(path)
+        if not recs or recs[0].get("t") != "start":
+            continue
+        s = recs[0]
+        inc = jobs[s["job"]].get(s["token"])
+        if inc is None:
+            inc = Incarnation(s["token"], s["generation"], s["world"], s["ts"], s.get("origin"), s["n"], s["tail"],
+                              s["partition"], {})
+            jobs[s["job"]][s["token"]] = inc
+        inc.ts = min(inc.ts, s["ts"])
+        inc.origin = inc.origin or s.get("origin")
+        rank = _Rank(s, [])
+        for r in recs[1:]:
+            if r["t"] == "batch":
+                rank.batches.append((r["epoch"], r["at"], np.frombuffer(r["idx"], dtype="<i8")))
+            elif r["t"] == "end":
+                inc.ends[r["epoch"]] = inc.ends.get(r["epoch"], 0) + 1
+        inc.ranks[s["rank"]] = rank
+    return {job: sorted(incs.values(), key=lambda i: i.ts) for job, incs in jobs.items()}
+
+
+def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]]:
+    """What `inc` received up to (epoch, items) — everything when items is None — by epoch."""
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    for rank in inc.ranks.values():
+        for e, at, idx in rank.batches:
+            if items is None or e < epoch:
+                out[e] += idx.tolist()
+            elif e == epoch and at < items:
+                out[e] += idx[: items - at].tolist()
+    return out
+
+
+def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
+    """Follows the checkpoint chain of one job and judges every epoch it covers."""
+    by_token = {i.token: i for i in incs}
+    chain: list[tuple[Incarnation, int | None, int | None]] = []  # (incarnation, cut epoch, cut items)
+    cur, cut_epoch, cut_items = incs[-1], None, None
+    while True:
+        chain.append((cur, cut_epoch, cut_items))
+        if not cur.origin:
+            break
+        token, e, items = cur.origin.rsplit("/", 2)
+        prev = by_token.get(token)
+        if prev is None:
+            raise ValueError(f"job {job!r}: incarnation {cur.token} resumed from checkpoint {cur.origin}, "
+                             f"made by an incarnation with no audit log")
+        cur, cut_epoch, cut_items = prev, int(e), int(items)
+    chain.reverse()
+    trained: dict[int, list[int]] = collections.defaultdict(list)
+    worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed
+    finished: dict[int, int] = {}  # epoch -> world of the incarnation that finished it
+    for inc, ce, ci in chain:
+        for e, idx in _cut(inc, ce or 0, ci).items():
+            trained[e] += idx
+            if idx:
+                worlds[e].append(inc.world)
+        for e, count in inc.ends.items():
+            if count and (ce is None or e < ce):
+                finished[e] = inc.world
+        if ce is not None and ci == 0:
+            # A checkpoint at the start of epoch ce: the epochs before it were finished.
+            for e in list(trained):
+                if e < ce:
+                    finished.setdefault(e, inc.world)
+    reports = []
+    last = chain[-1][0]
+    for e in sorted(trained):
+        idx = trained[e]
+        c = collections.Counter(idx)
+        n = last.n
+        missing = n - len([i for i in c if 0 <= i < n])
+        dups = len(idx) - len(c)
+        done = e in finished
+        if not done:
+            w = max(worlds[e])
+            ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
+            why = "in progress" if ok else f"{dups} duplicates before the epoch ended"
+        else:
+            w = finished[e]
+            if last.tail == "uneven":
+                ok, rule = dups == 0 and missing == 0, "every index exactly once"
+            elif last.tail == "drop":
+                ok, rule = dups == 0 and missing < w, f"each at most once, fewer than W={w} missing"
+            else:
+                allowed = w - 1 if last.partition == "strided" else sum(x - 1 for x in set(worlds[e]))
+                ok, rule = missing == 0 and dups <= allowed, f"each at least once, at most {allowed} repeats"
+            why = ("ok: " if ok else "G1 VIOLATED: ") + rule
+        reports.append(EpochReport(job, e, n, len(idx), dups, missing, done, ok, why))
+    return reports
+
+
+def audit(logdir: str | os.PathLike[str]) -> list[EpochReport]:
+    """Every job's epoch reports."""
+    jobs = load(logdir)
+    if not jobs:
+        raise FileNotFoundError(f"no audit logs (*/*.audit) under {logdir}")
+    return [r for job, incs in sorted(jobs.items()) for r in audit_job(job, incs)]
+
+
+def render(reports: Iterable[EpochReport]) -> str:
+    """The audit table."""
+    lines = [f"{'job':<16} {'epoch':>5} {'expected':>9} {'trained':>9} {'duplicates':>10} {'missing':>8}  verdict"]
+    for r in reports:
+        lines.append(f"{r.job:<16} {r.epoch:>5} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} {r.missing:>8}  {r.why}")
+    return "\n".join(lines)
