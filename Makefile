@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)  ## the main job (see README)
-	$(PY) benchmarks/order_bench.py --quick
+	$(VENV)/bin/croupier demo
 
 test: $(STAMP)  ## the default test suite
 	$(PY) -m pytest -q

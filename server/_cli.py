@@ -60,6 +60,12 @@ def _audit_cmd(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _demo_cmd(args: argparse.Namespace) -> int:
+    from croupier.client._demo import main as demo
+
+    return demo(args.workdir, n=args.n, epochs=args.epochs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `croupier` command."""
     parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
@@ -73,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM (default 5)")
     s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     s.set_defaults(func=_serve_cmd)
+
+    d = sub.add_parser("demo", help="the main job: an elastic torchrun training run, preempted and resized, then audited")
+    d.add_argument("--workdir", default="out/demo", help="where checkpoints, logs and the audit log go (default out/demo)")
+    d.add_argument("--n", type=int, default=6000, help="samples in the synthetic dataset (default 6000)")
+    d.add_argument("--epochs", type=int, default=4, help="epochs (default 4)")
+    d.set_defaults(func=_demo_cmd)
 
     a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing")
     a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")

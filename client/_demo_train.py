@@ -1,0 +1,109 @@
+"""The demo's trainer: a small model on a synthetic dataset, data-parallel over gloo, fed by croupier.
+
+Run by torchrun (see ``croupier demo``). Settings come from the DEMO environment variable
+(JSON; torchrun would read "--n" and the like as abbreviations of its own options):
+workdir, n, epochs, batch_size, ckpt_every. Every rank writes its progress to
+WORKDIR/status/rRANK.json; rank 0 checkpoints model, optimizer and the sampler's state to
+WORKDIR/ckpt.pt every `ckpt_every` steps (atomically), and every rank resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+
+from croupier.client import DistributedSampler
+
+
+def synthetic(n: int) -> TensorDataset:
+    """y = a fixed linear map of x, plus noise: a dataset every rank builds identically."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    w = torch.randn(16, 1, generator=g)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def init_process_group() -> None:
+    """gloo over torchrun's store, with keys of their own for each restart of the worker group.
+
+    NOTE: with the plain env:// init, the workers that torchrun restarts after a failure find
+    the previous attempt's gloo addresses in the store and fail to connect; a prefix per
+    restart keeps the attempts apart.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"demo/attempt{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def _write_json(path: pathlib.Path, obj: object) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+def main() -> None:
+    cfg = json.loads(os.environ["DEMO"])
+    work = pathlib.Path(cfg["workdir"])
+    torch.set_num_threads(1)
+    init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    data = synthetic(cfg["n"])
+    sampler = DistributedSampler(data, shuffle=True, seed=1234)  # embedded coordinator, job from CROUPIER_JOB
+    loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    start_epoch, step = 0, 0
+    ckpt = work / "ckpt.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])  # topology-free: any world size resumes from it
+        start_epoch, step = state["epoch"], state["step"]
+
+    status = work / "status"
+    status.mkdir(exist_ok=True)
+    for epoch in range(start_epoch, cfg["epochs"]):
+        sampler.set_epoch(epoch)
+        k, of = 0, len(loader)  # batches of this epoch this incarnation gets (the rest, after a resume)
+        for x, y in loader:
+            k += 1
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            _write_json(status / f"r{rank}.json", {"pid": os.getpid(), "rank": rank, "world": world, "epoch": epoch,
+                                                   "step": step, "k": k, "of": of, "loss": loss.item(),
+                                                   "restart": restart})
+            if step % cfg["ckpt_every"] == 0:
+                # Every rank's sampler state is the same (lockstep); rank 0 saves it with the model.
+                state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                         "sampler": sampler.state_dict(), "epoch": epoch, "step": step}
+                if rank == 0:
+                    tmp = work / "ckpt.pt.tmp"
+                    torch.save(state, tmp)
+                    tmp.replace(ckpt)
+                dist.barrier()
+    _write_json(status / f"r{rank}.json", {"pid": os.getpid(), "rank": rank, "world": world, "epoch": cfg["epochs"],
+                                           "step": step, "loss": None, "restart": restart, "done": True})
+    sampler.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
