@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 
@@ -20,9 +21,12 @@ def derive_key(*parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8, person=b"croupier-key").digest(), "little")
 
 
+@functools.lru_cache(maxsize=4096)
 def round_keys(key: int) -> np.ndarray:
-    """The ROUNDS round keys derived from one 64-bit key, as uint64 of shape (ROUNDS,)."""
-    return np.array([derive_key(key, i) for i in range(ROUNDS)], dtype=np.uint64)
+    """The ROUNDS round keys derived from one 64-bit key, as a read-only uint64 array of shape (ROUNDS,)."""
+    keys = np.array([derive_key(key, i) for i in range(ROUNDS)], dtype=np.uint64)
+    keys.flags.writeable = False  # shared by every caller through the cache
+    return keys
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
@@ -55,6 +59,30 @@ def _encrypt(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
     return x
 
 
+_MASK64 = (1 << 64) - 1
+_M1_INT, _M2_INT = int(_M1), int(_M2)
+#: Inputs up to this size take the scalar path: numpy's per-call cost is larger than the work.
+SMALL = 16
+
+
+def _permute_one(x: int, n: int, bits: int, keys: tuple[int, ...]) -> int:
+    """The same bijection as :func:`permute`, on one Python int (for tiny inputs)."""
+    while True:
+        lo_bits = bits // 2
+        for k in keys:
+            hi_bits = bits - lo_bits
+            lo = x & ((1 << lo_bits) - 1)
+            hi = x >> lo_bits
+            z = lo ^ k
+            z = ((z ^ (z >> 30)) * _M1_INT) & _MASK64
+            z = ((z ^ (z >> 27)) * _M2_INT) & _MASK64
+            z ^= z >> 31
+            x = (lo << hi_bits) | (hi ^ (z & ((1 << hi_bits) - 1)))
+            lo_bits = hi_bits
+        if x < n:
+            return x
+
+
 def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
     """Maps positions in [0, n) to indices in [0, n) by a keyed bijection.
 
@@ -67,10 +95,18 @@ def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
     Returns:
         int64 array of the same shape: the permuted indices.
     """
-    x = np.asarray(positions).astype(np.uint64, copy=True)
     if n == 1:
-        return np.zeros(x.shape, dtype=np.int64)
+        return np.zeros(np.shape(positions), dtype=np.int64)
     bits = _domain_bits(n)
+    if np.size(positions) <= SMALL:
+        flat = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if keys.ndim == 1:
+            ks = tuple(int(k) for k in keys)
+            out = [_permute_one(int(p), n, bits, ks) for p in flat]
+        else:
+            out = [_permute_one(int(p), n, bits, tuple(int(k) for k in keys[:, i])) for i, p in enumerate(flat)]
+        return np.array(out, dtype=np.int64).reshape(np.shape(positions))
+    x = np.asarray(positions).astype(np.uint64, copy=True)
     un = np.uint64(n)
     x = _encrypt(x, bits, keys)
     out = x >= un

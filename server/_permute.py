@@ -56,14 +56,19 @@ def _keyed_shuffle(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.nda
     for k, start in enumerate(starts):
         sel = inverse == k
         size = int(w_size[sel][0])
-        key = _feistel.derive_key(spec.seed, epoch, int(part[sel][0]), int(start))
+        key = _window_key(spec.seed, epoch, int(part[sel][0]), int(start))
         out[sel] = start + _feistel.permute(positions[sel] - start, size, _feistel.round_keys(key))
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _window_key(seed: int, epoch: int, part: int, start: int) -> int:
+    return _feistel.derive_key(seed, epoch, part, start)
+
+
 def _feistel_global(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     if len(bounds) == 2:  # one window: the fast path, no grouping
-        key = _feistel.derive_key(spec.seed, epoch, 0, 0)
+        key = _window_key(spec.seed, epoch, 0, 0)
         return _feistel.permute(positions, spec.n, _feistel.round_keys(key))
     return _keyed_shuffle(spec, epoch, positions, bounds)
 

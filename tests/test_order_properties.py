@@ -323,3 +323,16 @@ def test_many_resizes_serve_every_index_once(
     if cursor.epoch == 2:
         got += [i for r in range(p.world) for i in _serve(p, r)]
     assert sorted(got) == list(range(n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(2, 2**62), seed=st.integers(0, 2**32), data=st.data())
+def test_feistel_scalar_path_equals_vector_path(n: int, seed: int, data: st.DataObject) -> None:
+    """Inputs of at most _feistel.SMALL positions take a pure-Python path; it is the same bijection."""
+    from croupier.server import _feistel
+
+    positions = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=_feistel.SMALL + 1, max_size=64)), dtype=np.int64)
+    keys = _feistel.round_keys(_feistel.derive_key(seed, 7))
+    vector = _feistel.permute(positions, n, keys)
+    scalar = np.concatenate([_feistel.permute(positions[i : i + 3], n, keys) for i in range(0, positions.size, 3)])
+    assert vector.tolist() == scalar.tolist()
