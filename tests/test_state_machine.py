@@ -17,9 +17,12 @@ from croupier.server._spec import Spec
 from croupier.server._state import JoinRequest
 
 MAX_WORLD = 16
-# CI runs the default; CROUPIER_SM_EXAMPLES raises it for a long search (make slow sets it).
-EXAMPLES = int(os.environ.get("CROUPIER_SM_EXAMPLES", "150"))
+# CI runs the default; CROUPIER_SM_EXAMPLES changes it; `make slow` runs the long test below.
+EXAMPLES = int(os.environ.get("CROUPIER_SM_EXAMPLES", "400"))
 STEPS = int(os.environ.get("CROUPIER_SM_STEPS", "40"))
+
+#: What the runs of this process did, printed at the end (pytest -s) for the record.
+TOTALS: dict[str, int] = {}
 
 specs = st.builds(
     Spec,
@@ -41,13 +44,14 @@ class Elastic(RuleBasedStateMachine):
     @initialize(spec=specs, world=st.integers(1, MAX_WORLD), start=st.one_of(st.none(), st.integers(0, 3)))
     def start(self, spec: Spec, world: int, start: int | None) -> None:
         self.job = Job(spec, world, start_epoch=start)
-        self.stats = {"steps": 0, "restarts": 0, "older": 0, "resizes": 0, "zombies": 0, "coord": 0, "lost": 0}
+        self.stats = {"examples": 1, "rule_steps": 0, "train_steps": 0, "restarts": 0, "older_checkpoints": 0,
+                      "resizes": 0, "zombies": 0, "coordinator_restarts": 0, "state_lost": 0, "epochs_audited": 0}
 
     @rule(k=st.integers(1, 6))
     def train(self, k: int) -> None:
         for _ in range(k):
             self.job.step()
-            self.stats["steps"] += 1
+            self.stats["train_steps"] += 1
 
     @rule()
     def checkpoint(self) -> None:
@@ -65,7 +69,7 @@ class Elastic(RuleBasedStateMachine):
         order = data.draw(st.permutations(range(world)), label="join order")
         # Ranks that existed before have the state; ranks added by a scale-up have none.
         holders = set(range(min(world, job.world)))
-        self.stats["older"] += i < len(job.checkpoints) - 1
+        self.stats["older_checkpoints"] += i < len(job.checkpoints) - 1
         self.stats["resizes"] += world != job.world
         self.stats["restarts"] += 1
         job.restart(job.checkpoints[i], world, list(order), holders, hint=data.draw(st.booleans(), label="set_epoch"))
@@ -104,7 +108,7 @@ class Elastic(RuleBasedStateMachine):
         job.restart_coordinator()
         again = [job.state.serve(JOB, job.generation, r, job.epoch, job.j) for r in range(job.world)]
         assert [None if b is None else b.tolist() for b in probe] == [None if b is None else b.tolist() for b in again]
-        self.stats["coord"] += 1
+        self.stats["coordinator_restarts"] += 1
 
     @precondition(lambda self: bool(self.job.checkpoints))
     @rule(data=st.data(), world=st.integers(1, MAX_WORLD))
@@ -113,17 +117,21 @@ class Elastic(RuleBasedStateMachine):
         job = self.job
         job.lose_coordinator()
         job.restart(job.checkpoints[data.draw(st.integers(0, len(job.checkpoints) - 1))], world)
-        self.stats["lost"] += 1
+        self.stats["state_lost"] += 1
 
     @invariant()
     def no_duplicates_so_far(self) -> None:
         if hasattr(self, "job"):
+            self.stats["rule_steps"] += 1
             audit_partial(self.job.spec, self.job.trained(self.job.epoch), self.job.allowance(self.job.epoch)[1])
 
     def teardown(self) -> None:
         # Finish the epoch in progress so that every run ends with at least one complete audit.
         if hasattr(self, "job"):
             self.job.run_epoch()
+            self.stats["epochs_audited"] += len(self.job.finished_epochs)
+            for k, v in self.stats.items():
+                TOTALS[k] = TOTALS.get(k, 0) + v
 
 
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
@@ -131,7 +139,17 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=N
 
 
 def test_exactly_once_under_chaos() -> None:
+    TOTALS.clear()
     run_state_machine_as_test(Elastic, settings=SETTINGS)
+    print(f"\nstate machine ({EXAMPLES} examples x up to {STEPS} steps): {TOTALS}")
+    assert TOTALS["epochs_audited"] > 0 and TOTALS["restarts"] > 0
+
+
+@pytest.mark.slow
+def test_exactly_once_under_chaos_long() -> None:
+    TOTALS.clear()
+    run_state_machine_as_test(Elastic, settings=settings(SETTINGS, max_examples=5000, stateful_step_count=80))
+    print(f"\nstate machine (5000 examples x up to 80 steps): {TOTALS}")
 
 
 def _forget_one_rank(self: Plan, consumed):  # type: ignore[no-untyped-def]
