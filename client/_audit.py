@@ -147,12 +147,12 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
         chain.append((cur, cut_epoch, cut_items))
         if not cur.origin:
             break
-        token, e, items = cur.origin.rsplit("/", 2)
+        token, at_epoch, at_items = cur.origin.rsplit("/", 2)
         prev = by_token.get(token)
         if prev is None:
             raise ValueError(f"job {job!r}: incarnation {cur.token} resumed from checkpoint {cur.origin}, "
                              f"made by an incarnation with no audit log")
-        cur, cut_epoch, cut_items = prev, int(e), int(items)
+        cur, cut_epoch, cut_items = prev, int(at_epoch), int(at_items)
     chain.reverse()
     trained: dict[int, list[int]] = collections.defaultdict(list)
     worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed

@@ -17,9 +17,9 @@ from croupier.client._resolve import resolve_address, resolve_job, resolve_token
 from croupier.client._rpc import CoordinatorClient, LeaseReply
 from croupier.server._checkpoint import from_state, to_state
 from croupier.server._errors import Aborted, NotFound
-from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan
+from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan, plan_epoch
 from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest, _plan_for
+from croupier.server._state import JoinRequest
 
 _DONE = object()
 
@@ -147,7 +147,7 @@ class _Base(Sampler[Any]):
             if epoch != base.epoch:
                 base = fresh(self.spec, epoch)
             return plan(self.spec, bind(self.spec, base, self.num_replicas), self.num_replicas)
-        return _plan_for(self.spec, self._start, self.num_replicas, epoch)
+        return plan_epoch(self.spec, self._start, self.num_replicas, epoch)
 
     # ---------------------------------------------------------------- epochs
 

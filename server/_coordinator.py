@@ -12,7 +12,8 @@ import numpy as np
 
 from croupier.server._errors import InvalidArgument, ResourceExhausted, Unavailable
 from croupier.server._spec import Spec
-from croupier.server._state import Event, JoinRequest, JoinResult, State, _plan_for, decode_event, encode_event
+from croupier.server._order import plan_epoch
+from croupier.server._state import Event, JoinRequest, JoinResult, State, decode_event, encode_event
 from croupier.server._store import Store, StoreError
 
 log = logging.getLogger("croupier.server")
@@ -159,7 +160,7 @@ class Coordinator:
             raise ResourceExhausted(
                 f"lease of {count} batches of {spec.batch_size} is more than the {MAX_LEASE_INDICES} indices one call serves"
             )
-        p = _plan_for(spec, start, world, epoch)
+        p = plan_epoch(spec, start, world, epoch)
         if p is None:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
         idx, sizes = p.lease(rank, first, count)

@@ -102,10 +102,10 @@ def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
         flat = np.asarray(positions, dtype=np.int64).reshape(-1)
         if keys.ndim == 1:
             ks = tuple(int(k) for k in keys)
-            out = [_permute_one(int(p), n, bits, ks) for p in flat]
+            small = [_permute_one(int(p), n, bits, ks) for p in flat]
         else:
-            out = [_permute_one(int(p), n, bits, tuple(int(k) for k in keys[:, i])) for i, p in enumerate(flat)]
-        return np.array(out, dtype=np.int64).reshape(np.shape(positions))
+            small = [_permute_one(int(p), n, bits, tuple(int(k) for k in keys[:, i])) for i, p in enumerate(flat)]
+        return np.array(small, dtype=np.int64).reshape(np.shape(positions))
     x = np.asarray(positions).astype(np.uint64, copy=True)
     un = np.uint64(n)
     x = _encrypt(x, bits, keys)

@@ -15,9 +15,11 @@ permutation, which is torch's own randperm), so any point of any epoch is reacha
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
+from croupier.server._errors import OutOfRange
 from croupier.server._permute import PERMUTATIONS
 from croupier.server._spec import Spec
 
@@ -320,3 +322,31 @@ def _merge(ints: list[Interval]) -> list[Interval]:
         else:
             out.append((a, b))
     return out
+
+
+def show(c: Cursor | None) -> str:
+    """A short rendering of a cursor for error messages."""
+    if c is None:
+        return "None"
+    rem = [list(iv) for iv in c.remaining]
+    shown = str(rem) if len(rem) <= 4 else f"{str(rem[:2])[:-1]}, ..., {rem[-1]}]"
+    return f"(epoch {c.epoch}, remaining {shown}, {c.left} positions)"
+
+
+@functools.lru_cache(maxsize=256)
+def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> Plan | None:
+    """The plan of `epoch` for a generation of `world` ranks that resumed at `start`.
+
+    Returns None for the epoch just before a fresh start (it is complete); raises OutOfRange
+    for an epoch before the generation's resume point.
+    """
+    if epoch == start.epoch:
+        return plan(spec, start, world)
+    if epoch > start.epoch:
+        return plan(spec, bind(spec, fresh(spec, epoch), world), world)
+    if epoch == start.epoch - 1 and is_fresh(spec, start):
+        return None
+    raise OutOfRange(
+        f"epoch {epoch} is before this generation's resume point {show(start)}; "
+        "set_epoch must not go back before the checkpoint the job resumed from"
+    )

@@ -14,7 +14,6 @@ request returns the same batch and a coordinator restart changes nothing a clien
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -22,7 +21,7 @@ import numpy as np
 
 from croupier.server._checkpoint import to_state
 from croupier.server._errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan, validate_cursor
+from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan_epoch, show, validate_cursor
 from croupier.server._spec import Spec
 
 MAX_WORLD = 1 << 20
@@ -240,8 +239,8 @@ class State:
             if joined[req.rank] != mine:
                 raise FailedPrecondition(
                     f"rank {req.rank} already joined generation {number} of job {req.job!r} with "
-                    f"resume={_show(joined[req.rank][0])}, epoch={joined[req.rank][1]}; now it sends "
-                    f"resume={_show(req.resume)}, epoch={req.epoch}"
+                    f"resume={show(joined[req.rank][0])}, epoch={joined[req.rank][1]}; now it sends "
+                    f"resume={show(req.resume)}, epoch={req.epoch}"
                 )
             return events
         _check_agreement(req, number, joined)
@@ -323,7 +322,7 @@ class State:
         _check_int("epoch", epoch, 0, 2**62)
         assert gen.start is not None
         spec = self.jobs[job].spec
-        return _plan_for(spec, gen.start, gen.world, epoch)
+        return plan_epoch(spec, gen.start, gen.world, epoch)
 
     def serve(self, job: str, generation: int, rank: int, epoch: int, batch: int) -> np.ndarray | None:
         """Batch `batch` of `rank` in `epoch` of `generation`, or None past the rank's last batch."""
@@ -387,14 +386,6 @@ class State:
 # --------------------------------------------------------------------------- helpers
 
 
-def _show(c: Cursor | None) -> str:
-    if c is None:
-        return "None"
-    rem = list(c.remaining)
-    shown = rem if len(rem) <= 4 else rem[:2] + ["..."] + rem[-1:]  # type: ignore[list-item]
-    return f"(epoch {c.epoch}, remaining {shown}, {c.left} positions)"
-
-
 def _agrees(start: Cursor, spec: Spec, epoch: int) -> bool:
     return epoch == start.epoch or (epoch == start.epoch - 1 and is_fresh(spec, start))
 
@@ -408,13 +399,13 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
         for r, c in resumes.items():
             if c != req.resume:
                 raise FailedPrecondition(
-                    f"rank {req.rank} resumes {where} from {_show(req.resume)}, but rank {r} resumes "
-                    f"from {_show(c)}: every rank must load the same checkpoint"
+                    f"rank {req.rank} resumes {where} from {show(req.resume)}, but rank {r} resumes "
+                    f"from {show(c)}: every rank must load the same checkpoint"
                 )
         for r, e in hints.items():
             if not _agrees(req.resume, req.spec, e):
                 raise FailedPrecondition(
-                    f"rank {req.rank} resumes {where} from {_show(req.resume)}, which contradicts "
+                    f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts "
                     f"set_epoch({e}) on rank {r}"
                 )
     if req.epoch is not None:
@@ -422,7 +413,7 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
             if not _agrees(c, req.spec, req.epoch):
                 raise FailedPrecondition(
                     f"set_epoch({req.epoch}) on rank {req.rank} contradicts the checkpoint rank {r} "
-                    f"resumes {where} from: {_show(c)}"
+                    f"resumes {where} from: {show(c)}"
                 )
         if not resumes and req.resume is None:
             for r, e in hints.items():
@@ -439,17 +430,3 @@ def _decide_start(spec: Spec, joined: Mapping[int, tuple[Cursor | None, int | No
             return bind(spec, c, world)
     epochs = [e for _, e in joined.values() if e is not None]
     return bind(spec, fresh(spec, epochs[0] if epochs else 0), world)
-
-
-@functools.lru_cache(maxsize=256)
-def _plan_for(spec: Spec, start: Cursor, world: int, epoch: int) -> Plan | None:
-    if epoch == start.epoch:
-        return plan(spec, start, world)
-    if epoch > start.epoch:
-        return plan(spec, bind(spec, fresh(spec, epoch), world), world)
-    if epoch == start.epoch - 1 and is_fresh(spec, start):
-        return None
-    raise OutOfRange(
-        f"epoch {epoch} is before this generation's resume point {_show(start)}; "
-        "set_epoch must not go back before the checkpoint the job resumed from"
-    )

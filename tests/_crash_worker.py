@@ -16,7 +16,8 @@ import sys
 from croupier.client._rpc import CoordinatorClient
 from croupier.server._checkpoint import from_state, to_state
 from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest, _plan_for
+from croupier.server._order import plan_epoch
+from croupier.server._state import JoinRequest
 
 
 def say(**kw: object) -> None:
@@ -50,7 +51,7 @@ def main() -> None:
         gen, start = result.generation, result.start
         epoch, j = start.epoch, 0
         for _ in range(rng.randint(3, 25)):  # steps before this incarnation is preempted
-            p = _plan_for(spec, start, world, epoch)
+            p = plan_epoch(spec, start, world, epoch)
             got = []
             for r in range(world):
                 lease = c.lease(job, gen, r, epoch, j, 1)
