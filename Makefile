@@ -4,11 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test slow bench clean
+.PHONY: demo test slow chaos bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
@@ -18,11 +17,14 @@ demo: $(STAMP)  ## the main job (see README)
 test: $(STAMP)  ## the default test suite
 	$(PY) -m pytest -q
 
-slow: $(STAMP)  ## long property and chaos runs
-	$(PY) -m pytest -q -m slow
+slow: $(STAMP)  ## the long runs: 5000-example state machine, 200 coordinator kills, 100-fault chaos
+	$(PY) -m pytest -q -m slow -s
 
-bench: $(STAMP)  ## full benchmarks
-	$(PY) benchmarks/order_bench.py
+chaos: $(STAMP)  ## the full chaos run (100 faults), audited
+	$(VENV)/bin/croupier chaos
+
+bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot (out/bench/bench.png)
+	$(PY) benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
