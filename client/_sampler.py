@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import queue
 import threading
@@ -104,7 +105,9 @@ class _Base(Sampler[Any]):
         self._generation = 0
         self._start: Cursor | None = None  # the generation's resume point, once joined
         self._epoch = 0  # the epoch being (or last) iterated
-        self._yielded = 0  # items of self._epoch yielded
+        self._yielded = 0  # items of self._epoch yielded, up to the start of the chunk in hand
+        self._chunk: Iterator[int] | None = None  # the index sampler's chunk being yielded
+        self._chunk_len = 0
         self._complete = False  # self._epoch has been iterated to its end
         self._active: object | None = None  # the iterator allowed to yield
         self._prefetcher: _Prefetcher | None = None
@@ -174,8 +177,17 @@ class _Base(Sampler[Any]):
             return
         raise ValueError(
             f"set_epoch({epoch}) contradicts the job's progress: this sampler is at epoch {self._epoch} "
-            f"({'finished' if self._complete else f'{self._yielded} items in'}); the next epoch is {nxt}"
+            f"({'finished' if self._complete else f'{self.items_done} items in'}); the next epoch is {nxt}"
         )
+
+    @property
+    def items_done(self) -> int:
+        """Items (indices, or batches for the batch sampler) of the current epoch yielded so far."""
+        if self._chunk is None:
+            return self._yielded
+        # NOTE: the index sampler hands out a chunk through a list iterator, at C speed; how far
+        # it got is what the iterator has left, read only when someone asks.
+        return self._yielded + self._chunk_len - operator.length_hint(self._chunk)
 
     @property
     def epoch(self) -> int:
@@ -193,6 +205,7 @@ class _Base(Sampler[Any]):
             self._epoch += 1
             self._yielded = 0
             self._complete = False
+        self._yielded, self._chunk = self.items_done, None  # a new iterator goes on from the last item yielded
         self._active = it
         if self._prefetcher is not None:
             self._prefetcher.close()
@@ -251,7 +264,7 @@ class _Base(Sampler[Any]):
             return state
         if self._complete and consumed is None:
             return self._stamp(to_state(self.job, self.spec, fresh(self.spec, self._epoch + 1)), self._epoch + 1, 0)
-        items = self._yielded if consumed is None else consumed
+        items = self.items_done if consumed is None else consumed
         if isinstance(items, bool) or not isinstance(items, int) or not 0 <= items:
             raise ValueError(f"consumed must be an int >= 0 (got consumed={consumed!r})")
         p = self._plan(self._epoch)
@@ -365,31 +378,21 @@ class DistributedSampler(_Base):
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
 
     def __iter__(self) -> Iterator[int]:
-        return _Indices(self)
+        return self._indices(object())
+
+    def _indices(self, me: object) -> Iterator[int]:
+        for chunk in self._items(me):
+            items = chunk.tolist()
+            it = iter(items)
+            self._chunk, self._chunk_len = it, len(items)
+            yield from it
+            if self._active is me:
+                self._yielded += len(items)
+                self._chunk = None
 
     def __len__(self) -> int:
         p = self._plan(self.epoch)
         return 0 if p is None else p.samples(self.rank)
-
-
-class _Indices(Iterator[int]):
-    def __init__(self, sampler: DistributedSampler) -> None:
-        self._sampler = sampler
-        self._gen: Iterator[np.ndarray] | None = None
-        self._buf: list[int] = []
-        self._pos = 0
-
-    def __next__(self) -> int:
-        s = self._sampler
-        if self._gen is None:
-            self._gen = s._items(self)
-        while self._pos >= len(self._buf):
-            self._buf = next(self._gen).tolist()  # StopIteration ends the epoch
-            self._pos = 0
-        i = self._buf[self._pos]
-        self._pos += 1
-        s._yielded += 1
-        return i
 
 
 class DistributedBatchSampler(_Base):
