@@ -5,6 +5,9 @@ Run by torchrun (see ``croupier demo``). Settings come from the DEMO environment
 workdir, n, epochs, batch_size, ckpt_every. Every rank writes its progress to
 WORKDIR/status/rRANK.json; rank 0 checkpoints model, optimizer and the sampler's state to
 WORKDIR/ckpt.pt every `ckpt_every` steps (atomically), and every rank resumes from it.
+Optional keys (``croupier chaos`` uses them): `keep_checkpoints` also keeps every checkpoint as
+WORKDIR/ckpts/step-XXXXXX.pt; `resume_from` names the checkpoint file to resume from instead of
+ckpt.pt (relative to WORKDIR, or absolute); `lease_ahead` is the sampler's lease size.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def _write_json(path: pathlib.Path, obj: object) -> None:
     tmp.replace(path)
 
 
+def _save(state: dict[str, object], path: pathlib.Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
 def main() -> None:
     cfg = json.loads(os.environ["DEMO"])
     work = pathlib.Path(cfg["workdir"])
@@ -61,15 +70,21 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     data = synthetic(cfg["n"])
-    sampler = DistributedSampler(data, shuffle=True, seed=1234)  # embedded coordinator, job from CROUPIER_JOB
+    extra = {"lease_ahead": cfg["lease_ahead"]} if "lease_ahead" in cfg else {}
+    # The embedded coordinator (or CROUPIER_ADDRESS's), job from CROUPIER_JOB.
+    sampler = DistributedSampler(data, shuffle=True, seed=1234, **extra)
     loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
     start_epoch, step = 0, 0
     ckpt = work / "ckpt.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+    history = work / "ckpts" if cfg.get("keep_checkpoints") else None
+    resume = work / cfg["resume_from"] if cfg.get("resume_from") else ckpt  # an absolute path stays as it is
+    if cfg.get("resume_from") and not resume.exists():
+        raise FileNotFoundError(f"resume_from={cfg['resume_from']!r}: no such checkpoint ({resume})")
+    if resume.exists():
+        state = torch.load(resume, weights_only=False)
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])  # topology-free: any world size resumes from it
@@ -95,9 +110,10 @@ def main() -> None:
                 state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
                          "sampler": sampler.state_dict(), "epoch": epoch, "step": step}
                 if rank == 0:
-                    tmp = work / "ckpt.pt.tmp"
-                    torch.save(state, tmp)
-                    tmp.replace(ckpt)
+                    if history is not None:
+                        history.mkdir(exist_ok=True)
+                        _save(state, history / f"step-{step:06d}.pt")
+                    _save(state, ckpt)
                 dist.barrier()
     _write_json(status / f"r{rank}.json", {"pid": os.getpid(), "rank": rank, "world": world, "epoch": cfg["epochs"],
                                            "step": step, "loss": None, "restart": restart, "done": True})

@@ -66,6 +66,12 @@ def _demo_cmd(args: argparse.Namespace) -> int:
     return demo(args.workdir, n=args.n, epochs=args.epochs)
 
 
+def _chaos_cmd(args: argparse.Namespace) -> int:
+    from croupier.client._chaos import main as chaos
+
+    return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `croupier` command."""
     parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
@@ -85,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n", type=int, default=6000, help="samples in the synthetic dataset (default 6000)")
     d.add_argument("--epochs", type=int, default=4, help="epochs (default 4)")
     d.set_defaults(func=_demo_cmd)
+
+    c = sub.add_parser("chaos", help="the demo's trainer under random kills of ranks and of a standalone coordinator, "
+                                     "rollbacks and resizes 1-4, audited after every launch")
+    c.add_argument("--workdir", default="out/chaos", help="where the store, checkpoints, logs and audit log go (default out/chaos)")
+    c.add_argument("--faults", type=int, default=100, help="kills to inject: ranks, coordinator, whole job (default 100)")
+    c.add_argument("--epochs", type=int, default=6, help="epochs (default 6)")
+    c.add_argument("--n", type=int, default=3600, help="samples, best a multiple of 12 (default 3600)")
+    c.add_argument("--seed", type=int, default=None, help="seed of the random choices (default: random, printed)")
+    c.set_defaults(func=_chaos_cmd)
 
     a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing")
     a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")

@@ -1,0 +1,71 @@
+"""`croupier chaos`: real torchrun jobs and a real coordinator under SIGKILLs, rollbacks and resizes, audited."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+SUMMARY = re.compile(
+    r"chaos: (?P<faults>\d+) faults injected \((?P<rank>\d+) rank kills, (?P<coord>\d+) coordinator kills, "
+    r"(?P<preempt>\d+) preemptions\), (?P<resizes>\d+) resizes, (?P<older>\d+) restarts from an older checkpoint .*; "
+    r"(?P<samples>\d+) samples audited over (?P<epochs>\d+) epochs: (?P<dups>\d+) duplicates, (?P<missing>\d+) missing; "
+    r"G1 holds"
+)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Processes whose command line or environment mentions `text` (the run's workdir)."""
+    found = []
+    needle = text.encode()
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes()
+            environ = (d / "environ").read_bytes()
+        except OSError:
+            continue  # gone, or not ours
+        if needle in cmdline or needle in environ:
+            shown = cmdline.replace(bytes(1), b" ").decode(errors="replace")
+            found.append(f"{d.name}: {shown}")
+    return found
+
+
+def chaos(workdir: pathlib.Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], re.Match[str]]:
+    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "chaos", "--workdir", str(workdir), *args],
+                         capture_output=True, text=True, timeout=timeout)
+    tail = out.stdout[-6000:] + out.stderr[-3000:]
+    assert out.returncode == 0, tail
+    m = SUMMARY.search(out.stdout)
+    assert m, tail
+    left = _processes_mentioning(str(workdir))
+    assert not left, f"processes left behind: {left}"
+    return out, m
+
+
+def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
+    faults, epochs, n = 6, 2, 1200
+    out, m = chaos(tmp_path / "chaos", "--faults", str(faults), "--epochs", str(epochs), "--n", str(n), "--seed", "1",
+                   timeout=240)
+    assert int(m["faults"]) == faults
+    assert int(m["rank"]) > 0 and int(m["coord"]) > 0 and int(m["preempt"]) > 0, m[0]
+    assert int(m["rank"]) + int(m["coord"]) + int(m["preempt"]) == faults
+    assert int(m["older"]) > 0, m[0]
+    assert int(m["epochs"]) == epochs and int(m["samples"]) == epochs * n
+    assert int(m["dups"]) == 0 and int(m["missing"]) == 0
+    for e in range(epochs):
+        assert re.search(rf"^chaos +{e} +{n} +{n} +0 +0  ok: ", out.stdout, re.M), out.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_full_chaos_run_100_faults(tmp_path: pathlib.Path) -> None:
+    out, m = chaos(tmp_path / "chaos", "--faults", "100", timeout=1800)
+    assert int(m["faults"]) == 100
+    assert int(m["resizes"]) > 0 and int(m["older"]) > 0
+    assert int(m["epochs"]) == 6 and int(m["samples"]) == 6 * 3600
+    assert int(m["dups"]) == 0 and int(m["missing"]) == 0
