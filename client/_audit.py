@@ -74,6 +74,7 @@ class Incarnation:
     partition: str
     ranks: dict[int, _Rank]
     ends: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> ranks that finished it
+    checkpoints: set[str] = dataclasses.field(default_factory=set)  # origins of the states it made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +123,8 @@ def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
                 rank.batches.append((r["epoch"], r["at"], np.frombuffer(r["idx"], dtype="<i8")))
             elif r["t"] == "end":
                 inc.ends[r["epoch"]] = inc.ends.get(r["epoch"], 0) + 1
+            elif r["t"] == "ckpt":
+                inc.checkpoints.add(r["origin"])
         inc.ranks[s["rank"]] = rank
     return {job: sorted(incs.values(), key=lambda i: i.ts) for job, incs in jobs.items()}
 
@@ -154,6 +157,12 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
                              f"made by an incarnation with no audit log")
         cur, cut_epoch, cut_items = prev, int(at_epoch), int(at_items)
     chain.reverse()
+    in_chain = {inc.token for inc, _, _ in chain}
+    # NOTE: an incarnation that made checkpoints before the chain began, when no later one
+    # resumed from any of them, means a restart that did not load the sampler's state (the model
+    # may well have been restored): the audit cannot vouch for those epochs, so it fails. A job
+    # started over on purpose should be given a fresh audit directory.
+    orphans = [i for i in incs if i.token not in in_chain and i.ts < chain[0][0].ts and i.checkpoints]
     trained: dict[int, list[int]] = collections.defaultdict(list)
     worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed
     finished: dict[int, int] = {}  # epoch -> world of the incarnation that finished it
@@ -194,6 +203,12 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
                 ok, rule = missing == 0 and dups <= allowed, f"each at least once, at most {allowed} repeats"
             why = ("ok: " if ok else "G1 VIOLATED: ") + rule
         reports.append(EpochReport(job, e, n, len(idx), dups, missing, done, ok, why))
+    if orphans:
+        first = min(chain[0][0].ranks[r].start.get("epoch", 0) for r in chain[0][0].ranks)
+        reports.insert(0, EpochReport(
+            job, first, last.n, 0, 0, 0, False, False,
+            f"UNVERIFIED: {len(orphans)} earlier incarnation(s) trained, but the chain starts afresh at "
+            f"{chain[0][0].token}: a restart that did not load the sampler's checkpoint state?"))
     return reports
 
 

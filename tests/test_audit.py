@@ -94,3 +94,13 @@ def test_audit_catches_a_planted_gap(server: Server, tmp_path: pathlib.Path) -> 
     _rewrite(final, drop_one)
     r = audit(tmp_path)[0]
     assert not r.ok and r.missing > 0
+
+
+def test_audit_flags_a_restart_that_did_not_load_the_sampler_state(server: Server, tmp_path: pathlib.Path) -> None:
+    """A trainer that restores its model but not the sampler starts a fresh chain: not vouched for."""
+    run_ranks(server, tmp_path, 2, "h1", None, steps=30, save_at=20)
+    run_ranks(server, tmp_path, 2, "h2", None, steps=None, save_at=None)  # forgot load_state_dict
+    reports = audit(tmp_path)
+    assert not reports[0].ok and "UNVERIFIED" in reports[0].why
+    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "audit", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 1
