@@ -100,12 +100,16 @@ class CoordinatorClient:
         r = self._call("join", lambda: self.stub.Join(m, timeout=self.call_timeout + wait_s))
         return JoinResult(r.generation, r.world, cursor_from_proto(r.start) if r.started else None, tuple(r.waiting_for))
 
-    def join_started(self, req: JoinRequest, timeout: float = 600.0) -> JoinResult:
-        """Joins and keeps waiting (long polls, no busy loop) until every rank has joined."""
+    def join_started(self, req: JoinRequest, timeout: float = 600.0, poll_s: float = 0.5) -> JoinResult:
+        """Joins and keeps waiting (short long-polls, no busy loop) until every rank has joined.
+
+        NOTE: a waiting join holds one of the server's threads; polls of `poll_s` keep a job of
+        many more ranks than the server has threads from queueing behind the first ones.
+        """
         request_id = uuid.uuid4().hex
         end = time.monotonic() + timeout
         while True:
-            r = self.join(req, wait_s=min(10.0, max(0.0, end - time.monotonic())), request_id=request_id)
+            r = self.join(req, wait_s=min(poll_s, max(0.0, end - time.monotonic())), request_id=request_id)
             if r.start is not None:
                 return r
             if time.monotonic() >= end:

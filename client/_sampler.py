@@ -17,6 +17,7 @@ from croupier.client._audit import AuditLog
 from croupier.client._resolve import resolve_address, resolve_job, resolve_token, resolve_world
 from croupier.client._rpc import CoordinatorClient, LeaseReply
 from croupier.server._checkpoint import from_state, to_state
+from croupier.server._coordinator import MAX_LEASE_BATCHES, MAX_LEASE_INDICES
 from croupier.server._errors import Aborted, NotFound
 from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan, plan_epoch
 from croupier.server._spec import Spec
@@ -97,6 +98,11 @@ class _Base(Sampler[Any]):
         self._token = token
         if lease_ahead < 1 or prefetch < 1:
             raise ValueError(f"lease_ahead and prefetch must be >= 1 (got lease_ahead={lease_ahead}, prefetch={prefetch})")
+        if lease_ahead > MAX_LEASE_BATCHES or lease_ahead * spec.batch_size > MAX_LEASE_INDICES:
+            raise ValueError(
+                f"lease_ahead={lease_ahead} batches of {spec.batch_size} is more than one lease serves "
+                f"(at most {MAX_LEASE_BATCHES} batches and {MAX_LEASE_INDICES} indices)"
+            )
         self._lease_ahead = lease_ahead
         self._prefetch = prefetch
         self._client: CoordinatorClient | None = None
@@ -369,7 +375,7 @@ class DistributedSampler(_Base):
                  job: str | None = None, permutation: str | None = None, partition: str = "strided",
                  tail: str | None = None, scope: str = "global", buffer_size: int | None = None,
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
-                 token: str | None = None, lease_ahead: int = 4096, prefetch: int = 2,
+                 token: str | None = None, lease_ahead: int = 16384, prefetch: int = 2,
                  audit_dir: str | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,

@@ -118,7 +118,7 @@ def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMe
 class Server:
     """A running coordinator: gRPC server, health service, reflection, and its core."""
 
-    def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64) -> None:
+    def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128) -> None:
         self.core = Coordinator(open_store(store_url))
         servicer = CoordinatorServicer(self.core)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc"),

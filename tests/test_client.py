@@ -136,6 +136,8 @@ def test_dataset_argument_and_validation() -> None:
     with pytest.raises(ValueError, match="n must be"):
         DistributedSampler(0)
     assert len(DistributedSampler(list(range(7)), num_replicas=2, rank=1, shuffle=False)) == 4
+    with pytest.raises(ValueError, match="lease_ahead=100000 batches of 1 is more than one lease serves"):
+        DistributedSampler(10, lease_ahead=100_000)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -78,6 +78,13 @@ def test_join_and_lease_end_to_end(client: CoordinatorClient) -> None:
     assert client.lease("j", gen, 0, 1, 0, 1).batches[0].tolist() != client.lease("j", gen, 0, 0, 0, 1).batches[0].tolist()
 
 
+def test_more_ranks_than_server_threads_start_together(client: CoordinatorClient) -> None:
+    """Waiting joins hold server threads only briefly: 300 ranks (the server has 128 threads) all start."""
+    gen = start_job(client, world=300, job="wide")
+    lease = client.lease("wide", gen, 299, 0, 0, 1)
+    assert len(lease.batches) == 1
+
+
 def test_large_n_travels_as_int64(client: CoordinatorClient) -> None:
     big = Spec(n=2**40 + 3, seed=1, batch_size=4)
     r = client.join_started(JoinRequest("big", big, "t", 1, 0))
