@@ -26,7 +26,9 @@ import numpy as np
 
 WORLD = 8  # num_replicas of every sampler measured; rank 0 is the rank timed
 BATCH = 256  # the DataLoader's batch_size
-LEASE_INDICES = 4096  # DistributedSampler's default lease_ahead: indices per Lease call
+# DistributedSampler's default lease_ahead: indices per Lease call, as the client sends them
+# (checked against the sampler where it is imported; croupier is imported lazily, per child).
+LEASE_INDICES = 16384
 STEPS_PER_LEASE = LEASE_INDICES // BATCH
 MIB = 1 << 20
 #: torch's DistributedSampler holds randperm (int64) and its tolist(): a list slot and a Python int per index.
@@ -209,6 +211,11 @@ def _child_steady(n: int, epochs: int, repeats: int) -> dict[str, Any]:
 
     from croupier.client import DistributedBatchSampler, DistributedSampler
     from croupier.client._rpc import CoordinatorClient
+
+    import inspect
+
+    default = inspect.signature(DistributedSampler.__init__).parameters["lease_ahead"].default
+    assert default == LEASE_INDICES, f"LEASE_INDICES={LEASE_INDICES} but DistributedSampler leases {default}"
 
     dataset = _index_dataset(n)
     calls = {"n": 0}
