@@ -10,10 +10,21 @@ from typing import Any
 import msgpack
 
 from croupier.server._checkpoint import from_state
+from croupier.server._order import Plan
 from croupier.server._spec import Spec
 from croupier.server._state import Event, JoinRequest, State, decode_event, encode_event
 
 JOB = "job"
+
+
+def batches_of(p: Plan, rank: int) -> list[list[int]]:
+    """Every batch of `rank` in the plan, fetched one at a time until the engine says None."""
+    out: list[list[int]] = []
+    j = 0
+    while (b := p.batch_indices(rank, j)) is not None:
+        out.append(b.tolist())
+        j += 1
+    return out
 _tokens = itertools.count()
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from croupier.server._order import Plan, bind, fresh, order, plan
 from croupier.server._spec import Spec
+from _sim import batches_of as _batches
 
 
 def _ranks(spec: Spec, world: int, epoch: int = 0) -> list[list[int]]:
@@ -18,13 +19,6 @@ def _ranks(spec: Spec, world: int, epoch: int = 0) -> list[list[int]]:
     return [[i for b in _batches(p, r) for i in b] for r in range(world)]
 
 
-def _batches(p: Plan, rank: int) -> list[list[int]]:
-    out: list[list[int]] = []
-    j = 0
-    while (b := p.batch_indices(rank, j)) is not None:
-        out.append(b.tolist())
-        j += 1
-    return out
 
 
 # --------------------------------------------------------------------------- spdl

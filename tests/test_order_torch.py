@@ -11,6 +11,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from croupier.server._order import Plan, fresh, plan
 from croupier.server._spec import Spec
+from _sim import batches_of as _batches
 
 SIZES = [*range(1, 38), 1000, 1001]
 WORLDS = range(1, 9)
@@ -29,14 +30,6 @@ def _spec(n: int, seed: int, shuffle: bool, drop_last: bool, batch_size: int = 1
     )
 
 
-def _batches(p: Plan, rank: int) -> list[list[int]]:
-    """Every batch of `rank` in the plan, fetched one at a time until the engine says None."""
-    out: list[list[int]] = []
-    j = 0
-    while (b := p.batch_indices(rank, j)) is not None:
-        out.append(b.tolist())
-        j += 1
-    return out
 
 
 def _torch(
