@@ -19,7 +19,7 @@ from croupier.client._rpc import CoordinatorClient, LeaseReply
 from croupier.server._checkpoint import from_state, to_state
 from croupier.server._coordinator import MAX_LEASE_BATCHES, MAX_LEASE_INDICES
 from croupier.server._errors import Aborted, NotFound
-from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan, plan_epoch
+from croupier.server._order import Cursor, Plan, bind, epoch_agrees, fresh, plan, plan_epoch
 from croupier.server._spec import Spec
 from croupier.server._state import JoinRequest
 
@@ -170,8 +170,7 @@ class _Base(Sampler[Any]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0 (got epoch={epoch!r})")
         if self._start is None:
-            if self._resume is not None and not (epoch == self._resume.epoch or
-                                                 (epoch == self._resume.epoch - 1 and is_fresh(self.spec, self._resume))):
+            if self._resume is not None and not epoch_agrees(self.spec, self._resume, epoch):
                 raise ValueError(
                     f"set_epoch({epoch}) contradicts the checkpoint state loaded, which resumes epoch "
                     f"{self._resume.epoch} with {self._resume.left} of {self.spec.n} positions left"

@@ -58,6 +58,15 @@ def is_fresh(spec: Spec, cursor: Cursor) -> bool:
     return cursor.remaining == ((0, spec.n),)
 
 
+def epoch_agrees(spec: Spec, cursor: Cursor, epoch: int) -> bool:
+    """Whether ``set_epoch(epoch)`` agrees with resuming at `cursor`.
+
+    It does for the cursor's own epoch, and for the epoch just before a fresh start (that epoch
+    is complete: its loop gets no batches and moves on).
+    """
+    return epoch == cursor.epoch or (epoch == cursor.epoch - 1 and is_fresh(spec, cursor))
+
+
 def bind(spec: Spec, cursor: Cursor, world: int) -> Cursor:
     """Fixes the epoch's layout for a generation of `world` ranks (``scope="rank"`` only)."""
     if spec.scope == "rank" and cursor.base_world == 0:

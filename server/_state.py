@@ -21,7 +21,7 @@ import numpy as np
 
 from croupier.server._checkpoint import to_state
 from croupier.server._errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from croupier.server._order import Cursor, Plan, bind, fresh, is_fresh, plan_epoch, show, validate_cursor
+from croupier.server._order import Cursor, Plan, bind, epoch_agrees, fresh, plan_epoch, show, validate_cursor
 from croupier.server._spec import Spec
 
 MAX_WORLD = 1 << 20
@@ -386,10 +386,6 @@ class State:
 # --------------------------------------------------------------------------- helpers
 
 
-def _agrees(start: Cursor, spec: Spec, epoch: int) -> bool:
-    return epoch == start.epoch or (epoch == start.epoch - 1 and is_fresh(spec, start))
-
-
 def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[Cursor | None, int | None]]) -> None:
     """Refuses a join whose resume point or epoch contradicts a rank already joined."""
     resumes = {r: c for r, (c, _) in joined.items() if c is not None}
@@ -403,14 +399,14 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
                     f"from {show(c)}: every rank must load the same checkpoint"
                 )
         for r, e in hints.items():
-            if not _agrees(req.resume, req.spec, e):
+            if not epoch_agrees(req.spec, req.resume, e):
                 raise FailedPrecondition(
                     f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts "
                     f"set_epoch({e}) on rank {r}"
                 )
     if req.epoch is not None:
         for r, c in resumes.items():
-            if not _agrees(c, req.spec, req.epoch):
+            if not epoch_agrees(req.spec, c, req.epoch):
                 raise FailedPrecondition(
                     f"set_epoch({req.epoch}) on rank {req.rank} contradicts the checkpoint rank {r} "
                     f"resumes {where} from: {show(c)}"
