@@ -89,7 +89,7 @@ def _index_dataset(n: int) -> Any:
 def _join_others(address: str, job: str, spec: Any, token: str, resume: Any = None) -> None:
     """Joins ranks 1 .. WORLD-1 of a generation without waiting, as the job's other ranks do."""
     from croupier.client._rpc import CoordinatorClient
-    from croupier.server._state import JoinRequest
+    from croupier.core.api import JoinRequest
 
     with CoordinatorClient(address) as c:
         for r in range(1, WORLD):
@@ -112,7 +112,7 @@ def _in_process_coordinator() -> Iterator[str]:
 @contextlib.contextmanager
 def _serve_process(store: str) -> Iterator[str]:
     """`croupier serve` in a child process; yields its address and terminates it on exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "croupier.server._cli", "serve", "--port", "0", "--store", store],
+    proc = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", store],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -168,8 +168,8 @@ def _child_resume(sampler: str, n: int) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if sampler == "croupier":
             from croupier.client import DistributedSampler
-            from croupier.server._checkpoint import from_state
-            from croupier.server._order import order
+            from croupier.core.checkpoint import from_state
+            from croupier.core.order import order
 
             address = stack.enter_context(_in_process_coordinator())
             # The run that is preempted: it takes its first batch, then checkpoints half of the epoch.
@@ -314,7 +314,7 @@ async def _drive_forever() -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from croupier.server._wire import CHANNEL_OPTIONS, unpack_indices
+    from croupier.core.wire import CHANNEL_OPTIONS, unpack_indices
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -441,7 +441,7 @@ async def _join_job(address: str, job: str, spec: Any, world: int) -> int:
     """Joins all `world` ranks of a job at once (no long poll); returns its started generation."""
     import grpc
 
-    from croupier.server._wire import CHANNEL_OPTIONS, spec_to_proto
+    from croupier.core.wire import CHANNEL_OPTIONS, spec_to_proto
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -490,8 +490,8 @@ async def _commits(address: str, count: int, concurrent: int, floor: BareSqlite 
     """
     import grpc
 
-    from croupier.server._spec import Spec
-    from croupier.server._wire import CHANNEL_OPTIONS, spec_to_proto
+    from croupier.core.spec import Spec
+    from croupier.core.wire import CHANNEL_OPTIONS, spec_to_proto
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -520,7 +520,7 @@ async def _commits(address: str, count: int, concurrent: int, floor: BareSqlite 
 def _coordinator(seconds: float, paced_seconds: float, rank_counts: Sequence[int], commits: int,
                  procs: int) -> dict[str, Any]:
     """Capacity, latency and durable commits of a `croupier serve` on a SQLite store."""
-    from croupier.server._spec import Spec
+    from croupier.core.spec import Spec
 
     # The shape of DistributedSampler's leases: batch_size 1 in the spec, LEASE_INDICES per call.
     spec = Spec(n=CAPACITY_N, seed=0, permutation="feistel", batch_size=1)

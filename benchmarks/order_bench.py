@@ -24,9 +24,9 @@ import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
-from croupier.server import _feistel  # noqa: E402
-from croupier.server._order import Cursor, fresh, order, plan  # noqa: E402
-from croupier.server._spec import Spec  # noqa: E402
+from croupier.core import feistel as _feistel  # noqa: E402
+from croupier.core.order import Cursor, fresh, order, plan  # noqa: E402
+from croupier.core.spec import Spec  # noqa: E402
 
 TABLE_HEADER = (
     "| N | croupier feistel first batch (ms) | torch DistributedSampler first batch (ms) | torch / croupier "

@@ -142,7 +142,7 @@ def _start_embedded(store_url: str, host: str) -> str:
     with _embedded_lock:
         server = _embedded.get(store_url)
         if server is None:
-            from croupier.server._service import Server
+            from croupier.server import Server
 
             server = Server(store_url, host=host, port=0).start()
             _embedded[store_url] = server

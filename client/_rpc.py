@@ -11,26 +11,16 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from croupier.server import _errors as E
-from croupier.server._order import Cursor
-from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest, JoinResult
-from croupier.server._wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_indices
+from croupier.core import errors as E
+from croupier.core.order import Cursor
+from croupier.core.spec import Spec
+from croupier.core.api import JoinRequest, JoinResult
+from croupier.core.wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_indices
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
-#: Status codes back to the domain errors (the inverse of the server's table).
-ERRORS: dict[grpc.StatusCode, type[E.CroupierError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: E.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: E.NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: E.FailedPrecondition,
-    grpc.StatusCode.ABORTED: E.Aborted,
-    grpc.StatusCode.OUT_OF_RANGE: E.OutOfRange,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: E.ResourceExhausted,
-    grpc.StatusCode.UNAVAILABLE: E.Unavailable,
-}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -83,7 +73,7 @@ class CoordinatorClient:
                     time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
                     delay = min(delay * 2, 1.0)
                     continue
-                kind = ERRORS.get(code)
+                kind = E.BY_CODE.get(code.name)
                 details = e.details() or ""
                 if kind is None:
                     raise RuntimeError(f"coordinator at {self.address}: {what} failed with {code.name}: {details}") from None

@@ -13,15 +13,14 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from croupier.client._audit import AuditLog
+from croupier.client._audit_log import AuditLog
 from croupier.client._resolve import resolve_address, resolve_job, resolve_token, resolve_world
 from croupier.client._rpc import CoordinatorClient, LeaseReply
-from croupier.server._checkpoint import from_state, to_state
-from croupier.server._coordinator import MAX_LEASE_BATCHES, MAX_LEASE_INDICES
-from croupier.server._errors import Aborted, NotFound
-from croupier.server._order import Cursor, Plan, bind, epoch_agrees, fresh, plan, plan_epoch
-from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest
+from croupier.core.api import MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
+from croupier.core.checkpoint import from_state, to_state
+from croupier.core.errors import Aborted, NotFound
+from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, plan, plan_epoch
+from croupier.core.spec import Spec
 
 _DONE = object()
 

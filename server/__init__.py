@@ -1,6 +1,7 @@
-"""croupier's coordinator side: the order engine, and (in later parts) the state machine and gRPC service."""
+"""croupier's coordinator: the state machine behind a journal, its stores, and the gRPC service."""
 
-from croupier.server._order import Cursor, Plan, fresh, order, plan
-from croupier.server._spec import Spec
+from croupier.server._coordinator import Coordinator
+from croupier.server._service import Server, serve
+from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, open_store
 
-__all__ = ["Cursor", "Plan", "Spec", "fresh", "order", "plan"]
+__all__ = ["Coordinator", "Server", "Store", "StoreCorrupt", "StoreError", "StoreUnavailable", "open_store", "serve"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -10,31 +9,23 @@ import time
 import msgpack
 import numpy as np
 
-from croupier.server._errors import InvalidArgument, ResourceExhausted, Unavailable
-from croupier.server._spec import Spec
-from croupier.server._order import plan_epoch
-from croupier.server._state import Event, JoinRequest, JoinResult, State, decode_event, encode_event
+from croupier.core.api import (
+    MAX_COUNT,
+    MAX_JOIN_WAIT_S,
+    MAX_LEASE_BATCHES,
+    MAX_LEASE_INDICES,
+    JoinRequest,
+    JoinResult,
+    Lease,
+)
+from croupier.core.checks import check_int
+from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from croupier.core.order import plan_epoch
+from croupier.core.spec import Spec
+from croupier.server._state import Event, State, decode_event, encode_event
 from croupier.server._store import Store, StoreError
 
 log = logging.getLogger("croupier.server")
-
-#: The most batches one lease may ask for, and the most indices it may return.
-MAX_LEASE_BATCHES = 1 << 16
-MAX_LEASE_INDICES = 1 << 24
-#: How long a join may wait for the other ranks of its generation, at most.
-MAX_JOIN_WAIT_S = 30.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """Consecutive batches of one rank in one epoch."""
-
-    indices: np.ndarray  # the batches laid end to end
-    sizes: list[int]  # the size of each batch
-    end_of_epoch: bool
-    epoch_samples: int
-    n: int
-
 
 class Coordinator:
     """Holds the jobs: every change is journaled to the store before anyone is answered.
@@ -149,8 +140,7 @@ class Coordinator:
 
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Lease:
         """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end)."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise InvalidArgument(f"lease count must be an int >= 1 (got count={count!r})")
+        check_int("lease count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
             raise ResourceExhausted(f"lease count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
         with self._cond:
@@ -159,7 +149,9 @@ class Coordinator:
             spec = self._state.jobs[job].spec
             start, world = gen.start, gen.world
         assert start is not None
-        _validate_lease(world, rank, epoch, first)
+        check_int("rank", rank, 0, world, InvalidArgument)
+        check_int("epoch", epoch, 0, MAX_COUNT, InvalidArgument)
+        check_int("first batch", first, 0, MAX_COUNT, InvalidArgument)
         if spec.batch_size * count > MAX_LEASE_INDICES:
             raise ResourceExhausted(
                 f"lease of {count} batches of {spec.batch_size} is more than the {MAX_LEASE_INDICES} indices one call serves"
@@ -197,8 +189,3 @@ class Coordinator:
         self._writer.join()
         self.store.close()
 
-
-def _validate_lease(world: int, rank: int, epoch: int, first: int) -> None:
-    for name, value, hi in (("rank", rank, world), ("epoch", epoch, 2**62), ("first batch", first, 2**62)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < hi:
-            raise InvalidArgument(f"{name} must be in [0, {hi}) (got {value!r})")

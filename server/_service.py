@@ -15,11 +15,11 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from croupier.server import _errors as E
+from croupier.core import errors as E
 from croupier.server._coordinator import Coordinator
-from croupier.server._state import JoinRequest, JoinResult
+from croupier.core.api import JoinRequest, JoinResult
 from croupier.server._store import open_store
-from croupier.server._wire import (
+from croupier.core.wire import (
     SERVER_OPTIONS,
     SERVICE,
     cursor_from_proto,
@@ -32,23 +32,12 @@ from croupier.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("croupier.server")
 
-#: The one table from domain errors to status codes.
-STATUS: dict[type[E.CroupierError], grpc.StatusCode] = {
-    E.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
-    E.NotFound: grpc.StatusCode.NOT_FOUND,
-    E.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
-    E.Aborted: grpc.StatusCode.ABORTED,
-    E.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
-    E.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    E.Unavailable: grpc.StatusCode.UNAVAILABLE,
-}
-
 M = TypeVar("M", bound=Message)
 
 
 def _abort(context: grpc.ServicerContext, err: E.CroupierError) -> None:
-    """The one place a call fails: the status from the table, the error's message as details."""
-    context.abort(STATUS[type(err)], str(err))
+    """The one place a call fails: the error's status (``croupier.core.errors``), its message as details."""
+    context.abort(grpc.StatusCode[err.code], str(err))
 
 
 def _parse(kind: type[M], raw: bytes) -> M:

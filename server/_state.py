@@ -7,7 +7,7 @@ one event part of the state and never fails on an event ``decide_join`` produced
 journal of events over the last snapshot therefore rebuilds the exact state.
 
 Serving is not an event: batch j of rank r in epoch e of generation g is a pure function of the
-generation's resume point and world size (see ``croupier.server._order``), so a repeated
+generation's resume point and world size (see ``croupier.core.order``), so a repeated
 request returns the same batch and a coordinator restart changes nothing a client sees.
 """
 
@@ -17,53 +17,15 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
-import numpy as np
+from croupier.core.api import MAX_COUNT, MAX_NAME, JoinRequest, JoinResult, validate_join
+from croupier.core.checks import check_int, check_name
+from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from croupier.core.order import Cursor, bind, epoch_agrees, fresh, show
+from croupier.core.spec import Spec
 
-from croupier.server._checkpoint import to_state
-from croupier.server._errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from croupier.server._order import Cursor, Plan, bind, epoch_agrees, fresh, plan_epoch, show, validate_cursor
-from croupier.server._spec import Spec
-
-MAX_WORLD = 1 << 20
-MAX_NAME = 256
 
 
 # --------------------------------------------------------------------------- requests and events
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinRequest:
-    """A rank of a (new) generation announcing itself.
-
-    Attributes:
-        job: The job's name.
-        spec: The job's spec; MUST equal the spec the job was registered with.
-        token: Names the incarnation of the job's world this rank belongs to (e.g. torchrun's
-            run id and restart count). A token not seen before opens a new generation and
-            fences the old one; a token of an older generation is refused.
-        world: World size of the generation.
-        rank: This rank, in [0, world).
-        resume: The cursor from the checkpoint state this rank loaded, or None.
-        epoch: The epoch given to ``set_epoch`` before the first batch, or None.
-    """
-
-    job: str
-    spec: Spec
-    token: str
-    world: int
-    rank: int
-    resume: Cursor | None = None
-    epoch: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class JoinResult:
-    """Where a joined rank stands: its generation, and the resume point once every rank is in."""
-
-    generation: int
-    world: int
-    start: Cursor | None
-    waiting_for: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,35 +122,6 @@ class Job:
     tokens: list[str] = dataclasses.field(default_factory=list)
 
 
-def _validate_request(req: JoinRequest) -> None:
-    _check_name(req.job)
-    if not isinstance(req.spec, Spec):
-        raise InvalidArgument(f"spec must be a Spec (got {type(req.spec).__name__})")
-    if not isinstance(req.token, str) or not req.token or len(req.token) > MAX_NAME:
-        raise InvalidArgument(f"token must be a non-empty string of at most {MAX_NAME} characters (got token={req.token!r})")
-    _check_int("world", req.world, 1, MAX_WORLD + 1)
-    _check_int("rank", req.rank, 0, req.world)
-    if req.epoch is not None:
-        _check_int("epoch", req.epoch, 0, 2**62)
-    if req.resume is not None:
-        try:
-            validate_cursor(req.spec, req.resume)
-        except ValueError as e:
-            raise InvalidArgument(str(e)) from None
-
-
-def _check_name(job: Any) -> None:
-    if not isinstance(job, str) or not job or len(job) > MAX_NAME:
-        raise InvalidArgument(f"job name must be a non-empty string of at most {MAX_NAME} characters (got job={job!r})")
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"{name} must be an int (got {name}={value!r})")
-    if not lo <= value < hi:
-        raise InvalidArgument(f"{name} must be in [{lo}, {hi}) (got {name}={value})")
-
-
 class State:
     """Every job the coordinator holds. Change it only through :meth:`apply`."""
 
@@ -206,7 +139,7 @@ class State:
                 generation's, or a resume point / epoch that disagrees with another rank's.
             Aborted: the token belongs to a generation that a newer one replaced.
         """
-        _validate_request(req)
+        validate_join(req)
         events: list[Event] = []
         job = self.jobs.get(req.job)
         if job is None:
@@ -283,7 +216,7 @@ class State:
 
     def current(self, job: str) -> Generation:
         """The job's current generation. Raises NotFound for an unknown job."""
-        _check_name(job)
+        check_name("job name", job, MAX_NAME, InvalidArgument)
         j = self.jobs.get(job)
         if j is None or j.generation is None:
             raise NotFound(f"job {job!r} is not known to this coordinator (a rank must join it first)")
@@ -298,7 +231,7 @@ class State:
             FailedPrecondition: the generation is still waiting for ranks to join.
         """
         gen = self.current(job)
-        _check_int("generation", generation, 1, 2**62)
+        check_int("generation", generation, 1, MAX_COUNT, InvalidArgument)
         if generation < gen.number:
             raise Aborted(
                 f"generation {generation} of job {job!r} was replaced by generation {gen.number}; "
@@ -311,36 +244,6 @@ class State:
                 f"generation {generation} of job {job!r} is waiting for ranks {list(gen.waiting_for())} to join"
             )
         return gen
-
-    def plan(self, job: str, generation: int, epoch: int) -> Plan | None:
-        """The plan of `epoch` in a started generation; None for an epoch already complete.
-
-        Raises:
-            OutOfRange: an epoch before the generation's resume point.
-        """
-        gen = self.generation(job, generation)
-        _check_int("epoch", epoch, 0, 2**62)
-        assert gen.start is not None
-        spec = self.jobs[job].spec
-        return plan_epoch(spec, gen.start, gen.world, epoch)
-
-    def serve(self, job: str, generation: int, rank: int, epoch: int, batch: int) -> np.ndarray | None:
-        """Batch `batch` of `rank` in `epoch` of `generation`, or None past the rank's last batch."""
-        gen = self.generation(job, generation)
-        _check_int("rank", rank, 0, gen.world)
-        _check_int("batch", batch, 0, 2**62)
-        p = self.plan(job, generation, epoch)
-        return None if p is None else p.batch_indices(rank, batch)
-
-    def checkpoint(self, job: str, generation: int, epoch: int, batches: int) -> dict[str, Any]:
-        """The checkpoint state once every rank has consumed `batches` batches of `epoch`."""
-        gen = self.generation(job, generation)
-        _check_int("batches", batches, 0, 2**62)
-        p = self.plan(job, generation, epoch)
-        spec = self.jobs[job].spec
-        assert gen.start is not None
-        cursor = gen.start if p is None else p.advance(batches)
-        return to_state(job, spec, cursor)
 
     # ---------------------------------------------------------------- snapshots
 

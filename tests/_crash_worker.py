@@ -14,10 +14,10 @@ import random
 import sys
 
 from croupier.client._rpc import CoordinatorClient
-from croupier.server._checkpoint import from_state, to_state
-from croupier.server._spec import Spec
-from croupier.server._order import plan_epoch
-from croupier.server._state import JoinRequest
+from croupier.core.api import JoinRequest
+from croupier.core.checkpoint import from_state, to_state
+from croupier.core.order import plan_epoch
+from croupier.core.spec import Spec
 
 
 def say(**kw: object) -> None:

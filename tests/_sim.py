@@ -8,11 +8,11 @@ import itertools
 from typing import Any
 
 import msgpack
-
-from croupier.server._checkpoint import from_state
-from croupier.server._order import Plan
-from croupier.server._spec import Spec
-from croupier.server._state import Event, JoinRequest, State, decode_event, encode_event
+from croupier.core.api import JoinRequest
+from croupier.core.checkpoint import from_state, to_state
+from croupier.core.order import Plan, plan_epoch
+from croupier.core.spec import Spec
+from croupier.server._state import Event, State, decode_event, encode_event
 
 JOB = "job"
 
@@ -63,6 +63,27 @@ class Checkpoint:
     end_worlds: tuple[tuple[int, int], ...]  # (epoch, world of the generation that completed it)
     finished: tuple[tuple[int, int], ...]  # the epochs it had finished, with their final world
     epoch: int  # the training loop's epoch variable at the save
+
+
+def plan_of(state: State, generation: int, epoch: int, job: str = JOB) -> Plan | None:
+    """The plan the coordinator leases `epoch` of a started `generation` from (None: already complete)."""
+    gen = state.generation(job, generation)
+    assert gen.start is not None
+    return plan_epoch(state.jobs[job].spec, gen.start, gen.world, epoch)
+
+
+def serve(state: State, generation: int, rank: int, epoch: int, batch: int, job: str = JOB) -> Any:
+    """Batch `batch` of `rank` (None past its last), as the coordinator's lease computes it."""
+    p = plan_of(state, generation, epoch, job)
+    return None if p is None else p.batch_indices(rank, batch)
+
+
+def checkpoint_of(state: State, generation: int, epoch: int, batches: int, job: str = JOB) -> dict[str, Any]:
+    """The checkpoint state once every rank has consumed `batches` batches of `epoch`."""
+    p = plan_of(state, generation, epoch, job)
+    start = state.generation(job, generation).start
+    assert start is not None
+    return to_state(job, state.jobs[job].spec, start if p is None else p.advance(batches))
 
 
 class Job:
@@ -142,7 +163,7 @@ class Job:
 
     def step(self) -> bool:
         """One training step on every rank; returns True when it finished an epoch."""
-        batches = [self.state.serve(JOB, self.generation, r, self.epoch, self.j) for r in range(self.world)]
+        batches = [serve(self.state, self.generation, r, self.epoch, self.j) for r in range(self.world)]
         if all(b is None for b in batches):
             self._finish_epoch()
             return True
@@ -150,7 +171,7 @@ class Job:
             if b is not None:
                 self.log.append((self.epoch, self.incarnation, self.world, tuple(b.tolist())))
         self.j += 1
-        p = self.state.plan(JOB, self.generation, self.epoch)
+        p = plan_of(self.state, self.generation, self.epoch)
         if p is not None and p.done(self.j):
             self.end_worlds[self.epoch] = self.world
         audit_partial(self.spec, self.trained(self.epoch), self.allowance(self.epoch)[1])
@@ -159,10 +180,10 @@ class Job:
     def partial_step(self, ranks: set[int]) -> None:
         """Only `ranks` receive the next batch (a crash in the middle of a step)."""
         for r in sorted(ranks):
-            b = self.state.serve(JOB, self.generation, r, self.epoch, self.j)
+            b = serve(self.state, self.generation, r, self.epoch, self.j)
             if b is not None:
                 self.log.append((self.epoch, self.incarnation, self.world, tuple(b.tolist())))
-                again = self.state.serve(JOB, self.generation, r, self.epoch, self.j)
+                again = serve(self.state, self.generation, r, self.epoch, self.j)
                 assert again is not None and again.tolist() == b.tolist(), "serving is not idempotent"
 
     def _finish_epoch(self) -> None:
@@ -197,7 +218,7 @@ class Job:
         return missing, sum(w - 1 for _, w in gens)
 
     def checkpoint(self) -> Checkpoint:
-        state = self.state.checkpoint(JOB, self.generation, self.epoch, self.j)
+        state = checkpoint_of(self.state, self.generation, self.epoch, self.j)
         ck = Checkpoint(state, tuple(self.log), tuple(self.end_worlds.items()), tuple(self.finished_epochs), self.epoch)
         self.checkpoints.append(ck)
         return ck

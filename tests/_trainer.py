@@ -20,9 +20,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from croupier.client import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 def main() -> None:

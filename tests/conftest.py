@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
 
@@ -40,7 +39,7 @@ class ServeProcess:
     def __init__(self, store: str, port: int = 0, extra_env: dict[str, str] | None = None) -> None:
         env = {**os.environ, **(extra_env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "croupier.server._cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--store", store],
+            [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--store", store],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         assert self.proc.stdout is not None

@@ -9,10 +9,9 @@ import threading
 
 import msgpack
 import numpy as np
-
 from croupier.client import DistributedSampler
-from croupier.client._audit import audit
 from croupier.server._service import Server
+from croupier.tools.audit import audit
 
 N = 101
 
@@ -57,7 +56,7 @@ def test_audit_passes_a_restarted_resized_job(server: Server, tmp_path: pathlib.
     reports = audit(tmp_path)
     assert [r.epoch for r in reports] == [0]
     assert reports[0].ok and reports[0].finished and reports[0].missing == 0 and reports[0].duplicates == 0
-    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "audit", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "audit", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "G1 holds" in out.stdout
 
@@ -79,7 +78,7 @@ def test_audit_catches_a_planted_duplicate(server: Server, tmp_path: pathlib.Pat
     _rewrite(final, plant)
     r = audit(tmp_path)[0]
     assert not r.ok and r.duplicates == 1
-    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "audit", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "audit", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 1 and "G1 VIOLATED" in out.stdout
 
 
@@ -102,5 +101,5 @@ def test_audit_flags_a_restart_that_did_not_load_the_sampler_state(server: Serve
     run_ranks(server, tmp_path, 2, "h2", None, steps=None, save_at=None)  # forgot load_state_dict
     reports = audit(tmp_path)
     assert not reports[0].ok and "UNVERIFIED" in reports[0].why
-    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "audit", str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "audit", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 1

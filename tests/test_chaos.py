@@ -37,7 +37,7 @@ def _processes_mentioning(text: str) -> list[str]:
 
 
 def chaos(workdir: pathlib.Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], re.Match[str]]:
-    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "chaos", "--workdir", str(workdir), *args],
+    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "chaos", "--workdir", str(workdir), *args],
                          capture_output=True, text=True, timeout=timeout)
     tail = out.stdout[-6000:] + out.stderr[-3000:]
     assert out.returncode == 0, tail

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import pathlib
 import threading
 import uuid
@@ -10,14 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler as TorchSampler
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 from conftest import ServeProcess
 from croupier.client import DistributedBatchSampler, DistributedSampler
 from croupier.server._service import Server
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 def on_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:

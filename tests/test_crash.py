@@ -12,7 +12,6 @@ import sys
 import threading
 
 import pytest
-
 from conftest import ServeProcess
 from croupier.client._rpc import CoordinatorClient
 

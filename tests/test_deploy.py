@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 KUBE = ROOT / "deploy" / "kubernetes"
 BIN = pathlib.Path(sys.executable).parent
-TRAINER_MODULE = "croupier.client._demo_train"
+TRAINER_MODULE = "croupier.tools.demo_train"
 #: The coordinator's health service answers for the server ("") and for its API.
 HEALTH_SERVICES = ("", "croupier.v1.Coordinator")
 #: The oldest Kubernetes the manifests are for (gRPC probes, PDB unhealthyPodEvictionPolicy), and the newest.

@@ -5,10 +5,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from _sim import Job, audit_epoch
-from croupier.server._order import Cursor, fresh, plan
-from croupier.server._spec import Spec
+from croupier.core.order import Cursor, fresh, plan
+from croupier.core.spec import Spec
 
 SEQUENCES = [s for k in (1, 2, 3) for s in itertools.product(range(1, 6), repeat=k)]
 

@@ -7,12 +7,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from croupier.core import feistel as _feistel
+from croupier.core.order import Cursor, Plan, bind, fresh, order, part_bounds, plan
+from croupier.core.spec import PARTITIONS, TAILS, Spec
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-from croupier.server import _feistel
-from croupier.server._order import Cursor, Plan, bind, fresh, order, part_bounds, plan
-from croupier.server._spec import PARTITIONS, TAILS, Spec
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -329,7 +328,7 @@ def test_many_resizes_serve_every_index_once(
 @given(n=st.integers(2, 2**62), seed=st.integers(0, 2**32), data=st.data())
 def test_feistel_scalar_path_equals_vector_path(n: int, seed: int, data: st.DataObject) -> None:
     """Inputs of at most _feistel.SMALL positions take a pure-Python path; it is the same bijection."""
-    from croupier.server import _feistel
+    from croupier.core import feistel as _feistel
 
     positions = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=_feistel.SMALL + 1, max_size=64)), dtype=np.int64)
     keys = _feistel.round_keys(_feistel.derive_key(seed, 7))

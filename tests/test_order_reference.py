@@ -7,10 +7,9 @@ import random
 
 import numpy as np
 import pytest
-
-from croupier.server._order import Plan, bind, fresh, order, plan
-from croupier.server._spec import Spec
 from _sim import batches_of as _batches
+from croupier.core.order import bind, fresh, order, plan
+from croupier.core.spec import Spec
 
 
 def _ranks(spec: Spec, world: int, epoch: int = 0) -> list[list[int]]:

@@ -11,19 +11,18 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from conftest import ServeProcess
 from croupier.client._rpc import CoordinatorClient
-from croupier.server import _errors as E
-from croupier.server._order import Cursor, fresh, plan
+from croupier.core import errors as E
+from croupier.core.api import JoinRequest
+from croupier.core.order import Cursor, fresh, plan
+from croupier.core.spec import Spec
+from croupier.core.wire import SERVICE
 from croupier.server._service import Server
-from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest
 from croupier.server._store import StoreUnavailable
-from croupier.server._wire import SERVICE
 from croupier.v1 import coordinator_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = Spec(n=1000, seed=3, batch_size=8, permutation="feistel")
@@ -102,7 +101,7 @@ def _raw(server: Server, method: str, payload: bytes) -> grpc.RpcError:
 
 
 def _join_msg(**kw: object) -> bytes:
-    from croupier.server._wire import spec_to_proto
+    from croupier.core.wire import spec_to_proto
 
     m = pb.JoinRequest(request_id="r1", job="j", spec=spec_to_proto(SPEC), token="t9", world=2, rank=0)
     for k, v in kw.items():
@@ -235,7 +234,7 @@ def test_serve_sigterm_exits_zero_and_keeps_state(tmp_path: pathlib.Path, serve_
 def test_serve_refuses_a_corrupt_store(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"this is not a database" * 100)
-    out = subprocess.run([sys.executable, "-m", "croupier.server._cli", "serve", "--port", "0", "--store", f"sqlite:///{bad}"],
+    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", f"sqlite:///{bad}"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert str(bad) in out.stderr

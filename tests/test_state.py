@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-from croupier.server._checkpoint import from_state, to_state
-from croupier.server._errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from croupier.server._order import Cursor, fresh
-from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest, State, decode_event, encode_event
+from _sim import checkpoint_of, plan_of, serve
+from croupier.core.api import JoinRequest
+from croupier.core.checkpoint import from_state, to_state
+from croupier.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+)
+from croupier.core.order import Cursor, fresh
+from croupier.core.spec import Spec
+from croupier.server._state import State, decode_event, encode_event
 
 SPEC = Spec(n=100, seed=1, batch_size=4)
 
@@ -77,17 +84,17 @@ def test_generation_waits_for_every_rank() -> None:
     commit(s, JoinRequest("j", SPEC, "a", 3, 0))
     assert s.join_result("j", 0).waiting_for == (1,)
     with pytest.raises(FailedPrecondition, match=r"waiting for ranks \[1\]"):
-        s.serve("j", 1, 0, 0, 0)
+        serve(s, 1, 0, 0, 0, job="j")
     commit(s, JoinRequest("j", SPEC, "a", 3, 1))
     assert s.join_result("j", 1).start == fresh(SPEC, 0)
-    assert s.serve("j", 1, 0, 0, 0) is not None
+    assert serve(s, 1, 0, 0, 0, job="j") is not None
 
 
 def test_join_is_idempotent_and_serving_is_deterministic() -> None:
     s = started()
     assert s.decide_join(JoinRequest("j", SPEC, "a", 2, 1)) == []
-    a = s.serve("j", 1, 1, 0, 3)
-    b = s.serve("j", 1, 1, 0, 3)
+    a = serve(s, 1, 1, 0, 3, job="j")
+    b = serve(s, 1, 1, 0, 3, job="j")
     assert a is not None and b is not None and a.tolist() == b.tolist()
 
 
@@ -96,13 +103,13 @@ def test_fencing_old_generation() -> None:
     commit(s, JoinRequest("j", SPEC, "b", 3, 0))
     before = frozen(s)
     with pytest.raises(Aborted, match="replaced by generation 2"):
-        s.serve("j", 1, 0, 0, 0)
+        serve(s, 1, 0, 0, 0, job="j")
     with pytest.raises(Aborted, match="older generation"):
         s.decide_join(JoinRequest("j", SPEC, "a", 2, 1))
     with pytest.raises(NotFound):
-        s.serve("j", 7, 0, 0, 0)
+        serve(s, 7, 0, 0, 0, job="j")
     with pytest.raises(NotFound, match="not known"):
-        s.serve("nope", 1, 0, 0, 0)
+        serve(s, 1, 0, 0, 0, job="nope")
     assert frozen(s) == before
 
 
@@ -120,8 +127,8 @@ def test_ranks_must_resume_from_the_same_checkpoint() -> None:
 
 def test_epochs_advance_by_themselves() -> None:
     s = started(world=1)
-    p0 = s.plan("j", 1, 0)
-    p1 = s.plan("j", 1, 1)
+    p0 = plan_of(s, 1, 0, job="j")
+    p1 = plan_of(s, 1, 1, job="j")
     assert p0 is not None and p1 is not None
     e0 = [i for j in range(25) for i in p0.batch_indices(0, j).tolist()]  # type: ignore[union-attr]
     e1 = [i for j in range(25) for i in p1.batch_indices(0, j).tolist()]  # type: ignore[union-attr]
@@ -131,9 +138,9 @@ def test_epochs_advance_by_themselves() -> None:
 def test_set_epoch_on_a_fresh_job_starts_there() -> None:
     s = started(epoch=5)
     assert s.join_result("j", 0).start == fresh(SPEC, 5)
-    assert s.serve("j", 1, 0, 4, 0) is None  # the epoch before a fresh start counts as complete
+    assert serve(s, 1, 0, 4, 0, job="j") is None  # the epoch before a fresh start counts as complete
     with pytest.raises(OutOfRange, match="epoch 3 is before"):
-        s.serve("j", 1, 0, 3, 0)
+        serve(s, 1, 0, 3, 0, job="j")
 
 
 def test_set_epoch_must_agree_with_the_checkpoint() -> None:
@@ -145,10 +152,10 @@ def test_set_epoch_must_agree_with_the_checkpoint() -> None:
     commit(s, JoinRequest("j", SPEC, "a", 2, 1, None, 3))
     # A finished epoch: the checkpoint is epoch 4's fresh start; set_epoch(3) gets no batches.
     s2 = started(resume=fresh(SPEC, 4), epoch=3)
-    assert s2.serve("j", 1, 0, 3, 0) is None
-    assert s2.serve("j", 1, 0, 4, 0) is not None
+    assert serve(s2, 1, 0, 3, 0, job="j") is None
+    assert serve(s2, 1, 0, 4, 0, job="j") is not None
     with pytest.raises(OutOfRange):
-        s2.serve("j", 1, 0, 2, 0)
+        serve(s2, 1, 0, 2, 0, job="j")
 
 
 def test_snapshot_and_journal_rebuild_the_same_state() -> None:
@@ -165,7 +172,7 @@ def test_snapshot_and_journal_rebuild_the_same_state() -> None:
     assert restored.snapshot() == s.snapshot()
     replayed = State.restore(None, [decode_event(msgpack.unpackb(b)) for b in journal])
     assert replayed.snapshot() == s.snapshot()
-    assert restored.serve("j", 3, 0, 1, 2).tolist() == s.serve("j", 3, 0, 1, 2).tolist()  # type: ignore[union-attr]
+    assert serve(restored, 3, 0, 1, 2, job="j").tolist() == serve(s, 3, 0, 1, 2, job="j").tolist()  # type: ignore[union-attr]
 
 
 def test_checkpoint_state_round_trip_and_refusals() -> None:
@@ -190,7 +197,7 @@ def test_checkpoint_state_round_trip_and_refusals() -> None:
 def test_checkpoint_is_topology_free() -> None:
     """All ranks' states agree, and a strided job's state is one interval whatever the world."""
     s = started(world=4)
-    st = s.checkpoint("j", 1, 0, 3)
+    st = checkpoint_of(s, 1, 0, 3, job="j")
     assert st["remaining"] == [[3 * 4 * 4, 100]]
     assert len(msgpack.packb(st)) < 200
 
@@ -201,14 +208,14 @@ def test_scope_rank_layout_is_kept_across_a_resize() -> None:
     for r in range(4):
         commit(s, JoinRequest("d", spec, "a", 4, r))
     assert s.join_result("d", 0).start.base_world == 4  # type: ignore[union-attr]
-    st = s.checkpoint("d", 1, 0, 2)
+    st = checkpoint_of(s, 1, 0, 2, job="d")
     assert st["base_world"] == 4
-    part0 = set(s.plan("d", 1, 0).batch_indices(0, 0).tolist())  # type: ignore[union-attr]
+    part0 = set(plan_of(s, 1, 0, job="d").batch_indices(0, 0).tolist())  # type: ignore[union-attr]
     assert part0 <= set(range(10))  # split first, then shuffled within rank 0's part
     s2 = State()
     for r in range(2):
         commit(s2, JoinRequest("d", spec, "b", 2, r, from_state("d", spec, st)))
-    p = s2.plan("d", 1, 0)
+    p = plan_of(s2, 1, 0, job="d")
     got = [i for r in range(2) for j in range(10) if (b := p.batch_indices(r, j)) is not None for i in b.tolist()]  # type: ignore[union-attr]
-    first = [i for r in range(4) for j in range(2) for i in s.plan("d", 1, 0).batch_indices(r, j).tolist()]  # type: ignore[union-attr]
+    first = [i for r in range(4) for j in range(2) for i in plan_of(s, 1, 0, job="d").batch_indices(r, j).tolist()]  # type: ignore[union-attr]
     assert sorted(got + first) == list(range(40))

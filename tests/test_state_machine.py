@@ -6,15 +6,21 @@ import os
 
 import msgpack
 import pytest
+from _sim import JOB, Job, audit_partial, serve
+from croupier.core.api import JoinRequest
+from croupier.core.errors import Aborted
+from croupier.core.order import Plan
+from croupier.core.spec import Spec
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
-
-from _sim import JOB, Job, audit_partial
-from croupier.server._errors import Aborted
-from croupier.server._order import Plan
-from croupier.server._spec import Spec
-from croupier.server._state import JoinRequest
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 MAX_WORLD = 16
 # CI runs the default; CROUPIER_SM_EXAMPLES changes it; `make slow` runs the long test below.
@@ -84,7 +90,7 @@ class Elastic(RuleBasedStateMachine):
         before = msgpack.packb(job.state.snapshot())
         rank = data.draw(st.integers(0, world - 1))
         try:
-            job.state.serve(JOB, gen, rank % job.world, job.epoch, job.j)
+            serve(job.state, gen, rank % job.world, job.epoch, job.j)
             raise AssertionError(f"zombie of generation {gen} was served")
         except Aborted:
             pass
@@ -104,9 +110,9 @@ class Elastic(RuleBasedStateMachine):
     def restart_coordinator(self) -> None:
         """kill -9 of the coordinator: it comes back from its snapshot and journal; clients see no change."""
         job = self.job
-        probe = [job.state.serve(JOB, job.generation, r, job.epoch, job.j) for r in range(job.world)]
+        probe = [serve(job.state, job.generation, r, job.epoch, job.j) for r in range(job.world)]
         job.restart_coordinator()
-        again = [job.state.serve(JOB, job.generation, r, job.epoch, job.j) for r in range(job.world)]
+        again = [serve(job.state, job.generation, r, job.epoch, job.j) for r in range(job.world)]
         assert [None if b is None else b.tolist() for b in probe] == [None if b is None else b.tolist() for b in again]
         self.stats["coordinator_restarts"] += 1
 

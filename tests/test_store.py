@@ -15,9 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from croupier.server._store import (
     SCHEMA_VERSION,
     MemoryStore,
@@ -30,6 +27,8 @@ from croupier.server._store import (
     open_store,
     parse_url,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from croupier.server._errors import FailedPrecondition, InvalidArgument
-from croupier.server._order import Cursor, validate_cursor
-from croupier.server._spec import Spec
+from croupier.core.errors import FailedPrecondition, InvalidArgument
+from croupier.core.order import Cursor, validate_cursor
+from croupier.core.spec import Spec
 
 VERSION = 1
 _KEYS = {"version", "job", "fingerprint", "epoch", "remaining", "base_world"}

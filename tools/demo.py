@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from croupier.client._audit import audit, render
+from croupier.tools.audit import audit, render
 
 JOB = "demo"
 
@@ -60,7 +60,7 @@ def run_phase(work: pathlib.Path, phase: Phase, cfg: dict, env: dict[str, str], 
     """Runs one torchrun launch until it finishes or is preempted; returns what ended it."""
     shutil.rmtree(work / "status", ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={phase.workers}",
-           "--max-restarts=3", "--monitor-interval=0.2", "-m", "croupier.client._demo_train"]
+           "--max-restarts=3", "--monitor-interval=0.2", "-m", "croupier.tools.demo_train"]
     proc = subprocess.Popen(cmd, env={**env, "DEMO": json.dumps(cfg)}, stdout=log, stderr=log, start_new_session=True)
     killed_worker = False
     last_line = ""

@@ -19,9 +19,9 @@ import functools
 
 import numpy as np
 
-from croupier.server._errors import OutOfRange
-from croupier.server._permute import PERMUTATIONS
-from croupier.server._spec import Spec
+from croupier.core.errors import OutOfRange
+from croupier.core.permute import PERMUTATIONS
+from croupier.core.spec import Spec
 
 Interval = tuple[int, int]
 

@@ -1,7 +1,7 @@
 """`croupier chaos`: random SIGKILLs, rollbacks and resizes of a real torchrun job and its coordinator, audited.
 
 One standalone coordinator (``croupier serve`` on a SQLite store) and a sequence of torchrun
-launches of the demo trainer (``croupier.client._demo_train``) pointed at it. Each launch runs
+launches of the demo trainer (``croupier.tools.demo_train``) pointed at it. Each launch runs
 with a random world size between 1 and 4 and ``--max-restarts=0``; after the job has made some
 random progress (read from the trainer's status files) one fault is injected:
 
@@ -36,10 +36,10 @@ import threading
 import time
 from typing import IO, Any
 
-from croupier.client._audit import EpochReport, audit, load, render
+from croupier.tools.audit import EpochReport, audit, load, render
 
 JOB = "chaos"
-TRAINER = "croupier.client._demo_train"
+TRAINER = "croupier.tools.demo_train"
 BATCH = 12  # per worker; with N a multiple of 12 every world size 1..4 consumes whole steps: no pad, no repeats
 CKPT_EVERY = 2  # steps
 LEASE_AHEAD = 24  # indices per lease: every rank calls the coordinator every other step
@@ -118,7 +118,7 @@ class Coordinator:
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "croupier.server._cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--store", f"sqlite:///{self.db}"]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.proc = proc

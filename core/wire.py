@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from croupier.server._errors import InvalidArgument
-from croupier.server._order import Cursor
-from croupier.server._spec import Spec
+from croupier.core.errors import InvalidArgument
+from croupier.core.order import Cursor
+from croupier.core.spec import Spec
 from croupier.v1 import coordinator_pb2 as pb
 
 SERVICE = "croupier.v1.Coordinator"

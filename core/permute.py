@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from croupier.server import _feistel
-from croupier.server._spec import Spec
+from croupier.core import feistel as _feistel
+from croupier.core.spec import Spec
 
 # A permutation maps (spec, epoch, positions, windows) -> indices. `windows` is the list of
 # window boundaries the shuffle must stay inside: [0, n] for a global shuffle, or the

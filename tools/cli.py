@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from croupier.server._order import fresh, plan
-from croupier.server._spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
-from croupier.server._store import StoreError
+from croupier.core.order import fresh, plan
+from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
+from croupier.server import StoreError
 
 
 def _order_cmd(args: argparse.Namespace) -> int:
@@ -37,7 +37,7 @@ def _order_cmd(args: argparse.Namespace) -> int:
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
-    from croupier.server._service import serve
+    from croupier.server import serve
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -45,7 +45,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 
 
 def _audit_cmd(args: argparse.Namespace) -> int:
-    from croupier.client._audit import audit, render
+    from croupier.tools.audit import audit, render
 
     try:
         reports = audit(args.logdir)
@@ -61,13 +61,13 @@ def _audit_cmd(args: argparse.Namespace) -> int:
 
 
 def _demo_cmd(args: argparse.Namespace) -> int:
-    from croupier.client._demo import main as demo
+    from croupier.tools.demo import main as demo
 
     return demo(args.workdir, n=args.n, epochs=args.epochs)
 
 
 def _chaos_cmd(args: argparse.Namespace) -> int:
-    from croupier.client._chaos import main as chaos
+    from croupier.tools.chaos import main as chaos
 
     return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed)
 

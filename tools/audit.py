@@ -1,12 +1,7 @@
-"""The audit log: what each rank received, and `croupier audit`, which checks G1 from it.
+"""`croupier audit`: reads the audit logs the samplers wrote and checks G1 from them.
 
-Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRANK.audit``:
-
-* ``start``: the generation (number, world, token), the spec's n / tail / partition, the wall
-  clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start);
-* ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
-  chunk), and the chunk's indices (little-endian int64);
-* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (token/epoch/items), epoch, items.
+The log's records are described in :mod:`croupier.client` (``_audit_log``): ``start``, ``batch``
+and ``ckpt``.
 
 The audit follows the chain backwards from the last incarnation to start: each resumed from a
 checkpoint that an earlier one made, so what counts of that earlier one is what it received up to
@@ -20,38 +15,11 @@ import collections
 import dataclasses
 import os
 import pathlib
-import time
 from collections.abc import Iterable
-from typing import Any, BinaryIO
+from typing import Any
 
 import msgpack
 import numpy as np
-
-
-class AuditLog:
-    """Appends one rank's records; each record is flushed so a kill -9 loses at most the last one."""
-
-    def __init__(self, root: str | os.PathLike[str], job: str, token: str, rank: int) -> None:
-        d = pathlib.Path(root) / job
-        d.mkdir(parents=True, exist_ok=True)
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in token)
-        self._f: BinaryIO = open(d / f"{safe}-r{rank}.audit", "ab")
-
-    def write(self, **record: Any) -> None:
-        self._f.write(msgpack.packb(record))
-        self._f.flush()
-
-    def start(self, **kw: Any) -> None:
-        self.write(t="start", ts=time.time(), **kw)
-
-    def batch(self, epoch: int, at: int, indices: np.ndarray) -> None:
-        self.write(t="batch", epoch=epoch, at=at, idx=np.ascontiguousarray(indices, dtype="<i8").tobytes())
-
-    def ckpt(self, origin: str, epoch: int, items: int) -> None:
-        self.write(t="ckpt", origin=origin, epoch=epoch, items=items)
-
-    def close(self) -> None:
-        self._f.close()
 
 
 @dataclasses.dataclass

@@ -1,0 +1,48 @@
+"""The audit log a sampler writes: what each rank received, and which checkpoints it made.
+
+Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRANK.audit``:
+
+* ``start``: the generation (number, world, token), the spec's n / tail / partition, the wall
+  clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start);
+* ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
+  chunk), and the chunk's indices (little-endian int64);
+* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (token/epoch/items), epoch, items.
+
+``croupier audit`` (:mod:`croupier.tools.audit`) reads them back.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from typing import Any, BinaryIO
+
+import msgpack
+import numpy as np
+
+
+class AuditLog:
+    """Appends one rank's records; each record is flushed so a kill -9 loses at most the last one."""
+
+    def __init__(self, root: str | os.PathLike[str], job: str, token: str, rank: int) -> None:
+        d = pathlib.Path(root) / job
+        d.mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in token)
+        self._f: BinaryIO = open(d / f"{safe}-r{rank}.audit", "ab")
+
+    def write(self, **record: Any) -> None:
+        self._f.write(msgpack.packb(record))
+        self._f.flush()
+
+    def start(self, **kw: Any) -> None:
+        self.write(t="start", ts=time.time(), **kw)
+
+    def batch(self, epoch: int, at: int, indices: np.ndarray) -> None:
+        self.write(t="batch", epoch=epoch, at=at, idx=np.ascontiguousarray(indices, dtype="<i8").tobytes())
+
+    def ckpt(self, origin: str, epoch: int, items: int) -> None:
+        self.write(t="ckpt", origin=origin, epoch=epoch, items=items)
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,91 @@
+"""What a rank and the coordinator say to each other, as domain types, and the limits of one call.
+
+Both sides use these: the client builds a :class:`JoinRequest`, the wire converts it, the
+coordinator validates and decides on it. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from croupier.core.checks import check_int, check_name
+from croupier.core.errors import InvalidArgument
+from croupier.core.order import Cursor, validate_cursor
+from croupier.core.spec import Spec
+
+#: The largest world a generation may have.
+MAX_WORLD = 1 << 20
+#: The longest job name or incarnation token.
+MAX_NAME = 256
+#: The most batches one lease may ask for, and the most indices it may return.
+MAX_LEASE_BATCHES = 1 << 16
+MAX_LEASE_INDICES = 1 << 24
+#: How long one join call may wait for the other ranks of its generation, at most.
+MAX_JOIN_WAIT_S = 30.0
+#: Epochs, batches and generations are below this.
+MAX_COUNT = 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinRequest:
+    """A rank of a (new) generation announcing itself.
+
+    Attributes:
+        job: The job's name.
+        spec: The job's spec; MUST equal the spec the job was registered with.
+        token: Names the incarnation of the job's world this rank belongs to (e.g. torchrun's
+            run id and restart count). A token not seen before opens a new generation and
+            fences the old one; a token of an older generation is refused.
+        world: World size of the generation.
+        rank: This rank, in [0, world).
+        resume: The cursor from the checkpoint state this rank loaded, or None.
+        epoch: The epoch given to ``set_epoch`` before the first batch, or None.
+    """
+
+    job: str
+    spec: Spec
+    token: str
+    world: int
+    rank: int
+    resume: Cursor | None = None
+    epoch: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinResult:
+    """Where a joined rank stands: its generation, and the resume point once every rank is in."""
+
+    generation: int
+    world: int
+    start: Cursor | None
+    waiting_for: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """Consecutive batches of one rank in one epoch."""
+
+    indices: np.ndarray  # (sum(sizes),) the batches laid end to end
+    sizes: list[int]  # the size of each batch
+    end_of_epoch: bool
+    epoch_samples: int
+    n: int
+
+
+def validate_join(req: JoinRequest) -> None:
+    """Raises InvalidArgument, naming the value, for a malformed join request."""
+    check_name("job name", req.job, MAX_NAME, InvalidArgument)
+    if not isinstance(req.spec, Spec):
+        raise InvalidArgument(f"spec must be a Spec (got {type(req.spec).__name__})")
+    check_name("token", req.token, MAX_NAME, InvalidArgument)
+    check_int("world", req.world, 1, MAX_WORLD + 1, InvalidArgument)
+    check_int("rank", req.rank, 0, req.world, InvalidArgument)
+    if req.epoch is not None:
+        check_int("epoch", req.epoch, 0, MAX_COUNT, InvalidArgument)
+    if req.resume is not None:
+        try:
+            validate_cursor(req.spec, req.resume)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
