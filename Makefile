@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test slow chaos bench clean
+.PHONY: demo test check lint slow chaos bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,15 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
-test: $(STAMP)  ## the default test suite
+test: lint  ## everything CI runs: lint, types, and the whole default suite (end-to-end runs included)
 	$(PY) -m pytest -q
+
+check: lint  ## the fast lane for the edit loop (under two minutes): lint, types, the in-process tests
+	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -m "not slow and not e2e"
+
+lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
+	$(VENV)/bin/ruff check .
+	$(PY) scripts/typecheck.py
 
 slow: $(STAMP)  ## the long runs: 5000-example state machine, 200 coordinator kills, 100-fault chaos
 	$(PY) -m pytest -q -m slow -s

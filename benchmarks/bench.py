@@ -206,13 +206,13 @@ def _child_resume(sampler: str, n: int) -> dict[str, Any]:
 def _child_steady(n: int, epochs: int, repeats: int) -> dict[str, Any]:
     """Indices/s of DataLoader loops after each epoch's first batch, for every sampler, interleaved."""
     _import_all()
+    import inspect
+
     from torch.utils.data import BatchSampler, DataLoader
     from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
     from croupier.client import DistributedBatchSampler, DistributedSampler
     from croupier.client._rpc import CoordinatorClient
-
-    import inspect
 
     default = inspect.signature(DistributedSampler.__init__).parameters["lease_ahead"].default
     assert default == LEASE_INDICES, f"LEASE_INDICES={LEASE_INDICES} but DistributedSampler leases {default}"
@@ -230,8 +230,8 @@ def _child_steady(n: int, epochs: int, repeats: int) -> dict[str, Any]:
         calls["n"] += counting["on"]
         return real_join(self, *a, **kw)
 
-    setattr(CoordinatorClient, "lease", lease)  # counts this process's RPCs
-    setattr(CoordinatorClient, "join", join)
+    CoordinatorClient.lease = lease  # counts this process's RPCs
+    CoordinatorClient.join = join
     jobs = iter(range(1 << 30))
 
     Loop = tuple[Any, Callable[[int], None], Callable[[], None]]  # (loader, set_epoch, close)

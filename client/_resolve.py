@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import pathlib
 import socket
@@ -13,18 +12,12 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from croupier.core.api import MAX_WORLD
+from croupier.core.checks import check_int
+
 _KEY = "croupier"
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    """Who this process is in its job: rank, world size, and the incarnation token of its world."""
-
-    rank: int
-    world: int
-    token: str
 
 
 def _dist() -> Any | None:
@@ -42,11 +35,8 @@ def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
         num_replicas = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", "1"))
     if rank is None:
         rank = dist.get_rank() if dist else int(os.environ.get("RANK", "0"))
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be an int >= 1 (got num_replicas={num_replicas!r})")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-        raise ValueError(f"rank must be in [0, {num_replicas}) (got rank={rank!r})")
-    return num_replicas, rank
+    num_replicas = check_int("num_replicas", num_replicas, 1, MAX_WORLD + 1, ValueError)
+    return num_replicas, check_int("rank", rank, 0, num_replicas, ValueError)
 
 
 def resolve_job(job: str | None) -> str:
@@ -65,7 +55,7 @@ def _agent_store() -> Any | None:
 
         return distributed_c10d._get_default_store()
     if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
 
         return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                         timeout=timedelta(seconds=300))

@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 
 from croupier.core import errors as E
+from croupier.core.api import JoinRequest, JoinResult
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
-from croupier.core.api import JoinRequest, JoinResult
 from croupier.core.wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_indices
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc

@@ -6,7 +6,6 @@ import operator
 import os
 import queue
 import threading
-import warnings
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
@@ -16,10 +15,11 @@ from torch.utils.data import Sampler
 from croupier.client._audit_log import AuditLog
 from croupier.client._resolve import resolve_address, resolve_job, resolve_token, resolve_world
 from croupier.client._rpc import CoordinatorClient, LeaseReply
-from croupier.core.api import MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
+from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
+from croupier.core.checks import check_int
 from croupier.core.errors import Aborted, NotFound
-from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, plan, plan_epoch
+from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, plan_epoch, show
 from croupier.core.spec import Spec
 
 _DONE = object()
@@ -123,10 +123,6 @@ class _Base(Sampler[Any]):
 
     # ---------------------------------------------------------------- joining
 
-    @property
-    def joined(self) -> bool:
-        return self._start is not None
-
     def _join(self) -> None:
         if self._start is not None:
             return
@@ -150,11 +146,9 @@ class _Base(Sampler[Any]):
         self._complete = False
 
     def _plan(self, epoch: int) -> Plan | None:
-        if self._start is None:
-            base = self._resume or fresh(self.spec, self._hint or 0)
-            if epoch != base.epoch:
-                base = fresh(self.spec, epoch)
-            return plan(self.spec, bind(self.spec, base, self.num_replicas), self.num_replicas)
+        if self._start is None:  # before the join: what the generation will start from
+            start = bind(self.spec, self._resume or fresh(self.spec, self._hint or 0), self.num_replicas)
+            return plan_epoch(self.spec, start, self.num_replicas, epoch)
         return plan_epoch(self.spec, self._start, self.num_replicas, epoch)
 
     # ---------------------------------------------------------------- epochs
@@ -166,8 +160,7 @@ class _Base(Sampler[Any]):
             ValueError: `epoch` contradicts the job's progress (the checkpoint loaded, or the
                 epochs this sampler has already been through).
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0 (got epoch={epoch!r})")
+        check_int("epoch", epoch, 0, MAX_COUNT, ValueError)
         if self._start is None:
             if self._resume is not None and not epoch_agrees(self.spec, self._resume, epoch):
                 raise ValueError(
@@ -198,7 +191,13 @@ class _Base(Sampler[Any]):
         """The epoch the next iteration goes through."""
         if self._complete:
             return self._epoch + 1
-        return self._epoch if self._start is not None else (self._resume.epoch if self._resume else self._hint or 0)
+        if self._start is not None:
+            return self._epoch
+        if self._resume is None:
+            return self._hint or 0
+        if self._hint is not None and epoch_agrees(self.spec, self._resume, self._hint):
+            return self._hint  # the epoch the checkpoint finished: its iteration yields nothing
+        return self._resume.epoch
 
     # ---------------------------------------------------------------- iteration
 
@@ -218,7 +217,9 @@ class _Base(Sampler[Any]):
             self._complete = True
             return
         assert self._client is not None
-        first_batch, skip = divmod(self._yielded * self._unit, self.spec.batch_size)
+        # A whole number of batches: the index sampler's unit is 1 with batch_size 1, the batch
+        # sampler's unit is its batch_size.
+        first_batch = self._yielded * self._unit // self.spec.batch_size
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
                          self._lease_ahead, self._prefetch)
         self._prefetcher = pf
@@ -235,8 +236,6 @@ class _Base(Sampler[Any]):
                     break
                 # The index sampler takes a whole lease at once; the batch sampler one batch at a time.
                 for b in (lease.batches if self._per_batch else [lease.indices]):
-                    if skip:
-                        b, skip = b[skip:], 0
                     if self._audit is not None:
                         self._audit.batch(self._epoch, self._yielded, b)
                     yield b
@@ -269,8 +268,7 @@ class _Base(Sampler[Any]):
         if self._complete and consumed is None:
             return self._stamp(to_state(self.job, self.spec, fresh(self.spec, self._epoch + 1)), self._epoch + 1, 0)
         items = self.items_done if consumed is None else consumed
-        if isinstance(items, bool) or not isinstance(items, int) or not 0 <= items:
-            raise ValueError(f"consumed must be an int >= 0 (got consumed={consumed!r})")
+        check_int("consumed", items, 0, None, ValueError)
         p = self._plan(self._epoch)
         if p is None:
             return self._stamp(to_state(self.job, self.spec, self._start), self._start.epoch, 0)
@@ -301,12 +299,14 @@ class _Base(Sampler[Any]):
                 "load_state_dict must come before the first batch: this sampler already serves generation "
                 f"{self._generation} of job {self.job!r}; make a new sampler in the restarted process"
             )
-        self._resume = from_state(self.job, self.spec, state_dict)
-        self._origin = state_dict.get("origin") if self._resume is not None else None
-        if self._resume is not None and self._hint is not None and self._hint not in (self._resume.epoch, self._resume.epoch - 1):
-            warnings.warn(f"set_epoch({self._hint}) before load_state_dict is overridden by the state's epoch "
-                          f"{self._resume.epoch}", stacklevel=2)
-            self._hint = None
+        resume = from_state(self.job, self.spec, state_dict)
+        if resume is not None and self._hint is not None and not epoch_agrees(self.spec, resume, self._hint):
+            raise ValueError(
+                f"set_epoch({self._hint}) was called before load_state_dict, but the checkpoint state resumes "
+                f"{show(resume)}: call set_epoch with the checkpoint's epoch, or after load_state_dict"
+            )
+        self._resume = resume
+        self._origin = state_dict.get("origin") if resume is not None else None
 
     def close(self) -> None:
         """Stops background leasing and closes the connection."""

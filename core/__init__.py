@@ -6,6 +6,6 @@ Nothing here opens a socket or a file: ``import croupier.core`` loads neither gr
 
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.order import Cursor, Plan, fresh, order, plan
-from croupier.core.spec import Spec
+from croupier.core.spec import ORDER_VERSION, Spec
 
-__all__ = ["Cursor", "Plan", "Spec", "fresh", "from_state", "order", "plan", "to_state"]
+__all__ = ["ORDER_VERSION", "Cursor", "Plan", "Spec", "fresh", "from_state", "order", "plan", "to_state"]

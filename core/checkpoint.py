@@ -7,10 +7,14 @@ from typing import Any
 
 from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.order import Cursor, validate_cursor
-from croupier.core.spec import Spec
+from croupier.core.spec import ORDER_VERSION, Spec
 
-VERSION = 1
-_KEYS = {"version", "job", "fingerprint", "epoch", "remaining", "base_world"}
+#: The format of the checkpoint state this release writes and reads.
+VERSION = 2
+#: Formats of earlier releases: format version -> (the release that wrote it, its order version).
+#: Format 1 had no ``order`` key; its orders are order version 1.
+PAST_FORMATS: dict[int, tuple[str, int]] = {1: ("croupier 0.1", 1)}
+_KEYS = {"version", "order", "job", "fingerprint", "epoch", "remaining", "base_world"}
 #: Keys a state may carry beyond the cursor: ``origin`` names the checkpoint for the audit log.
 _OPTIONAL = {"origin"}
 
@@ -23,6 +27,7 @@ def to_state(job: str, spec: Spec, cursor: Cursor) -> dict[str, Any]:
     """
     return {
         "version": VERSION,
+        "order": ORDER_VERSION,
         "job": job,
         "fingerprint": spec.fingerprint,
         "epoch": cursor.epoch,
@@ -36,18 +41,29 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
 
     Raises:
         InvalidArgument: the state is malformed (missing keys, wrong types, bad intervals).
-        FailedPrecondition: the state belongs to another job, another spec, or a newer version.
+        FailedPrecondition: the state belongs to another job or another spec, or it is of
+            another format or order version than this release's (the message names both).
     """
     if not isinstance(state, Mapping):
         raise InvalidArgument(f"checkpoint state must be a dict (got {type(state).__name__})")
     if not state:
         return None
+    # The format comes first: an older format has other keys, and is refused by its version.
+    if "version" in state and state["version"] != VERSION:
+        raise FailedPrecondition(_other_format(state))
     missing = sorted(_KEYS - set(state))
     unknown = sorted(set(state) - _KEYS - _OPTIONAL)
     if missing or unknown:
         raise InvalidArgument(f"checkpoint state has missing keys {missing} and unknown keys {unknown} (got {dict(state)!r})")
-    if state["version"] != VERSION:
-        raise FailedPrecondition(f"checkpoint state version {state['version']!r} is not supported (this croupier reads version {VERSION})")
+    order_version = state["order"]
+    if isinstance(order_version, bool) or not isinstance(order_version, int):
+        raise InvalidArgument(f"checkpoint state's order version must be an int (got order={order_version!r})")
+    if order_version != ORDER_VERSION:
+        raise FailedPrecondition(
+            f"checkpoint state has order version {order_version} (format {VERSION}): the positions it names "
+            f"belong to another release's orders, not to this one's; this release reads format {VERSION} "
+            f"with order version {ORDER_VERSION}; {_remedy(state)}"
+        )
     if state["job"] != job:
         raise FailedPrecondition(f"checkpoint state is from job {state['job']!r}, not from this job {job!r}")
     if state["fingerprint"] != spec.fingerprint:
@@ -56,7 +72,7 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
             f"has fingerprint {spec.fingerprint!r} ({spec.describe()})"
         )
     try:
-        remaining = tuple(tuple(iv) for iv in state["remaining"])  # type: ignore[misc]
+        remaining = tuple(tuple(iv) for iv in state["remaining"])
         cursor = Cursor(epoch=state["epoch"], remaining=remaining, base_world=state["base_world"])
         if not isinstance(cursor.base_world, int) or isinstance(cursor.base_world, bool):
             raise ValueError(f"base_world must be an int (got {cursor.base_world!r})")
@@ -64,3 +80,27 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"checkpoint state is malformed: {e}") from None
     return cursor
+
+
+def _remedy(state: Mapping[str, Any]) -> str:
+    """What to do with a state this release cannot read: start its epoch over, or go back."""
+    epoch = state.get("epoch")
+    if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+        again = f"restart epoch {epoch} (load an empty state and call set_epoch({epoch}))"
+    else:
+        again = "restart the epoch (load an empty state and call set_epoch)"
+    return f"{again} or use the release that wrote it"
+
+
+def _other_format(state: Mapping[str, Any]) -> str:
+    """Why a state of another format version is refused, naming its versions and this release's."""
+    version = state["version"]
+    ours = f"this release reads format {VERSION} with order version {ORDER_VERSION}"
+    if isinstance(version, int) and not isinstance(version, bool) and version in PAST_FORMATS:
+        release, order_version = PAST_FORMATS[version]
+        return (f"checkpoint state format version {version} ({release}, order version {order_version}) "
+                f"is from an earlier release; {ours}; {_remedy(state)}")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        return (f"checkpoint state format version {version} (order version {state.get('order', 'unknown')}) "
+                f"is newer than this release; {ours}; use the release that wrote it")
+    return f"checkpoint state format version {version!r} is not a known format; {ours}"

@@ -33,7 +33,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
     # splitmix64's finaliser: a cheap, well-mixing 64-bit hash (the Feistel round function).
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
+    out: np.ndarray = z ^ (z >> _S31)
+    return out
 
 
 def _domain_bits(n: int) -> int:

@@ -187,9 +187,10 @@ class Plan:
 
     def virtual(self, rank: int, local: np.ndarray) -> np.ndarray:
         """Virtual positions of rank's local positions `local`."""
-        if self.spec.partition == "strided":
-            return rank + local * self.world
-        return _starts(self.spec.partition, self.t, self.world)[rank] + local
+        v: np.ndarray = rank + local * self.world if self.spec.partition == "strided" else (
+            _starts(self.spec.partition, self.t, self.world)[rank] + local
+        )
+        return v
 
     def positions(self, v: np.ndarray) -> np.ndarray:
         """Order positions of virtual positions `v` (padding mapped by the tail policy)."""
@@ -203,7 +204,8 @@ class Plan:
             else:  # pad: repeat from the start of the epoch's order, as torch does
                 pad = (v - self.left) % self.spec.n
             pos = np.where(real, pos, pad)
-        return pos
+        out: np.ndarray = pos
+        return out
 
     def batch_positions(self, rank: int, j: int) -> np.ndarray | None:
         """Order positions of batch j of `rank`, or None when the rank has no batch j."""

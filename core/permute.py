@@ -32,7 +32,8 @@ def _torch_randperm(n: int, seed: int) -> np.ndarray:
 def _torch(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     # NOTE: bit-exact with torch's DistributedSampler, which seeds with seed + epoch. This is
     # the one order that is not random access: the whole randperm is built (and cached).
-    return _torch_randperm(spec.n, spec.seed + epoch)[positions]
+    out: np.ndarray = _torch_randperm(spec.n, spec.seed + epoch)[positions]
+    return out
 
 
 def _windowed(spec: Spec, positions: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -73,17 +74,34 @@ def _feistel_global(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.nd
     return _keyed_shuffle(spec, epoch, positions, bounds)
 
 
+#: Tells the bucket pack shuffle's keys apart from every other key croupier derives: the window
+#: keys pass four parts below 2**64 (seed, epoch, part, start) and the round keys two, while the
+#: pack keys pass this tag, which is above 2**64 (the bytes of "croupier/bucket"), as their fourth.
+_BUCKET_TAG = int.from_bytes(b"croupier/bucket", "little")
+
+
 @functools.lru_cache(maxsize=64)
 def _bucket_window(spec: Spec, epoch: int, start: int) -> np.ndarray:
-    """d9d's five steps for the window starting at `start`, seeded by (seed, epoch, window)."""
+    """d9d's five steps for the window starting at `start`, keyed by (seed, epoch, window).
+
+    1. the window's positions [start, start + buffer_size); 2. sorted by key; 3. cut into packs
+    of pack_size; 4. the packs shuffled; 5. laid end to end.
+
+    Both steps that order things are croupier's own, defined by this code on every machine and
+    numpy build: the sort is a stable sort by key, ties by index (the total order of the pairs
+    (key, index), what Python's ``sorted`` gives; numpy documents ``kind="stable"`` as stable),
+    and the pack shuffle is the Feistel bijection of :mod:`croupier.core.feistel` on
+    [0, number of packs), keyed by (seed, epoch, window number, bucket tag).
+    """
     assert spec.buffer_size is not None and spec.pack_size is not None  # checked by Spec
     end = min(start + spec.buffer_size, spec.n)
     keys = spec.sort_keys[start:end]
-    local = np.argsort(keys, kind="stable")  # sorted by key, ties by index (Python's sorted)
+    local = np.argsort(keys, kind="stable")  # sorted by key, ties by index
     packs = [local[i : i + spec.pack_size] for i in range(0, len(local), spec.pack_size)]
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([spec.seed, epoch, start // spec.buffer_size])))
-    order = rng.permutation(len(packs))
-    return start + np.concatenate([packs[i] for i in order]).astype(np.int64)
+    num_packs = len(packs)
+    key = _feistel.derive_key(spec.seed, epoch, start // spec.buffer_size, _BUCKET_TAG)
+    order = _feistel.permute(np.arange(num_packs, dtype=np.int64), num_packs, _feistel.round_keys(key))
+    return start + np.concatenate([packs[i] for i in order.tolist()]).astype(np.int64)
 
 
 def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:

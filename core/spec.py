@@ -18,6 +18,21 @@ SCOPES = ("global", "rank")
 #: Largest dataset size the engine accepts (positions are int64; the Feistel domain is < 2**63).
 MAX_N = 2**62
 
+#: The version of what the orders yield: which dataset index every position of every epoch of
+#: every spec maps to. Version 1 is croupier 0.1's orders (its ``bucket`` shuffled the packs with
+#: numpy's PCG64 stream); version 2 shuffles them with croupier's own keyed Feistel bijection.
+#:
+#: NOTE: a checkpoint state names *positions* of an epoch's order, so an order that changed
+#: silently between releases would re-map every saved checkpoint while its fingerprint still
+#: matched. Hence the rule: ANY change to what an order yields for an existing spec (a Feistel
+#: round or constant, a key derivation, the bucket sort or pack shuffle, a partition or tail
+#: rule) MUST bump ORDER_VERSION and regenerate tests/golden/orders.json with
+#: tests/golden/make_golden.py, in the same change. tests/test_golden.py fails on any such
+#: change, including one a dependency makes under us (torch's randperm for ``torch``).
+#: ORDER_VERSION is part of :attr:`Spec.fingerprint` and of every checkpoint state, and a state
+#: of another order version is refused by name instead of being read against the wrong order.
+ORDER_VERSION = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
@@ -111,9 +126,10 @@ class Spec:
 
     @property
     def fingerprint(self) -> str:
-        """A stable digest of the spec: same settings, same fingerprint, on any machine."""
-        d = self.to_dict()
+        """A stable digest of the spec and :data:`ORDER_VERSION`: same settings and orders, same fingerprint, anywhere."""
+        d: dict[str, Any] = self.to_dict()
         d["lengths"] = None if self.lengths is None else hashlib.sha256(self.lengths).hexdigest()
+        d["order_version"] = ORDER_VERSION
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 

@@ -6,7 +6,6 @@ import logging
 import threading
 import time
 
-import msgpack
 import numpy as np
 
 from croupier.core.api import (
@@ -22,7 +21,8 @@ from croupier.core.checks import check_int
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from croupier.core.order import plan_epoch
 from croupier.core.spec import Spec
-from croupier.server._state import Event, State, decode_event, encode_event
+from croupier.server._journal import pack_event, pack_snapshot, recover
+from croupier.server._state import Event
 from croupier.server._store import Store, StoreError
 
 log = logging.getLogger("croupier.server")
@@ -32,19 +32,35 @@ class Coordinator:
 
     Joins apply their events at once, in order, and wait until the store has made them durable
     (a writer thread commits everything queued in one append, so concurrent joins share one
-    fsync). Leases are read-only and never touch the store. A snapshot of the whole state is
-    written every ``snapshot_every`` events so that recovery replays a short journal.
+    fsync). That writer is the one group-commit layer and the store's only caller after
+    recovery, as the Store contract requires. Leases are read-only and never touch the store.
+    A snapshot of the whole state is written every ``snapshot_every`` events so that recovery
+    replays a short journal.
 
     If the store fails, the coordinator stops acknowledging: every call raises Unavailable
     until the process is restarted and recovers from what the store made durable.
     """
 
     def __init__(self, store: Store, snapshot_every: int = 1000) -> None:
+        """Recovers the state the store holds and starts the writer thread.
+
+        Args:
+            store: An open store; the coordinator owns it from now on (and closes it, also when
+                recovery fails).
+            snapshot_every: Events between two snapshots.
+
+        Raises:
+            StoreCorrupt: If the store's contents could not be verified, or a record or the
+                snapshot could not be read; the message names the store and the record's seq.
+            StoreUnavailable: If the store could not be read.
+        """
         self.store = store
         self.snapshot_every = snapshot_every
-        rec = store.load()
-        snap = None if rec.snapshot is None else msgpack.unpackb(rec.snapshot)
-        self._state = State.restore(snap, [decode_event(msgpack.unpackb(p)) for _, p in rec.records])
+        try:
+            self._state, rec = recover(store)
+        except BaseException:
+            store.close()
+            raise
         self._seq = rec.last_seq
         self._durable = self._seq
         self._since_snapshot = len(rec.records)
@@ -99,12 +115,12 @@ class Coordinator:
     def _journal(self, events: list[Event]) -> None:
         # Under the lock: apply in order and queue for the writer, which keeps that order.
         for ev in events:
-            self._pending.append(msgpack.packb(encode_event(ev)))
+            self._pending.append(pack_event(ev))
             self._state.apply(ev)
             self._seq += 1
         self._since_snapshot += len(events)
         if events and self._since_snapshot >= self.snapshot_every:
-            self._snapshots.append((self._seq, msgpack.packb(self._state.snapshot())))
+            self._snapshots.append((self._seq, pack_snapshot(self._state)))
             self._since_snapshot = 0
         if events:
             self._cond.notify_all()
@@ -174,7 +190,7 @@ class Coordinator:
     def snapshot_state(self) -> bytes:
         """The whole state, msgpack-encoded (for tests that check a call changed nothing)."""
         with self._cond:
-            return bytes(msgpack.packb(self._state.snapshot()))
+            return pack_snapshot(self._state)
 
     @property
     def failed(self) -> str | None:

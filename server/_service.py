@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from croupier.core import errors as E
 from croupier.server._coordinator import Coordinator
 from croupier.core.api import JoinRequest, JoinResult
-from croupier.server._store import open_store
+from croupier.server._store import Store, open_store
 from croupier.core.wire import (
     SERVER_OPTIONS,
     SERVICE,
@@ -92,7 +92,7 @@ class CoordinatorServicer:
         return out
 
 
-def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMethodHandler:
+def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMethodHandler[Any, Any]:
     def call(raw: bytes, context: grpc.ServicerContext) -> Message:
         try:
             return fn(raw, context)
@@ -107,8 +107,17 @@ def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMe
 class Server:
     """A running coordinator: gRPC server, health service, reflection, and its core."""
 
-    def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128) -> None:
-        self.core = Coordinator(open_store(store_url))
+    def __init__(self, store_url: str | Store, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128) -> None:
+        """Opens the store, recovers the coordinator from it and binds the port (``start`` serves).
+
+        Args:
+            store_url: The store's URL (see ``open_store``), or a store already open; the server
+                owns either from now on: ``stop`` closes it.
+            host: Interface to listen on.
+            port: Port to listen on; 0 picks a free one (see :attr:`port`).
+            max_workers: Threads serving calls.
+        """
+        self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url)
         servicer = CoordinatorServicer(self.core)
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc"),
                                  options=SERVER_OPTIONS)

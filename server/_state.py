@@ -14,16 +14,14 @@ request returns the same batch and a coordinator restart changes nothing a clien
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from croupier.core.api import MAX_COUNT, MAX_NAME, JoinRequest, JoinResult, validate_join
 from croupier.core.checks import check_int, check_name
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from croupier.core.order import Cursor, bind, epoch_agrees, fresh, show
-from croupier.core.spec import Spec
-
-
+from croupier.core.spec import ORDER_VERSION, Spec
 
 # --------------------------------------------------------------------------- requests and events
 
@@ -58,7 +56,7 @@ class GenerationStarted:
     start: Cursor
 
 
-Event = Union[JobRegistered, GenerationOpened, RankJoined, GenerationStarted]
+Event = JobRegistered | GenerationOpened | RankJoined | GenerationStarted
 _EVENT_TYPES: dict[str, type] = {t.__name__: t for t in (JobRegistered, GenerationOpened, RankJoined, GenerationStarted)}
 
 
@@ -66,13 +64,123 @@ def _cursor_to(c: Cursor | None) -> Any:
     return None if c is None else [c.epoch, [[a, b] for a, b in c.remaining], c.base_world]
 
 
-def _cursor_from(v: Any) -> Cursor | None:
-    return None if v is None else Cursor(int(v[0]), tuple((int(a), int(b)) for a, b in v[1]), int(v[2]))
+# --------------------------------------------------------------------------- encoding
+
+#: The format of an encoded event and of a snapshot, written into each as ``"version"``.
+#: Journals outlive releases: a release that changes either format MUST bump this, and MUST
+#: still read every older version or refuse it with an error naming both versions
+#: (tests/fixtures/journal-v2.db is a journal of version 2). Version 1 was croupier 0.1's, whose
+#: journal records had no version at all. Each event and snapshot also carries the
+#: ``ORDER_VERSION`` its specs' orders were computed with: the generations' resume points are
+#: positions of those orders, so a journal of another order version is refused, not re-mapped.
+FORMAT_VERSION = 2
+
+
+class FormatError(ValueError):
+    """An encoded event or snapshot that this croupier cannot read; the message says what is wrong."""
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _as_str(what: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise FormatError(f"{what} must be a str (got {what}={_show(v)})")
+    return v
+
+
+def _as_int(what: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FormatError(f"{what} must be an int (got {what}={_show(v)})")
+    return v
+
+
+def _as_list(what: str, v: Any, length: int | None = None) -> list[Any]:
+    if not isinstance(v, (list, tuple)) or (length is not None and len(v) != length):
+        shape = "a list" if length is None else f"a list of {length}"
+        raise FormatError(f"{what} must be {shape} (got {what}={_show(v)})")
+    return list(v)
+
+
+def _as_map(what: str, v: Any, keys: Sequence[str]) -> Mapping[str, Any]:
+    """``v`` after checking it is a map with exactly ``keys``."""
+    if not isinstance(v, Mapping):
+        raise FormatError(f"{what} must be a map (got {type(v).__name__})")
+    missing = [k for k in keys if k not in v]
+    extra = sorted(repr(k) for k in v if k not in keys)
+    if missing or extra:
+        raise FormatError(
+            f"{what} must have the fields {list(keys)} (missing {missing}, unknown [{', '.join(extra)}])"
+        )
+    return v
+
+
+def _as_spec(what: str, v: Any) -> Spec:
+    if not isinstance(v, Mapping) or not all(isinstance(k, str) for k in v):
+        raise FormatError(f"{what} must be a map of spec fields (got {what}={_show(v)})")
+    try:
+        return Spec.from_dict(v)
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"{what} is not a valid spec: {exc}") from exc
+
+
+def _as_cursor(what: str, v: Any) -> Cursor:
+    epoch, remaining, base_world = _as_list(f"{what} (a cursor [epoch, intervals, base world])", v, 3)
+    intervals: list[tuple[int, int]] = []
+    for i, pair in enumerate(_as_list(f"{what} intervals", remaining)):
+        a, b = _as_list(f"{what} interval {i}", pair, 2)
+        intervals.append((_as_int(f"{what} interval {i} start", a), _as_int(f"{what} interval {i} end", b)))
+    return Cursor(_as_int(f"{what} epoch", epoch), tuple(intervals), _as_int(f"{what} base world", base_world))
+
+
+_Decoder = Callable[[str, Any], Any]
+
+
+def _optional(decode: _Decoder) -> _Decoder:
+    def decode_optional(what: str, v: Any) -> Any:
+        return None if v is None else decode(what, v)
+
+    return decode_optional
+
+
+#: How a value of each field type of an event is read back, by the field's annotation.
+_DECODERS: dict[str, _Decoder] = {
+    "str": _as_str,
+    "int": _as_int,
+    "int | None": _optional(_as_int),
+    "Spec": _as_spec,
+    "Cursor": _as_cursor,
+    "Cursor | None": _optional(_as_cursor),
+}
+#: Event type name -> its fields and how each is read back (a KeyError here: teach _DECODERS the type).
+_EVENT_FIELDS: dict[str, dict[str, _Decoder]] = {
+    name: {f.name: _DECODERS[str(f.type)] for f in dataclasses.fields(t)} for name, t in _EVENT_TYPES.items()
+}
+
+
+def _check_version(what: str, d: Mapping[str, Any]) -> None:
+    v = d["version"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FormatError(f"{what} format version must be an int (got {_show(v)})")
+    if v != FORMAT_VERSION:
+        newer = "; a newer croupier wrote it" if v > FORMAT_VERSION else ""
+        raise FormatError(
+            f"{what} format version {v} is not one this croupier reads (it reads version {FORMAT_VERSION}){newer}"
+        )
+    order = d.get("order")
+    if order != ORDER_VERSION:
+        raise FormatError(
+            f"{what} was written with order version {_show(order)}, but this croupier computes order version "
+            f"{ORDER_VERSION}: the positions it stores would name other samples; recover it with the release "
+            "that wrote it, or start the coordinator on a new store (the jobs resume from their checkpoints)"
+        )
 
 
 def encode_event(ev: Event) -> dict[str, Any]:
-    """A plain (msgpack-able) dict of an event."""
-    d: dict[str, Any] = {"type": type(ev).__name__}
+    """A plain (msgpack-able) dict of an event: its ``type``, the format ``version``, and its fields."""
+    d: dict[str, Any] = {"type": type(ev).__name__, "version": FORMAT_VERSION, "order": ORDER_VERSION}
     for f in dataclasses.fields(ev):
         v = getattr(ev, f.name)
         if isinstance(v, Spec):
@@ -83,16 +191,31 @@ def encode_event(ev: Event) -> dict[str, Any]:
     return d
 
 
-def decode_event(d: Mapping[str, Any]) -> Event:
-    """Inverse of :func:`encode_event`."""
-    kind = _EVENT_TYPES[d["type"]]
-    kw = {k: v for k, v in d.items() if k != "type"}
-    if "spec" in kw:
-        kw["spec"] = Spec.from_dict(kw["spec"])
-    for k in ("resume", "start"):
-        if k in kw:
-            kw[k] = _cursor_from(kw[k])
-    return kind(**kw)  # type: ignore[no-any-return]
+def decode_event(d: Any) -> Event:
+    """Inverse of :func:`encode_event`; refuses anything :func:`encode_event` would not have written.
+
+    Args:
+        d: A decoded event, e.g. what msgpack read back from a journal record.
+
+    Returns:
+        The event.
+
+    Raises:
+        FormatError: If ``d`` is not a map, has no or another format version, an unknown
+            ``type``, a missing or unknown field, or a field of the wrong type.
+    """
+    if not isinstance(d, Mapping):
+        raise FormatError(f"an event must be a map (got {type(d).__name__})")
+    if "version" not in d:
+        raise FormatError(f"the event has no format version (fields: [{', '.join(sorted(map(repr, d)))}])")
+    _check_version("event", d)
+    kind = d.get("type")
+    if not isinstance(kind, str) or kind not in _EVENT_FIELDS:
+        raise FormatError(f"unknown event type {_show(kind)} (known: {sorted(_EVENT_FIELDS)})")
+    fields = _EVENT_FIELDS[kind]
+    body = _as_map(f"a {kind} event", d, ["type", "version", "order", *fields])
+    kw = {name: decode(f"{kind}.{name}", body[name]) for name, decode in fields.items()}
+    return _EVENT_TYPES[kind](**kw)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- state
@@ -248,7 +371,7 @@ class State:
     # ---------------------------------------------------------------- snapshots
 
     def snapshot(self) -> dict[str, Any]:
-        """The whole state as a plain (msgpack-able) dict."""
+        """The whole state as a plain (msgpack-able) dict, with the format ``version``."""
         jobs = []
         for j in self.jobs.values():
             g = j.generation
@@ -262,28 +385,67 @@ class State:
                     "start": _cursor_to(g.start),
                 }
             jobs.append({"name": j.name, "spec": j.spec.to_dict(), "generation": gd, "tokens": list(j.tokens)})
-        return {"version": 1, "jobs": jobs}
+        return {"version": FORMAT_VERSION, "order": ORDER_VERSION, "jobs": jobs}
 
     @classmethod
-    def restore(cls, snap: Mapping[str, Any] | None, events: Sequence[Event] = ()) -> State:
-        """A state from a snapshot (None: empty) and the events journaled after it."""
+    def restore(cls, snap: Any, events: Sequence[Event] = ()) -> State:
+        """A state from a snapshot and the events journaled after it.
+
+        Args:
+            snap: What :meth:`snapshot` returned (e.g. read back by msgpack), or None for the
+                empty state.
+            events: The events journaled after the snapshot, in order.
+
+        Returns:
+            The state.
+
+        Raises:
+            FormatError: If ``snap`` is not a snapshot :meth:`snapshot` would have written: no or
+                another format version, a missing or unknown field, a field of the wrong type,
+                or a job twice.
+        """
         s = cls()
         if snap is not None:
-            if snap.get("version") != 1:
-                raise ValueError(f"snapshot version {snap.get('version')!r} is not supported (expected 1)")
-            for jd in snap["jobs"]:
-                job = Job(jd["name"], Spec.from_dict(jd["spec"]), None, list(jd["tokens"]))
-                g = jd["generation"]
-                if g is not None:
-                    job.generation = Generation(
-                        g["number"], g["world"], g["token"],
-                        {int(r): (_cursor_from(c), e) for r, c, e in g["joined"]},
-                        _cursor_from(g["start"]),
-                    )
+            if not isinstance(snap, Mapping):
+                raise FormatError(f"a snapshot must be a map (got {type(snap).__name__})")
+            if "version" not in snap:
+                raise FormatError(f"the snapshot has no format version (fields: [{', '.join(sorted(map(repr, snap)))}])")
+            _check_version("snapshot", snap)
+            body = _as_map("the snapshot", snap, ["version", "order", "jobs"])
+            for i, jd in enumerate(_as_list("snapshot jobs", body["jobs"])):
+                job = _restore_job(f"snapshot job {i}", jd)
+                if job.name in s.jobs:
+                    raise FormatError(f"snapshot job {i}: job {job.name!r} appears twice")
                 s.jobs[job.name] = job
         for ev in events:
             s.apply(ev)
         return s
+
+
+def _restore_job(what: str, v: Any) -> Job:
+    """One job of a snapshot, read back; see :meth:`State.restore`."""
+    jd = _as_map(what, v, ["name", "spec", "generation", "tokens"])
+    name = _as_str(f"{what} name", jd["name"])
+    tokens = [_as_str(f"{what} token {k}", t) for k, t in enumerate(_as_list(f"{what} tokens", jd["tokens"]))]
+    job = Job(name, _as_spec(f"{what} spec", jd["spec"]), None, tokens)
+    if jd["generation"] is not None:
+        where = f"{what} ({name!r}) generation"
+        g = _as_map(where, jd["generation"], ["number", "world", "token", "joined", "start"])
+        joined: dict[int, tuple[Cursor | None, int | None]] = {}
+        for k, entry in enumerate(_as_list(f"{where} joined", g["joined"])):
+            rank, resume, epoch = _as_list(f"{where} joined entry {k} ([rank, resume, epoch])", entry, 3)
+            joined[_as_int(f"{where} joined rank", rank)] = (
+                None if resume is None else _as_cursor(f"{where} rank {rank} resume", resume),
+                None if epoch is None else _as_int(f"{where} rank {rank} epoch", epoch),
+            )
+        job.generation = Generation(
+            _as_int(f"{where} number", g["number"]),
+            _as_int(f"{where} world", g["world"]),
+            _as_str(f"{where} token", g["token"]),
+            joined,
+            None if g["start"] is None else _as_cursor(f"{where} start", g["start"]),
+        )
+    return job
 
 
 # --------------------------------------------------------------------------- helpers
@@ -294,6 +456,10 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
     resumes = {r: c for r, (c, _) in joined.items() if c is not None}
     hints = {r: e for r, (_, e) in joined.items() if e is not None}
     where = f"generation {number} of job {req.job!r}"
+    if req.resume is not None and req.epoch is not None and not epoch_agrees(req.spec, req.resume, req.epoch):
+        raise FailedPrecondition(
+            f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts its own set_epoch({req.epoch})"
+        )
     if req.resume is not None:
         for r, c in resumes.items():
             if c != req.resume:

@@ -20,8 +20,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from croupier.client import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from croupier.client import DistributedSampler
 
 
 def main() -> None:

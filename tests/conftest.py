@@ -10,8 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`)."""
+    for item in items:
+        if "serve_process" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture

@@ -9,9 +9,13 @@ import threading
 
 import msgpack
 import numpy as np
+import pytest
+
 from croupier.client import DistributedSampler
 from croupier.server._service import Server
 from croupier.tools.audit import audit
+
+pytestmark = pytest.mark.e2e  # several processes
 
 N = 101
 

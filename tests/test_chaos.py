@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # several processes
+
 SUMMARY = re.compile(
     r"chaos: (?P<faults>\d+) faults injected \((?P<rank>\d+) rank kills, (?P<coord>\d+) coordinator kills, "
     r"(?P<preempt>\d+) preemptions\), (?P<resizes>\d+) resizes, (?P<older>\d+) restarts from an older checkpoint .*; "

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 from conftest import ServeProcess
-from croupier.client import DistributedBatchSampler, DistributedSampler
-from croupier.server._service import Server
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.server._service import Server
 
 
 def on_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
@@ -94,6 +95,14 @@ def test_set_epoch_loop_from_a_later_epoch_and_contradictions(server: Server) ->
     s2.set_epoch(7)
     assert len(list(s2)) == 40
     s2.close()
+    # set_epoch before load_state_dict follows the same rule, and a refused load changes nothing.
+    s3 = DistributedSampler(40, address=server.address, job=job, token="c", permutation="torch", seed=1)
+    s3.set_epoch(2)
+    before = s3.state_dict()
+    with pytest.raises(ValueError, match=r"set_epoch\(2\) was called before load_state_dict"):
+        s3.load_state_dict(state)
+    assert s3.state_dict() == before
+    s3.close()
 
 
 def test_state_from_another_job_or_spec_is_refused(server: Server) -> None:

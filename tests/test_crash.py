@@ -13,7 +13,10 @@ import threading
 
 import pytest
 from conftest import ServeProcess
+
 from croupier.client._rpc import CoordinatorClient
+
+pytestmark = pytest.mark.e2e  # several processes
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -62,7 +65,7 @@ def crash_run(tmp_path: pathlib.Path, serve_process: type[ServeProcess], kills: 
                 kills_done += 1
                 server = serve_process(store, port=server.port)
                 with CoordinatorClient(server.address, retry_for=30) as c:
-                    for (job, token, rank), gen in acked.items():
+                    for (job, _token, rank), gen in acked.items():
                         _, now = c.get_job(job)
                         assert now.generation >= gen, f"acknowledged join of {job} rank {rank} to generation {gen} was lost"
                         if now.generation == gen:

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 from _sim import Job, audit_epoch
+
 from croupier.core.order import Cursor, fresh, plan
 from croupier.core.spec import Spec
 

@@ -7,11 +7,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
 from croupier.core import feistel as _feistel
 from croupier.core.order import Cursor, Plan, bind, fresh, order, part_bounds, plan
 from croupier.core.spec import PARTITIONS, TAILS, Spec
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 from _sim import batches_of as _batches
+
 from croupier.core.order import bind, fresh, order, plan
 from croupier.core.spec import Spec
 

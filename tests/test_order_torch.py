@@ -7,10 +7,11 @@ from typing import cast
 import numpy as np
 import pytest
 from _sim import batches_of as _batches
-from croupier.core.order import fresh, plan
-from croupier.core.spec import Spec
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+from croupier.core.order import fresh, plan
+from croupier.core.spec import Spec
 
 SIZES = [*range(1, 38), 1000, 1001]
 WORLDS = range(1, 9)

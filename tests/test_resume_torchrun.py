@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.e2e  # several processes
+
 HERE = pathlib.Path(__file__).resolve().parent
 N = 240
 

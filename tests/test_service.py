@@ -12,6 +12,9 @@ import grpc
 import numpy as np
 import pytest
 from conftest import ServeProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from croupier.client._rpc import CoordinatorClient
 from croupier.core import errors as E
 from croupier.core.api import JoinRequest
@@ -21,8 +24,6 @@ from croupier.core.wire import SERVICE
 from croupier.server._service import Server
 from croupier.server._store import StoreUnavailable
 from croupier.v1 import coordinator_pb2 as pb
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = Spec(n=1000, seed=3, batch_size=8, permutation="feistel")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 from _sim import checkpoint_of, plan_of, serve
+
 from croupier.core.api import JoinRequest
-from croupier.core.checkpoint import from_state, to_state
+from croupier.core.checkpoint import PAST_FORMATS, VERSION, from_state, to_state
 from croupier.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -15,7 +16,7 @@ from croupier.core.errors import (
     OutOfRange,
 )
 from croupier.core.order import Cursor, fresh
-from croupier.core.spec import Spec
+from croupier.core.spec import ORDER_VERSION, Spec
 from croupier.server._state import State, decode_event, encode_event
 
 SPEC = Spec(n=100, seed=1, batch_size=4)
@@ -158,6 +159,19 @@ def test_set_epoch_must_agree_with_the_checkpoint() -> None:
         serve(s2, 1, 0, 2, 0, job="j")
 
 
+@pytest.mark.parametrize(
+    ("resume", "epoch"),
+    [(Cursor(3, ((40, 100),)), 2), (Cursor(3, ((40, 100),)), 4), (fresh(SPEC, 4), 2), (fresh(SPEC, 4), 5)],
+)
+def test_a_rank_whose_own_resume_point_contradicts_its_own_set_epoch_is_refused(resume: Cursor, epoch: int) -> None:
+    """The first rank of a generation has nobody to disagree with but itself."""
+    for s in (State(), started(token="old")):
+        before = frozen(s)
+        with pytest.raises(FailedPrecondition, match=rf"contradicts its own set_epoch\({epoch}\)"):
+            s.decide_join(JoinRequest("j", SPEC, "new", 2, 0, resume, epoch))
+        assert frozen(s) == before
+
+
 def test_snapshot_and_journal_rebuild_the_same_state() -> None:
     s = State()
     journal = []
@@ -187,11 +201,46 @@ def test_checkpoint_state_round_trip_and_refusals() -> None:
         from_state("j", other, st)
     assert SPEC.fingerprint in str(e.value) and other.fingerprint in str(e.value)
     with pytest.raises(InvalidArgument, match="missing keys"):
-        from_state("j", SPEC, {"version": 1})
+        from_state("j", SPEC, {"version": VERSION})
+    with pytest.raises(InvalidArgument, match="missing keys"):
+        from_state("j", SPEC, {k: v for k, v in st.items() if k != "version"})
     with pytest.raises(InvalidArgument, match="malformed"):
         from_state("j", SPEC, {**st, "remaining": [[5, 200]]})
-    with pytest.raises(FailedPrecondition, match="version 99"):
+    with pytest.raises(InvalidArgument, match="order version must be an int"):
+        from_state("j", SPEC, {**st, "order": "2"})
+    with pytest.raises(FailedPrecondition, match="format version 99 .*newer than this release"):
         from_state("j", SPEC, {**st, "version": 99})
+
+
+def test_checkpoint_states_of_other_versions_are_refused_naming_both() -> None:
+    """A state of croupier 0.1 (format 1, no order key) or of other orders names positions of other orders."""
+    assert (VERSION, ORDER_VERSION) == (2, 2) and PAST_FORMATS[1] == ("croupier 0.1", 1)
+    st = to_state("j", SPEC, Cursor(3, ((5, 9),)))
+    assert st["version"] == VERSION and st["order"] == ORDER_VERSION
+    v1 = {k: v for k, v in st.items() if k != "order"} | {"version": 1}
+    with pytest.raises(FailedPrecondition) as e:
+        from_state("j", SPEC, v1)
+    assert str(e.value) == (
+        "checkpoint state format version 1 (croupier 0.1, order version 1) is from an earlier release; this release "
+        "reads format 2 with order version 2; restart epoch 3 (load an empty state and call set_epoch(3)) or use "
+        "the release that wrote it"
+    )
+    for other in (1, 3):
+        with pytest.raises(FailedPrecondition) as e:
+            from_state("j", SPEC, {**st, "order": other})
+        assert f"has order version {other} (format 2)" in str(e.value)
+        assert "reads format 2 with order version 2" in str(e.value) and "set_epoch(3)" in str(e.value)
+    with pytest.raises(FailedPrecondition, match="format version 'x' is not a known format"):
+        from_state("j", SPEC, {**st, "version": "x"})
+
+
+def test_the_fingerprint_holds_the_order_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same settings under another release's orders are another spec."""
+    ours = SPEC.fingerprint
+    monkeypatch.setattr("croupier.core.spec.ORDER_VERSION", ORDER_VERSION - 1)
+    assert SPEC.fingerprint != ours
+    monkeypatch.undo()
+    assert SPEC.fingerprint == ours
 
 
 def test_checkpoint_is_topology_free() -> None:

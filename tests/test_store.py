@@ -1,4 +1,4 @@
-"""The store contract over every backend, the sqlite store's checks and group commit, and kill -9 durability."""
+"""The store contract over every backend, the sqlite store's checks, and kill -9 durability."""
 
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from croupier.server._memory_store import MemoryStore
+from croupier.server._sqlite_store import SCHEMA_VERSION, SqliteStore
 from croupier.server._store import (
-    SCHEMA_VERSION,
-    MemoryStore,
     Recovered,
-    SqliteStore,
     Store,
     StoreCorrupt,
     StoreUnavailable,
@@ -27,8 +28,6 @@ from croupier.server._store import (
     open_store,
     parse_url,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,31 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _payload(tag: int) -> bytes:
     """A distinct payload for ``tag``, with NUL and high bytes in it."""
     return b"\x00rec\xff" + tag.to_bytes(8, "little") + bytes(tag % 7)
-
-
-class _WaiterCountingCondition(threading.Condition):
-    """A condition that sets :attr:`all_waiting` once ``want`` distinct threads have waited on it."""
-
-    def __init__(self, want: int) -> None:
-        super().__init__(threading.Lock())
-        self.want = want
-        self.all_waiting = threading.Event()
-        self._seen: set[int] = set()
-
-    @property
-    def seen(self) -> int:
-        """How many distinct threads have waited since the last reset."""
-        return len(self._seen)
-
-    def reset(self) -> None:
-        self._seen.clear()
-        self.all_waiting.clear()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._seen.add(threading.get_ident())
-        if len(self._seen) >= self.want:
-            self.all_waiting.set()
-        return super().wait(timeout)
 
 
 class StoreContract:
@@ -204,34 +178,6 @@ class StoreContract:
             store.write_snapshot(1, b"s")
         with pytest.raises(StoreUnavailable, match="closed"):
             store.load()
-
-    def test_concurrent_appends(self, store: Store) -> None:
-        threads, per_thread = 16, 200
-        acked: list[list[tuple[int, bytes]]] = [[] for _ in range(threads)]
-        start = threading.Barrier(threads)
-        errors: list[BaseException] = []
-
-        def writer(t: int) -> None:
-            try:
-                start.wait()
-                for i in range(per_thread):
-                    payload = b"%d:%d" % (t, i)
-                    acked[t].append((store.append([payload]), payload))
-            except BaseException as exc:  # reported below; a thread's exception is otherwise lost
-                errors.append(exc)
-
-        workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        assert not errors, errors
-        for mine in acked:  # each thread's own acknowledgements come in increasing order
-            assert [s for s, _ in mine] == sorted(s for s, _ in mine)
-        everything = sorted(r for mine in acked for r in mine)
-        assert [s for s, _ in everything] == list(range(1, threads * per_thread + 1))
-        assert store.load() == Recovered(None, 0, everything)
-        assert self.reopen(store).load() == Recovered(None, 0, everything)
 
     def test_matches_a_model(self) -> None:
         """Any mix of appends, snapshots and reopens loads as a plain list model says."""
@@ -377,76 +323,15 @@ class TestSqliteStore(StoreContract):
         reopened = open_store(store.url)  # closing lets go of the lock
         reopened.close()
 
-    # -- group commit -------------------------------------------------------------------------------
+    # -- commits ---------------------------------------------------------------------------------------
 
-    def test_group_commit_shares_commits(self, tmp_path: Path) -> None:
-        """16 threads x 50 appends: the appends that queue during a commit MUST share the next one.
-
-        Left to the scheduler, how many appends meet in a commit depends on how long the fsync
-        takes (on tmpfs it takes nothing, and groups of one are common). So each of the 50 rounds
-        is made to hold a commit in flight deterministically: the test holds the connection's
-        lock while the 16 threads append, and lets go once 15 of them are waiting on the store's
-        condition (the 16th is the leader, blocked on the connection). The leader then commits
-        what it took, and one commit MUST carry everything that queued meanwhile: 1 or 2
-        commits per round, however the threads are scheduled.
-        """
-        store = self.open(tmp_path)
+    def test_each_append_is_one_commit(self, store: Store) -> None:
+        """Grouping records is the caller's: one append, however many records, is one transaction."""
         assert isinstance(store, SqliteStore)
-        threads, rounds = 16, 50
-        gate = _WaiterCountingCondition(want=threads - 1)
-        store._cond = gate
-        step = threading.Barrier(threads + 1)
-        errors: list[BaseException] = []
-
-        def writer(t: int) -> None:
-            try:
-                for i in range(rounds):
-                    step.wait()  # the round starts
-                    store.append([b"%d:%d" % (t, i)])
-                    step.wait()  # the round is over
-            except BaseException as exc:  # reported below; a thread's exception is otherwise lost
-                errors.append(exc)
-                step.abort()
-
-        workers = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
-        try:
-            for w in workers:
-                w.start()
-            for _ in range(rounds):
-                with store._db:
-                    gate.reset()
-                    step.wait()
-                    if not gate.all_waiting.wait(timeout=60):
-                        raise AssertionError(f"only {gate.seen} appends queued behind the leader")
-                step.wait()
-        except threading.BrokenBarrierError:
-            pass  # a writer failed: its error is reported below
-        except BaseException:
-            step.abort()  # so that the writers stop and the join below returns
-            raise
-        finally:
-            for w in workers:
-                w.join()
-            store.close()
-        assert not [e for e in errors if not isinstance(e, threading.BrokenBarrierError)], errors
-        assert not errors, errors
-        appends = threads * rounds
-        assert rounds <= store.commits <= 2 * rounds, f"{store.commits} commits for {appends} appends"
-        got = open_store(store.url)
-        try:
-            records = got.load().records
-        finally:
-            got.close()
-        assert [s for s, _ in records] == list(range(1, appends + 1))
-        assert sorted(p for _, p in records) == sorted(
-            b"%d:%d" % (t, i) for t in range(threads) for i in range(rounds)
-        )
-
-    def test_one_caller_commits_once_per_append(self, store: Store) -> None:
-        assert isinstance(store, SqliteStore)
-        for _ in range(5):
-            store.append([b"a", b"b"])
-        assert store.commits == 5
+        for k in (1, 2, 64, 1):
+            store.append([b"r"] * k)
+        assert store.commits == 4
+        assert store.load().last_seq == 68
 
     def test_failed_commit_acknowledges_nothing_and_poisons(self, tmp_path: Path) -> None:
         store = self.open(tmp_path)
@@ -584,53 +469,62 @@ class TestSqliteStore(StoreContract):
         assert str(path) in str(info.value)
 
 
+def test_the_interface_loads_no_backend() -> None:
+    """Importing the interface loads no backend; open_store loads the one a URL names, and only it."""
+    code = (
+        "import sys\n"
+        "from croupier.server._store import open_store\n"
+        "loaded = lambda: [m for m in ('sqlite3', 'croupier.server._sqlite_store', "
+        "'croupier.server._memory_store') if m in sys.modules]\n"
+        "print(loaded())\n"
+        "open_store('memory://').close()\n"
+        "print(loaded())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "['croupier.server._memory_store']"], out
+
+
 # -- kill -9 --------------------------------------------------------------------------------------------
 
-#: Appends from several threads, printing each acknowledgement as soon as ``append`` returns:
-#: ``A <last seq> <payload hex> ...``; thread 0 also writes snapshots as it goes and prints
-#: ``S <seq>`` once one is durable. Snapshots only cover records that were in the store when the
-#: child started, which the parent has already checked byte for byte after the previous kill.
+#: The one writer a store has (see Store), appending batches of 1 to ``max_batch`` records as the
+#: coordinator's writer does and printing each acknowledgement as soon as ``append`` returns:
+#: ``A <last seq> <payload hex> ...``. Every ``snapshot_every`` appends it writes a snapshot and
+#: prints ``S <seq>`` once it is durable. Snapshots only cover records that were in the store when
+#: the child started, which the parent has already checked byte for byte after the previous kill.
 CHILD = textwrap.dedent(
     """
-    import random, sys, threading
+    import random, sys
     from croupier.server._store import open_store
 
-    url, round_no, threads, snapshot_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    url, round_no, max_batch, snapshot_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     store = open_store(url)
     start = store.load()
-    out = threading.Lock()
+    rng = random.Random(round_no)
 
     def say(line):
-        with out:
-            sys.stdout.write(line + "\\n")
-            sys.stdout.flush()
+        sys.stdout.write(line + "\\n")
+        sys.stdout.flush()
 
-    def writer(t):
-        rng = random.Random(f"{round_no}:{t}")
-        n = 0
-        appends = 0
-        while True:
-            k = rng.randint(1, 4)
-            names = [b"%d:%d:%d:" % (round_no, t, n + i) for i in range(k)]
-            payloads = [name + rng.randbytes(rng.randint(0, 48)) for name in names]
-            n += k
-            last = store.append(payloads)
-            say("A %d %s" % (last, " ".join(p.hex() for p in payloads)))
-            appends += 1
-            if t == 0 and snapshot_every and appends % snapshot_every == 0:
-                seq = min(start.last_seq, start.snapshot_seq + 40 * appends // snapshot_every)
-                store.write_snapshot(seq, b"snapshot@%d" % seq)
-                say("S %d" % seq)
-
-    for t in range(threads):
-        threading.Thread(target=writer, args=(t,), daemon=True).start()
-    threading.Event().wait()
+    n = 0
+    appends = 0
+    while True:
+        k = rng.randint(1, max_batch)
+        names = [b"%d:%d:" % (round_no, n + i) for i in range(k)]
+        payloads = [name + rng.randbytes(rng.randint(0, 48)) for name in names]
+        n += k
+        last = store.append(payloads)
+        say("A %d %s" % (last, " ".join(p.hex() for p in payloads)))
+        appends += 1
+        if snapshot_every and appends % snapshot_every == 0:
+            seq = min(start.last_seq, start.snapshot_seq + 40 * appends // snapshot_every)
+            store.write_snapshot(seq, b"snapshot@%d" % seq)
+            say("S %d" % seq)
     """
 )
 
 
 def _kill_rounds(
-    tmp_path: Path, rounds: int, acks: tuple[int, int], threads: int, seed: int
+    tmp_path: Path, rounds: int, acks: tuple[int, int], max_batch: int, seed: int
 ) -> tuple[int, int]:
     """Runs ``rounds`` children on one store, each killed with SIGKILL after a random number of acks.
 
@@ -655,7 +549,7 @@ def _kill_rounds(
         log = tmp_path / f"child-{r}.err"
         with log.open("wb") as err:
             child = subprocess.Popen(
-                [sys.executable, str(script), url, str(r), str(threads), "10"],
+                [sys.executable, str(script), url, str(r), str(max_batch), "10"],
                 stdout=subprocess.PIPE,
                 stderr=err,
                 cwd=tmp_path,
@@ -710,7 +604,7 @@ def _kill_rounds(
             if seq > got.snapshot_seq:
                 assert held.get(seq) == payload, f"{ctx}: acknowledged record {seq} lost or changed"
                 verified.add(seq)
-        names = [p.split(b":")[:3] for _, p in got.records]
+        names = [p.split(b":")[:2] for _, p in got.records]
         assert len(set(map(tuple, names))) == len(names), f"{ctx}: a record is stored twice"
         assert all(int(name[0]) <= r for name in names), ctx
         assert verified == set(acked), f"{ctx}: a snapshot covered records acknowledged in this round"
@@ -728,7 +622,7 @@ def _report(rounds: int, result: tuple[int, int]) -> None:
 @pytest.mark.timeout(120)
 def test_acknowledged_appends_survive_kill_9(tmp_path: Path) -> None:
     rounds = 10
-    result = _kill_rounds(tmp_path, rounds, acks=(50, 300), threads=4, seed=1234)
+    result = _kill_rounds(tmp_path, rounds, acks=(50, 300), max_batch=8, seed=1234)
     _report(rounds, result)
 
 
@@ -736,7 +630,7 @@ def test_acknowledged_appends_survive_kill_9(tmp_path: Path) -> None:
 @pytest.mark.timeout(1200)
 def test_acknowledged_appends_survive_kill_9_long(tmp_path: Path) -> None:
     rounds = 100
-    result = _kill_rounds(tmp_path, rounds, acks=(1, 2000), threads=8, seed=random.randrange(2**32))
+    result = _kill_rounds(tmp_path, rounds, acks=(1, 2000), max_batch=16, seed=random.randrange(2**32))
     _report(rounds, result)
 
 

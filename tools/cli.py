@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("chaos", help="the demo's trainer under random kills of ranks and of a standalone coordinator, "
                                      "rollbacks and resizes 1-4, audited after every launch")
-    c.add_argument("--workdir", default="out/chaos", help="where the store, checkpoints, logs and audit log go (default out/chaos)")
+    c.add_argument("--workdir", default="out/chaos",
+                   help="where the store, checkpoints, logs and audit log go (default out/chaos)")
     c.add_argument("--faults", type=int, default=100, help="kills to inject: ranks, coordinator, whole job (default 100)")
     c.add_argument("--epochs", type=int, default=6, help="epochs (default 6)")
     c.add_argument("--n", type=int, default=3600, help="samples, best a multiple of 12 (default 3600)")

@@ -1,0 +1,80 @@
+"""What the coordinator writes to its store, and recovery: the one place journal bytes become state.
+
+A journal record is one event and a snapshot is the whole state, each the msgpack encoding of
+the versioned dict the state machine makes (:func:`~croupier.server._state.encode_event`,
+:meth:`~croupier.server._state.State.snapshot`). A store verifies the bytes it holds (its
+checksums); :func:`recover` verifies that they mean something to this croupier. A record whose
+bytes the store vouches for but which this croupier cannot read -- not msgpack, an unknown event
+type, another format version, a missing, unknown or mistyped field, an event that does not
+follow the ones before it -- is :class:`StoreCorrupt` naming the store, the record's sequence
+number and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from croupier.server._state import Event, FormatError, State, decode_event, encode_event
+from croupier.server._store import Recovered, Store, StoreCorrupt
+
+__all__ = ["pack_event", "pack_snapshot", "recover"]
+
+
+def pack_event(ev: Event) -> bytes:
+    """The journal record of one event."""
+    return bytes(msgpack.packb(encode_event(ev)))
+
+
+def pack_snapshot(state: State) -> bytes:
+    """The snapshot payload of a whole state."""
+    return bytes(msgpack.packb(state.snapshot()))
+
+
+def _unpack(store: Store, what: str, payload: bytes) -> Any:
+    try:
+        return msgpack.unpackb(payload)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise _corrupt(store, what, f"its {len(payload)} bytes are not msgpack ({reason})") from exc
+
+
+def _corrupt(store: Store, what: str, why: str) -> StoreCorrupt:
+    return StoreCorrupt(f"store {store.url} is corrupt: {what} cannot be read: {why}")
+
+
+def recover(store: Store) -> tuple[State, Recovered]:
+    """Loads a store and rebuilds the state it holds: its snapshot, then every record after it.
+
+    Args:
+        store: The store, open.
+
+    Returns:
+        The state, and what the store returned.
+
+    Raises:
+        StoreCorrupt: If the store could not verify its contents, or a record or the snapshot
+            could not be read; the message names the store, the sequence number and why.
+        StoreUnavailable: If the store could not be read.
+    """
+    rec = store.load()
+    state = State()
+    if rec.snapshot is not None:
+        what = f"the snapshot at seq {rec.snapshot_seq}"
+        try:
+            state = State.restore(_unpack(store, what, rec.snapshot))
+        except FormatError as exc:
+            raise _corrupt(store, what, str(exc)) from exc
+    for seq, payload in rec.records:
+        what = f"journal record {seq}"
+        try:
+            ev = decode_event(_unpack(store, what, payload))
+        except FormatError as exc:
+            raise _corrupt(store, what, str(exc)) from exc
+        try:
+            state.apply(ev)
+        except (KeyError, RuntimeError) as exc:  # what apply raises for an event out of place
+            why = f"its {type(ev).__name__} event does not follow the records before it ({type(exc).__name__}: {exc})"
+            raise _corrupt(store, what, why) from exc
+    return state, rec
