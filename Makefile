@@ -18,7 +18,7 @@ test: lint  ## everything CI runs: lint, types, and the whole default suite (end
 	$(PY) -m pytest -q
 
 check: lint  ## the fast lane for the edit loop (under two minutes): lint, types, the in-process tests
-	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -m "not slow and not e2e"
+	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -m "not slow and not e2e and not exhaustive"
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
 	$(VENV)/bin/ruff check .

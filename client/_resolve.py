@@ -1,21 +1,26 @@
-"""Resolution of a sampler's unset arguments from the environment, and the embedded coordinator."""
+"""Resolution of a sampler's unset arguments: world and rank, job, the world's incarnation, the coordinator.
+
+NOTE: anything every rank of a world must agree on (the incarnation token, the embedded
+coordinator's address) is agreed through that world's own process group: global rank 0 decides
+and broadcasts. A launcher's per-process counters (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is
+each agent's own, and a joining agent starts at 0) cannot name a world.
+"""
 
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import os
 import pathlib
 import socket
 import tempfile
 import threading
 import uuid
-from datetime import timedelta
 from typing import Any
 
 from croupier.core.api import MAX_WORLD
 from croupier.core.checks import check_int
 
-_KEY = "croupier"
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
 
@@ -28,13 +33,49 @@ def _dist() -> Any | None:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """`num_replicas` and `rank`: given, else from torch.distributed, else WORLD_SIZE / RANK, else 1 / 0."""
+def _env_int(*names: str) -> tuple[str, int] | None:
+    for name in names:
+        v = os.environ.get(name)
+        if v is not None:
+            try:
+                return name, int(v)
+            except ValueError:
+                raise ValueError(f"{name} must be an int (got {name}={v!r})") from None
+    return None
+
+
+def resolve_world(num_replicas: int | None, rank: int | None, group: Any | None = None) -> tuple[int, int]:
+    """`num_replicas` and `rank`, each: given; else from `group` or the initialised default
+    process group; else the launcher's environment (``WORLD_SIZE``/``RANK`` as torchrun,
+    ``mp.spawn`` recipes and Kubeflow set them, then SLURM's ``SLURM_NTASKS``/``SLURM_PROCID``);
+    else 1 and 0.
+
+    Raises:
+        ValueError: a launcher names a world of several processes but not this process's rank
+            (or the reverse), or a value out of range.
+    """
     dist = _dist()
-    if num_replicas is None:
-        num_replicas = dist.get_world_size() if dist else int(os.environ.get("WORLD_SIZE", "1"))
-    if rank is None:
-        rank = dist.get_rank() if dist else int(os.environ.get("RANK", "0"))
+    if group is not None and dist is None:
+        raise ValueError("process_group= needs an initialised torch.distributed (call init_process_group first)")
+    if dist is not None:
+        if num_replicas is None:
+            num_replicas = dist.get_world_size(group)
+        if rank is None:
+            rank = dist.get_rank(group)
+    else:
+        size = _env_int("WORLD_SIZE", "SLURM_NTASKS")
+        me = _env_int("RANK", "SLURM_PROCID")
+        if num_replicas is None and size is not None:
+            if rank is None and me is None and size[1] > 1:
+                raise ValueError(
+                    f"{size[0]}={size[1]} says this is one of {size[1]} processes, but neither RANK nor SLURM_PROCID "
+                    "says which: pass rank=, or initialise torch.distributed before the sampler"
+                )
+            num_replicas = size[1]
+        if rank is None and me is not None:
+            rank = me[1]
+    num_replicas = 1 if num_replicas is None else num_replicas
+    rank = 0 if rank is None else rank
     num_replicas = check_int("num_replicas", num_replicas, 1, MAX_WORLD + 1, ValueError)
     return num_replicas, check_int("rank", rank, 0, num_replicas, ValueError)
 
@@ -47,84 +88,81 @@ def resolve_job(job: str | None) -> str:
     return job
 
 
-def _agent_store() -> Any | None:
-    """The c10d store of a torchrun job: torch.distributed's, or the agent's at MASTER_ADDR:MASTER_PORT."""
-    dist = _dist()
-    if dist is not None:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported at run time
-
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                        timeout=timedelta(seconds=300))
-    return None
-
-
-def resolve_token(token: str | None, job: str, world: int, rank: int) -> str:
-    """The incarnation token shared by the ranks of this world (see JoinRequest.token).
-
-    NOTE: a torchrun restart count alone is not enough (a job launched again starts counting
-    from 0), so one process per incarnation draws a random nonce and the others read it from
-    the job's c10d store (torch.distributed's, or torchrun's agent store).
-    """
-    if token:
-        return token
-    env = os.environ.get("CROUPIER_TOKEN")
-    if env:
-        return env
-    if world == 1:
-        return uuid.uuid4().hex
-    store = _agent_store()
-    if store is None:
-        raise ValueError(
-            f"cannot tell which incarnation of job {job!r} this rank {rank} of {world} belongs to: run under "
-            "torchrun or an initialised torch.distributed, or set CROUPIER_TOKEN (the same value on every rank, "
-            "a new value at every restart)"
-        )
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"{_KEY}/{job}/token/{restart}"
-    mine = f"{restart}-{uuid.uuid4().hex}"
-    return bytes(store.compare_set(key, "", mine)).decode()
-
-
 def _store_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("CROUPIER_STATE_DIR") or pathlib.Path(tempfile.gettempdir()) / "croupier")
 
 
-def resolve_address(address: str | None, job: str, world: int, rank: int, token: str) -> str:
-    """`address`: given, else CROUPIER_ADDRESS, else an embedded coordinator.
+def _reachable_host() -> str:
+    """The address of this machine that the job's other nodes reach it by.
 
-    The embedded coordinator runs in this process when the world is one process; in a torchrun
-    job, rank 0 runs it (its store a SQLite file under CROUPIER_STATE_DIR, default
-    $TMPDIR/croupier) and publishes its address in the job's c10d store, where the others read it.
+    All ranks on one machine (``LOCAL_WORLD_SIZE`` equals ``WORLD_SIZE``, one SLURM node, or a
+    loopback ``MASTER_ADDR``): loopback. Otherwise the local address of the interface that routes
+    to the job's ``MASTER_ADDR`` (no packet is sent), else the host name's address. A launcher
+    that sets none of these on several machines: set ``CROUPIER_ADDRESS``.
     """
-    if address:
-        return address
-    env = os.environ.get("CROUPIER_ADDRESS")
-    if env:
-        return env
-    if world == 1:
-        return _start_embedded("memory://", "127.0.0.1")
-    store = _agent_store()
-    if store is None:
-        raise ValueError(
-            f"rank {rank} of {world} has no coordinator address: set CROUPIER_ADDRESS, pass address=, or run "
-            "under torchrun / torch.distributed so that rank 0 can host the embedded coordinator"
-        )
-    key = f"{_KEY}/{job}/address/{token}"
-    if rank == 0:
-        one_host = os.environ.get("LOCAL_WORLD_SIZE", str(world)) == str(world)
-        host = "127.0.0.1" if one_host else "0.0.0.0"
-        db = _store_dir() / f"{job}.db"
-        addr = _start_embedded(f"sqlite:///{db}", host)
-        if not one_host:
-            addr = f"{socket.getfqdn()}:{addr.rsplit(':', 1)[1]}"
-        store.set(key, addr)
-        return addr
-    store.wait([key], timedelta(seconds=300))
-    return bytes(store.get(key)).decode()
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    master = os.environ.get("MASTER_ADDR")
+    if (local is not None and local == world) or os.environ.get("SLURM_NNODES") == "1" or _is_loopback(master):
+        return "127.0.0.1"
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "1"))))
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.getfqdn())
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def agree(token: str | None, address: str | None, job: str, num_replicas: int) -> tuple[str, str]:
+    """The incarnation token and the coordinator address, the same on every rank of this world.
+
+    Each is: given; else ``CROUPIER_TOKEN`` / ``CROUPIER_ADDRESS``; else decided by global rank 0
+    and broadcast over the default process group (a fresh random token; an embedded
+    coordinator that rank 0 hosts, its store a SQLite file under ``CROUPIER_STATE_DIR``, default
+    ``$TMPDIR/croupier``). A process alone in its job decides both itself (the embedded
+    coordinator then keeps its store in memory: the checkpoint state is enough to resume).
+
+    NOTE: the broadcast is a collective: every process of the job must reach its sampler's first
+    batch, as a data-parallel loop does. It runs once per sampler, at the first batch.
+
+    Raises:
+        ValueError: several ranks, no process group, and the token or address not given.
+    """
+    token = token or os.environ.get("CROUPIER_TOKEN") or None
+    address = address or os.environ.get("CROUPIER_ADDRESS") or None
+    if token and address:
+        return token, address
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        if num_replicas > 1:
+            raise ValueError(
+                f"job {job!r} has {num_replicas} ranks but no initialised torch.distributed to agree on their "
+                "incarnation: call init_process_group before the first batch, or set CROUPIER_TOKEN (the same on every "
+                "rank, new at every restart) and CROUPIER_ADDRESS"
+            )
+        return token or uuid.uuid4().hex, address or _start_embedded("memory://", "127.0.0.1")
+    decided: list[Any] = [None, None]
+    if dist.get_rank() == 0:
+        decided = [token or uuid.uuid4().hex, address]
+        if address is None:
+            db = _store_dir() / f"{_safe(job)}.db"
+            decided[1] = _start_embedded(f"sqlite:///{db}", _reachable_host())
+    dist.broadcast_object_list(decided, src=0)
+    return str(decided[0]), str(decided[1])
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 def _start_embedded(store_url: str, host: str) -> str:
@@ -137,4 +175,4 @@ def _start_embedded(store_url: str, host: str) -> str:
             server = Server(store_url, host=host, port=0).start()
             _embedded[store_url] = server
             atexit.register(server.stop, 0.5)
-        return f"127.0.0.1:{server.port}" if host in ("127.0.0.1", "0.0.0.0") else server.address
+        return str(server.address)

@@ -21,7 +21,10 @@ from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+#: What a coordinator that is restarting answers: UNAVAILABLE (down), DEADLINE_EXCEEDED, and
+#: CANCELLED (a call that reached a server while it shut down). The client never cancels its own
+#: calls, and once closed its channel refuses retries, so retrying CANCELLED cannot loop.
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 class LeaseReply:

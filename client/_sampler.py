@@ -13,7 +13,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from croupier.client._audit_log import AuditLog
-from croupier.client._resolve import resolve_address, resolve_job, resolve_token, resolve_world
+from croupier.client._resolve import agree, resolve_job, resolve_world
 from croupier.client._rpc import CoordinatorClient, LeaseReply
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
@@ -82,6 +82,35 @@ class _Prefetcher:
         self._stop.set()
 
 
+def _data_parallel_group(process_group: Any | None, device_mesh: Any | None, mesh_dim: str | int | None) -> Any | None:
+    """The process group whose ranks deal the data: given, or the `mesh_dim` dimension of `device_mesh`."""
+    if device_mesh is None:
+        if mesh_dim is not None:
+            raise ValueError(f"mesh_dim={mesh_dim!r} needs device_mesh=")
+        return process_group
+    if process_group is not None:
+        raise ValueError("pass process_group= or device_mesh=, not both")
+    if mesh_dim is None and device_mesh.ndim > 1:
+        raise ValueError(f"device_mesh has {device_mesh.ndim} dimensions {device_mesh.mesh_dim_names}: name the "
+                         "data-parallel one with mesh_dim=")
+    return device_mesh.get_group(mesh_dim if mesh_dim is not None else 0)
+
+
+def _first_of_its_rank(group: Any | None, rank: int) -> bool:
+    """Whether this process is the lowest global rank among those that share its data-parallel rank.
+
+    With a data-parallel group inside a larger mesh, several processes (a tensor-parallel group)
+    receive the same batches; one of them writes the audit log. A collective over the whole job.
+    """
+    if group is None:
+        return True
+    import torch.distributed as dist
+
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, rank)
+    return ranks.index(rank) == dist.get_rank()
+
+
 class _Base(Sampler[Any]):
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state."""
 
@@ -89,9 +118,12 @@ class _Base(Sampler[Any]):
     _per_batch: bool  # yields batches (lists) rather than indices
 
     def __init__(self, spec: Spec, num_replicas: int | None, rank: int | None, address: str | None, job: str | None,
-                 token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None) -> None:
+                 token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
+                 process_group: Any | None = None, device_mesh: Any | None = None,
+                 mesh_dim: str | int | None = None) -> None:
         self.spec = spec
-        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
+        self._group = _data_parallel_group(process_group, device_mesh, mesh_dim)
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank, self._group)
         self.job = resolve_job(job)
         self._address = address
         self._token = token
@@ -126,16 +158,21 @@ class _Base(Sampler[Any]):
     def _join(self) -> None:
         if self._start is not None:
             return
-        token = resolve_token(self._token, self.job, self.num_replicas, self.rank)
-        address = resolve_address(self._address, self.job, self.num_replicas, self.rank, token)
+        token, address = agree(self._token, self._address, self.job, self.num_replicas)
         self._client = CoordinatorClient(address)
         req = JoinRequest(self.job, self.spec, token, self.num_replicas, self.rank, self._resume, self._hint)
-        r = self._client.join_started(req)
+        try:
+            r = self._client.join_started(req)
+        except Aborted as e:
+            raise RuntimeError(
+                f"rank {self.rank} of job {self.job!r} belongs to an incarnation that a newer one replaced ({e}); "
+                "this process is a zombie: restart it from the last checkpoint"
+            ) from None
         assert r.start is not None
         self._generation, self._start = r.generation, r.start
         self._token_used = token
         self._epoch = r.start.epoch
-        if self._audit_dir:
+        if self._audit_dir and _first_of_its_rank(self._group, self.rank):
             self._audit = AuditLog(self._audit_dir, self.job, token, self.rank)
             self._audit.start(job=self.job, token=token, generation=r.generation, world=self.num_replicas,
                               rank=self.rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
@@ -363,6 +400,11 @@ class DistributedSampler(_Base):
         prefetch: Leases kept ready ahead of use.
         audit_dir: Write an audit log of what this rank receives under this directory, for
             ``croupier audit`` (default CROUPIER_AUDIT_DIR; off when neither is set).
+        process_group: The data-parallel group, when the job is larger than its data-parallel
+            world (tensor or pipeline parallelism): `num_replicas` and `rank` come from it, and
+            every process of one data-parallel rank receives the same batches.
+        device_mesh: Instead of `process_group`, a ``DeviceMesh`` and its data-parallel
+            dimension `mesh_dim` (a name or an index).
     """
 
     _unit = 1
@@ -374,11 +416,13 @@ class DistributedSampler(_Base):
                  tail: str | None = None, scope: str = "global", buffer_size: int | None = None,
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
                  token: str | None = None, lease_ahead: int = 16384, prefetch: int = 2,
-                 audit_dir: str | None = None) -> None:
+                 audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
+                 mesh_dim: str | int | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths)
-        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir)
+        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
+                         process_group, device_mesh, mesh_dim)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
 
     def __iter__(self) -> Iterator[int]:
@@ -422,12 +466,15 @@ class DistributedBatchSampler(_Base):
                  tail: str = "pad", even_batches: bool = False, scope: str = "global",
                  buffer_size: int | None = None, pack_size: int | None = None,
                  lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
-                 lease_ahead: int = 64, prefetch: int = 2, audit_dir: str | None = None) -> None:
+                 lease_ahead: int = 64, prefetch: int = 2, audit_dir: str | None = None,
+                 process_group: Any | None = None, device_mesh: Any | None = None,
+                 mesh_dim: str | int | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size, drop_last, even_batches, scope,
                           buffer_size, pack_size, lengths)
         self._unit = batch_size
-        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir)
+        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
+                         process_group, device_mesh, mesh_dim)
         self.batch_size, self.drop_last = batch_size, drop_last
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -16,9 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from croupier.core import errors as E
-from croupier.server._coordinator import Coordinator
 from croupier.core.api import JoinRequest, JoinResult
-from croupier.server._store import Store, open_store
 from croupier.core.wire import (
     SERVER_OPTIONS,
     SERVICE,
@@ -28,6 +26,8 @@ from croupier.core.wire import (
     spec_from_proto,
     spec_to_proto,
 )
+from croupier.server._coordinator import Coordinator
+from croupier.server._store import Store, open_store
 from croupier.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("croupier.server")
@@ -119,8 +119,8 @@ class Server:
         """
         self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url)
         servicer = CoordinatorServicer(self.core)
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc"),
-                                 options=SERVER_OPTIONS)
+        self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc")
+        self._grpc = grpc.server(self._pool, options=SERVER_OPTIONS)
         handlers = {name: _handler(getattr(servicer, name)) for name in ("Join", "Lease", "GetJob")}
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
@@ -154,6 +154,7 @@ class Server:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait()
+        self._pool.shutdown(wait=False)
         self.core.close()
 
     def wait(self) -> None:

@@ -1,18 +1,18 @@
-"""A simulated training job over the coordinator's state machine, with the G1 audit the tests apply."""
+"""The G1 audit the tests apply, and a simulated training job over the coordinator's pure state machine."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import itertools
+from collections.abc import Iterable
 from typing import Any
 
-import msgpack
 from croupier.core.api import JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.order import Plan, plan_epoch
 from croupier.core.spec import Spec
-from croupier.server._state import Event, State, decode_event, encode_event
+from croupier.server._state import State
 
 JOB = "job"
 
@@ -32,8 +32,44 @@ class G1Violation(AssertionError):
     """The indices a job trained on in an epoch break SPEC.md's G1 for its tail policy."""
 
 
+def allowance(tail: str, partition: str, final: int, worlds: Iterable[int], batch_size: int = 1,
+              drop_last_batch: bool = False, even_batches: bool = False) -> tuple[int, int]:
+    """(missing, repeats) that SPEC.md's G1 allows an epoch that a world of `final` ranks completed.
+
+    Args:
+        tail, partition: The spec's.
+        final: The world size of the generation that completed the epoch.
+        worlds: The world size of every generation that trained in the epoch, one entry each.
+        batch_size, drop_last_batch, even_batches: The spec's batching (a batch sampler's).
+
+    NOTE: with a strided partition the padding is dealt in the epoch's last step, so only the
+    final world pads: fewer than W repeats. Chunked and contiguous partitions (d9d) put the
+    padding at the end of the last ranks' parts, which they reach before the epoch ends; a
+    resize after some of it was trained keeps it trained, so each generation that trained
+    padding may add fewer than its own W repeats.
+
+    NOTE: G1 speaks of indices, not batches. A batch sampler's ``drop_last`` drops each rank's
+    last incomplete batch (fewer than batch_size positions), and ``even_batches`` cuts the
+    batches a rank has beyond the fewest any rank has: parts that differ by at most one
+    position (strided, contiguous; chunked with a pad or drop tail) lose at most one position
+    per rank that way, at most batch_size with both. Only the final generation loses any: a
+    replaced generation's unconsumed positions stay in the checkpoint state. Chunked parts with
+    an uneven tail can differ by more (a rank may get none), which this does not bound.
+    """
+    missing = final - 1 if tail == "drop" else 0
+    if drop_last_batch:
+        missing += final * (batch_size - 1)
+    if even_batches:
+        missing += final
+    if tail not in ("pad", "pad_last"):
+        return missing, 0
+    if partition == "strided":
+        return missing, final - 1
+    return missing, sum(w - 1 for w in worlds)
+
+
 def audit_epoch(spec: Spec, trained: list[int], max_missing: int, max_repeats: int) -> None:
-    """Checks G1 for one finished epoch, given what its tail policy allows (see Job.allowance)."""
+    """Checks G1 for one finished epoch, given what its tail policy allows (see `allowance`)."""
     n = spec.n
     seen = collections.Counter(trained)
     bad = [i for i in seen if not 0 <= i < n]
@@ -89,74 +125,38 @@ def checkpoint_of(state: State, generation: int, epoch: int, batches: int, job: 
 class Job:
     """A lockstep data-parallel training loop of `world` ranks fed by a State, with restarts.
 
-    The coordinator side is journaled exactly as the service does it (msgpack events, snapshots),
-    so ``restart_coordinator`` rebuilds it from snapshot + journal and ``lose_coordinator`` drops it.
+    It computes every batch with the pure plan (``serve``); ``tests/test_state_machine.py``
+    drives the production path (server, samplers) instead.
     """
 
-    def __init__(self, spec: Spec, world: int, start_epoch: int | None = None) -> None:
+    def __init__(self, spec: Spec, world: int) -> None:
         self.spec = spec
         self.state = State()
-        self.journal: list[bytes] = []
-        self.snap: tuple[bytes | None, int] = (None, 0)  # (snapshot, journal length it covers)
         self.log: list[tuple[int, int, int, tuple[int, ...]]] = []  # (epoch, incarnation, world, batch) trained on
         self.end_worlds: dict[int, int] = {}  # epoch -> world of the generation in which it completed
         self.incarnation = 0
         self.checkpoints: list[Checkpoint] = []
         self.finished_epochs: list[tuple[int, int]] = []  # (epoch, final world)
-        self.old_tokens: list[tuple[str, int, int]] = []  # (token, generation, world) of replaced generations
         self.generation = 0
-        self.token = ""
         self.world = world
         self.epoch = 0
         self.j = 0
-        self._start(world, resume=None, epoch_hint=start_epoch)
+        self._start(world, resume=None, epoch_hint=None)
 
-    # ------------------------------------------------------------ coordinator side
-
-    def _commit(self, events: list[Event]) -> None:
-        for ev in events:
-            self.journal.append(msgpack.packb(encode_event(ev)))
-            self.state.apply(ev)
-
-    def take_snapshot(self) -> None:
-        self.snap = (msgpack.packb(self.state.snapshot()), len(self.journal))
-
-    def restart_coordinator(self) -> None:
-        blob, upto = self.snap
-        events = [decode_event(msgpack.unpackb(b)) for b in self.journal[upto:]]
-        self.state = State.restore(None if blob is None else msgpack.unpackb(blob), events)
-
-    def lose_coordinator(self) -> None:
-        # NOTE: fencing by token needs the coordinator's memory of old generations; with the
-        # store gone, zombies are recognised again only once the restarted job opens new ones.
-        self.old_tokens = []
-        self.token = ""
-        self.state = State()
-        self.journal = []
-        self.snap = (None, 0)
-
-    # ------------------------------------------------------------ trainer side
-
-    def _start(self, world: int, resume: dict[str, Any] | None, epoch_hint: int | None,
-               join_order: list[int] | None = None, with_state: set[int] | None = None) -> None:
-        if self.token:
-            self.old_tokens.append((self.token, self.generation, self.world))
+    def _start(self, world: int, resume: dict[str, Any] | None, epoch_hint: int | None) -> None:
         token = f"t{next(_tokens)}"
         self.incarnation += 1
         cursor = None if resume is None else from_state(JOB, self.spec, resume)
-        order = join_order if join_order is not None else list(range(world))
-        holders = with_state if with_state is not None else set(range(world))
         result = None
-        for r in order:
-            req = JoinRequest(JOB, self.spec, token, world, r,
-                              resume=cursor if r in holders else None,
-                              epoch=epoch_hint)
-            self._commit(self.state.decide_join(req))
+        for r in range(world):
+            req = JoinRequest(JOB, self.spec, token, world, r, resume=cursor, epoch=epoch_hint)
+            for ev in self.state.decide_join(req):
+                self.state.apply(ev)
             # A repeated join changes nothing (idempotent).
             assert self.state.decide_join(req) == []
             result = self.state.join_result(JOB, r)
         assert result is not None and result.start is not None
-        self.generation, self.token, self.world = result.generation, token, world
+        self.generation, self.world = result.generation, world
         self.epoch, self.j = result.start.epoch, 0
         if epoch_hint is not None and epoch_hint < self.epoch:
             self.epoch = epoch_hint  # that epoch is complete: the loop's next step moves on
@@ -177,15 +177,6 @@ class Job:
         audit_partial(self.spec, self.trained(self.epoch), self.allowance(self.epoch)[1])
         return False
 
-    def partial_step(self, ranks: set[int]) -> None:
-        """Only `ranks` receive the next batch (a crash in the middle of a step)."""
-        for r in sorted(ranks):
-            b = serve(self.state, self.generation, r, self.epoch, self.j)
-            if b is not None:
-                self.log.append((self.epoch, self.incarnation, self.world, tuple(b.tolist())))
-                again = serve(self.state, self.generation, r, self.epoch, self.j)
-                assert again is not None and again.tolist() == b.tolist(), "serving is not idempotent"
-
     def _finish_epoch(self) -> None:
         audit_epoch(self.spec, self.trained(self.epoch), *self.allowance(self.epoch))
         self.finished_epochs.append((self.epoch, self.end_worlds.get(self.epoch, self.world)))
@@ -200,22 +191,10 @@ class Job:
         return [i for e, _, _, b in self.log if e == epoch for i in b]
 
     def allowance(self, epoch: int) -> tuple[int, int]:
-        """(missing, repeats) that SPEC.md's G1 allows `epoch`, W being the world that completed it.
-
-        NOTE: with a strided partition the padding is dealt in the epoch's last step, so only the
-        final world pads: fewer than W repeats. Chunked and contiguous partitions (d9d) put the
-        padding at the end of the last ranks' parts, which they reach before the epoch ends; a
-        resize after some of it was trained keeps it trained, so each generation that trained
-        padding may add fewer than its own W repeats.
-        """
-        final = self.end_worlds.get(epoch, self.world)
-        missing = final - 1 if self.spec.tail == "drop" else 0
-        if self.spec.tail not in ("pad", "pad_last"):
-            return missing, 0
-        if self.spec.partition == "strided":
-            return missing, final - 1
+        """(missing, repeats) that G1 allows `epoch` (see `allowance`)."""
         gens = {(g, w) for e, g, w, _ in self.log if e == epoch}
-        return missing, sum(w - 1 for _, w in gens)
+        return allowance(self.spec.tail, self.spec.partition, self.end_worlds.get(epoch, self.world),
+                         [w for _, w in gens], self.spec.batch_size, self.spec.drop_last_batch, self.spec.even_batches)
 
     def checkpoint(self) -> Checkpoint:
         state = checkpoint_of(self.state, self.generation, self.epoch, self.j)
@@ -223,21 +202,18 @@ class Job:
         self.checkpoints.append(ck)
         return ck
 
-    def restart(self, ck: Checkpoint | None, world: int, join_order: list[int] | None = None,
-                with_state: set[int] | None = None, hint: bool = True) -> None:
+    def restart(self, ck: Checkpoint | None, world: int) -> None:
         """Kills every rank and starts a new generation of `world` ranks from `ck` (None: scratch)."""
         if ck is None:
             self.log = []
             self.end_worlds = {}
             self.finished_epochs = []
-            self._start(world, None, None, join_order, set())
+            self._start(world, None, None)
             return
         # The model rolls back to the checkpoint, and so does what it has trained on; a
         # checkpoint from a timeline that an earlier restart abandoned is valid too.
         self.log = list(ck.log)
         self.end_worlds = dict(ck.end_worlds)
         self.finished_epochs = list(ck.finished)
-        holders = with_state if with_state is not None else set(range(world))
-        # A rank added by a scale-up has no state; every rank runs the same loop, so every rank
-        # calls set_epoch(ck.epoch) when the trainer uses the usual epoch loop.
-        self._start(world, ck.state, ck.epoch if hint else None, join_order, holders)
+        # Every rank runs the usual epoch loop: set_epoch(ck.epoch).
+        self._start(world, ck.state, ck.epoch)

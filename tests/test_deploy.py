@@ -454,6 +454,7 @@ def test_coordinator_runs_as_compose_and_kubernetes_say(coordinator: Running) ->
     assert r.returncode != 0, "the health check must fail once the coordinator is gone"
 
 
+@pytest.mark.e2e
 def test_trainer_and_audit_run_as_the_images_say(coordinator: Running, tmp_path: pathlib.Path) -> None:
     """The trainer image's own command with the compose file's environment, then the audit service's command.
 

@@ -10,6 +10,8 @@ from _sim import Job, audit_epoch
 from croupier.core.order import Cursor, fresh, plan
 from croupier.core.spec import Spec
 
+pytestmark = pytest.mark.exhaustive
+
 SEQUENCES = [s for k in (1, 2, 3) for s in itertools.product(range(1, 6), repeat=k)]
 
 

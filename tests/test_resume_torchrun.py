@@ -21,7 +21,7 @@ N = 240
 def torchrun(nproc: int, logdir: pathlib.Path, run: str, *extra: str, park: bool = False) -> subprocess.Popen[str]:
     trainer_args = ["--logdir", str(logdir), "--tag", run, "--n", str(N), *extra]
     env = {**os.environ, "CROUPIER_JOB": "resume-test", "CROUPIER_STATE_DIR": str(logdir / "coordinator"),
-           "OMP_NUM_THREADS": "1", "TRAINER_ARGS": " ".join(trainer_args)}
+           "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TRAINER_ARGS": " ".join(trainer_args)}
     env.pop("CROUPIER_ADDRESS", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(HERE / "_trainer.py")]

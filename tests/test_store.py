@@ -619,6 +619,7 @@ def _report(rounds: int, result: tuple[int, int]) -> None:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_acknowledged_appends_survive_kill_9(tmp_path: Path) -> None:
     rounds = 10

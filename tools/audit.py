@@ -159,7 +159,8 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
         if not done:
             w = max(worlds[e])
             ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
-            why = "in progress" if ok else f"{dups} duplicates before the epoch ended"
+            why = ("UNFINISHED: no rank reached this epoch's end, so G1 cannot be established for it"
+                   if ok else f"G1 VIOLATED: {dups} duplicates before the epoch ended")
         else:
             w = finished[e]
             if last.tail == "uneven":
@@ -186,6 +187,24 @@ def audit(logdir: str | os.PathLike[str]) -> list[EpochReport]:
     if not jobs:
         raise FileNotFoundError(f"no audit logs (*/*.audit) under {logdir}")
     return [r for job, incs in sorted(jobs.items()) for r in audit_job(job, incs)]
+
+
+def verdict(reports: list[EpochReport], allow_unfinished: bool = False) -> tuple[bool, str]:
+    """Whether the audit passes, and a one-line summary.
+
+    An epoch that did not end fails it too (G1 speaks of finished epochs), unless
+    `allow_unfinished` (for an audit of a job still running).
+    """
+    bad = [r for r in reports if not r.ok]
+    open_ = [r for r in reports if not r.finished and r.ok]
+    finished = [r for r in reports if r.finished]
+    head = f"{len(finished)} finished epochs audited, {sum(r.trained for r in reports)} indices"
+    if bad:
+        return False, f"{head}; G1 VIOLATED in {len(bad)} epochs"
+    if open_ and not allow_unfinished:
+        return False, (f"{head}; {len(open_)} epochs did not finish ({', '.join(str(r.epoch) for r in open_)}): "
+                       "nothing violated so far, but G1 is not established for them")
+    return True, f"{head}; G1 holds"
 
 
 def render(reports: Iterable[EpochReport]) -> str:

@@ -37,6 +37,7 @@ import time
 from typing import IO, Any
 
 from croupier.tools.audit import EpochReport, audit, load, render
+from croupier.tools.cluster import descendants
 
 JOB = "chaos"
 TRAINER = "croupier.tools.demo_train"
@@ -78,26 +79,6 @@ def _alive_trainer(pid: int) -> bool:
         return TRAINER.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-
-
-def _descendants(root: int) -> list[int]:
-    """Every descendant of `root`, from /proc (torchrun's workers sit in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for d in pathlib.Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _sigkill(pid: int) -> None:
@@ -243,7 +224,7 @@ class Run:
                "resume_from": str(resume) if resume is not None else None}
         env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.coordinator.address,
                "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"), "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         env.pop("CROUPIER_TOKEN", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "--max-restarts=0", "--monitor-interval=0.2", "-m", TRAINER]
@@ -258,7 +239,7 @@ class Run:
         if proc is None:
             return
         if proc.poll() is None:
-            self.pids.update(_descendants(proc.pid))
+            self.pids.update(descendants(proc.pid))
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for pid in self.pids:

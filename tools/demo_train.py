@@ -7,7 +7,9 @@ WORKDIR/status/rRANK.json; rank 0 checkpoints model, optimizer and the sampler's
 WORKDIR/ckpt.pt every `ckpt_every` steps (atomically), and every rank resumes from it.
 Optional keys (``croupier chaos`` uses them): `keep_checkpoints` also keeps every checkpoint as
 WORKDIR/ckpts/step-XXXXXX.pt; `resume_from` names the checkpoint file to resume from instead of
-ckpt.pt (relative to WORKDIR, or absolute); `lease_ahead` is the sampler's lease size.
+ckpt.pt (relative to WORKDIR, or absolute); `lease_ahead` is the sampler's lease size; `step_ms`
+stands in for a larger model's compute: each step takes at least that long (the multi-node demo
+uses it so that a node joining, which takes its agent a few seconds, happens mid-training).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import time
 from datetime import timedelta
 
 import torch
@@ -36,17 +39,15 @@ def synthetic(n: int) -> TensorDataset:
 
 
 def init_process_group() -> None:
-    """gloo over torchrun's store, with keys of their own for each restart of the worker group.
+    """gloo over the rendezvous torchrun made for this round of workers.
 
-    NOTE: with the plain env:// init, the workers that torchrun restarts after a failure find
-    the previous attempt's gloo addresses in the store and fail to connect; a prefix per
-    restart keeps the attempts apart.
+    NOTE: run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in its environment: every
+    rendezvous round (a restart after a failure, a node that joins or leaves) then gets a store
+    of its own. With the store shared across rounds, the plain ``env://`` init of a restarted
+    group finds the previous round's keys and hangs, and a joining node waits for keys that
+    nobody publishes again.
     """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"demo/attempt{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
 
 
 def _write_json(path: pathlib.Path, obj: object) -> None:
@@ -68,6 +69,7 @@ def main() -> None:
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    node = os.environ.get("CROUPIER_DEMO_NODE", "")
 
     data = synthetic(cfg["n"])
     extra = {"lease_ahead": cfg["lease_ahead"]} if "lease_ahead" in cfg else {}
@@ -97,14 +99,18 @@ def main() -> None:
         k, of = 0, len(loader)  # batches of this epoch this incarnation gets (the rest, after a resume)
         for x, y in loader:
             k += 1
+            t_step = time.monotonic()
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
             step += 1
-            _write_json(status / f"r{rank}.json", {"pid": os.getpid(), "rank": rank, "world": world, "epoch": epoch,
+            if cfg.get("step_ms"):  # simulated compute, see the module docstring
+                time.sleep(max(0.0, cfg["step_ms"] / 1000 - (time.monotonic() - t_step)))
+            _write_json(status / f"r{rank}.json", {"t": time.time(), "pid": os.getpid(), "rank": rank,
+                                                   "world": world, "epoch": epoch,
                                                    "step": step, "k": k, "of": of, "loss": loss.item(),
-                                                   "restart": restart})
+                                                   "restart": restart, "node": node})
             if step % cfg["ckpt_every"] == 0:
                 # Every rank's sampler state is the same (lockstep); rank 0 saves it with the model.
                 state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
@@ -116,7 +122,8 @@ def main() -> None:
                     _save(state, ckpt)
                 dist.barrier()
     _write_json(status / f"r{rank}.json", {"pid": os.getpid(), "rank": rank, "world": world, "epoch": cfg["epochs"],
-                                           "step": step, "loss": None, "restart": restart, "done": True})
+                                           "step": step, "loss": None, "restart": restart, "node": node,
+                                           "done": True})
     sampler.close()
     dist.destroy_process_group()
 
