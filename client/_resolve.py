@@ -9,6 +9,7 @@ each agent's own, and a joining agent starts at 0) cannot name a world.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import ipaddress
 import os
 import pathlib
@@ -16,6 +17,7 @@ import socket
 import tempfile
 import threading
 import uuid
+import weakref
 from typing import Any
 
 from croupier.core.api import MAX_WORLD
@@ -23,6 +25,37 @@ from croupier.core.checks import check_int
 
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
+#: Every sampler that has joined, so that a process whose loop stopped early exits promptly.
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(sampler: Any) -> None:
+    """Remembers a joined sampler (weakly); :func:`_shutdown` closes it when the interpreter exits."""
+    _live.add(sampler)
+
+
+def _shutdown() -> None:
+    """At exit: stop every sampler's background leasing first, then the embedded coordinators.
+
+    NOTE: a script that takes a few batches and ends without ``close()`` (a ``break``, a debug
+    run, a notebook cell) would otherwise leave a prefetch thread leasing from a coordinator whose
+    thread pool refuses new work at interpreter shutdown, and the process would hang.
+    """
+    for sampler in list(_live):
+        sampler.close()
+    with _embedded_lock:
+        servers = list(_embedded.values())
+        _embedded.clear()
+    for server in servers:
+        server.stop(0.5)
+
+
+# NOTE: at interpreter exit, threading runs its own exit hooks (concurrent.futures' included,
+# which makes every thread pool refuse work) before the atexit module's. The gRPC server's pool
+# would then refuse a lease in flight and its serving thread die, leaving a stop that never
+# ends. So _shutdown goes first among threading's hooks (they run last registered first, and
+# concurrent.futures' is registered when it is imported, above); atexit is the fallback.
+getattr(threading, "_register_atexit", atexit.register)(_shutdown)
 
 
 def _dist() -> Any | None:
@@ -174,5 +207,4 @@ def _start_embedded(store_url: str, host: str) -> str:
 
             server = Server(store_url, host=host, port=0).start()
             _embedded[store_url] = server
-            atexit.register(server.stop, 0.5)
         return str(server.address)

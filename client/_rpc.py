@@ -62,6 +62,7 @@ class CoordinatorClient:
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.retries = 0
+        self.closed = False
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.retry_for
@@ -71,7 +72,7 @@ class CoordinatorClient:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code()
-                if code in RETRYABLE and time.monotonic() < deadline:
+                if code in RETRYABLE and time.monotonic() < deadline and not self.closed:
                     self.retries += 1
                     time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
                     delay = min(delay * 2, 1.0)
@@ -122,6 +123,8 @@ class CoordinatorClient:
         return spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for))
 
     def close(self) -> None:
+        """Closes the channel: calls in flight end, and no call retries any more."""
+        self.closed = True
         self.channel.close()
 
     def __enter__(self) -> CoordinatorClient:

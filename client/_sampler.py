@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
+from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
 from croupier.client._audit_log import AuditLog
-from croupier.client._resolve import agree, resolve_job, resolve_world
+from croupier.client._resolve import agree, resolve_job, resolve_world, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
@@ -160,6 +161,7 @@ class _Base(Sampler[Any]):
             return
         token, address = agree(self._token, self._address, self.job, self.num_replicas)
         self._client = CoordinatorClient(address)
+        track(self)
         req = JoinRequest(self.job, self.spec, token, self.num_replicas, self.rank, self._resume, self._hint)
         try:
             r = self._client.join_started(req)
@@ -235,6 +237,11 @@ class _Base(Sampler[Any]):
         if self._hint is not None and epoch_agrees(self.spec, self._resume, self._hint):
             return self._hint  # the epoch the checkpoint finished: its iteration yields nothing
         return self._resume.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        # torch's loops and frameworks sometimes assign sampler.epoch: the same as set_epoch.
+        self.set_epoch(value)
 
     # ---------------------------------------------------------------- iteration
 
@@ -373,8 +380,14 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
     return Spec(n=n, **kw)
 
 
-class DistributedSampler(_Base):
+class DistributedSampler(_Base, _TorchDistributedSampler):  # type: ignore[misc]
     """A drop-in for ``torch.utils.data.distributed.DistributedSampler`` that survives preemption and resizing.
+
+    It is an instance of torch's ``DistributedSampler`` (frameworks that test ``isinstance`` leave
+    its sharding alone) with torch's attributes and meanings: ``dataset``, ``num_replicas``,
+    ``rank``, ``shuffle``, ``seed``, ``drop_last``, ``epoch`` (settable, as ``set_epoch``),
+    ``num_samples`` (this rank's share of the epoch, as ``len()``) and ``total_size``
+    (``num_samples * num_replicas``).
 
     Change one import line; then ``state_dict()`` / ``load_state_dict()`` resume at any step with
     any new world size, with no index trained twice or skipped, and epochs advance without
@@ -424,6 +437,17 @@ class DistributedSampler(_Base):
         super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.dataset = dataset
+
+    @property
+    def num_samples(self) -> int:
+        """This rank's share of the current epoch (torch's meaning): what ``len()`` says."""
+        return len(self)
+
+    @property
+    def total_size(self) -> int:
+        """``num_samples * num_replicas``, as torch's ``DistributedSampler`` defines it."""
+        return len(self) * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
         return self._indices(object())

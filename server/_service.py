@@ -153,7 +153,7 @@ class Server:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
-        self._grpc.stop(grace).wait()
+        self._grpc.stop(grace).wait(grace + 5.0)  # bounded: a server whose serving thread died never signals
         self._pool.shutdown(wait=False)
         self.core.close()
 
