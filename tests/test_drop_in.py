@@ -7,9 +7,10 @@ import sys
 import textwrap
 
 import pytest
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
 from croupier.client import DistributedSampler
 from croupier.server import Server
-from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 
 def test_an_instance_of_torchs_distributed_sampler_with_its_attributes(server: Server) -> None:
