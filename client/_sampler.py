@@ -380,7 +380,7 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
     return Spec(n=n, **kw)
 
 
-class DistributedSampler(_Base, _TorchDistributedSampler):  # type: ignore[misc]
+class DistributedSampler(_Base, _TorchDistributedSampler[int]):
     """A drop-in for ``torch.utils.data.distributed.DistributedSampler`` that survives preemption and resizing.
 
     It is an instance of torch's ``DistributedSampler`` (frameworks that test ``isinstance`` leave
@@ -437,15 +437,15 @@ class DistributedSampler(_Base, _TorchDistributedSampler):  # type: ignore[misc]
         super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.dataset = dataset
+        self.dataset = dataset  # type: ignore[assignment]  # torch's attribute; an int N is allowed here
 
-    @property
-    def num_samples(self) -> int:
+    @property  # torch's attribute, computed here (it changes with a resume)
+    def num_samples(self) -> int:  # type: ignore[override]
         """This rank's share of the current epoch (torch's meaning): what ``len()`` says."""
         return len(self)
 
-    @property
-    def total_size(self) -> int:
+    @property  # torch's attribute, computed here
+    def total_size(self) -> int:  # type: ignore[override]
         """``num_samples * num_replicas``, as torch's ``DistributedSampler`` defines it."""
         return len(self) * self.num_replicas
 
