@@ -17,7 +17,7 @@ demo: $(STAMP)  ## the main job (see README)
 test: lint  ## everything CI runs: lint, types, and the whole default suite (end-to-end runs included)
 	$(PY) -m pytest -q
 
-check: lint  ## the fast lane for the edit loop (under two minutes): lint, types, the in-process tests
+check: lint  ## the fast lane for the edit loop: lint, types, the in-process tests
 	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -m "not slow and not e2e and not exhaustive"
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
