@@ -37,7 +37,7 @@ import time
 from typing import IO, Any
 
 from croupier.tools.audit import EpochReport, audit, load, render
-from croupier.tools.cluster import descendants
+from croupier.tools.cluster import descendants, statuses
 
 JOB = "chaos"
 TRAINER = "croupier.tools.demo_train"
@@ -129,16 +129,6 @@ class Coordinator:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def _statuses(status: pathlib.Path) -> list[dict[str, Any]]:
-    out = []
-    for f in status.glob("r*.json"):
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            pass  # being replaced right now
-    return out
 
 
 def _where(statuses: list[dict[str, Any]]) -> str:
@@ -276,7 +266,7 @@ class Run:
         first: tuple[float, int] | None = None  # (time, step) of the first status seen: the pace of this launch
         while proc.poll() is None:
             self.coordinator.check()
-            st = _statuses(status)
+            st = statuses(status)
             self.pids.update(s["pid"] for s in st)
             live = [s for s in st if not s.get("done")]
             if live:
@@ -309,7 +299,7 @@ class Run:
                     if kind == "coordinator":
                         self.coordinator.kill()
                         self.tally.coordinator_kills += 1
-                        at = _where(_statuses(status))
+                        at = _where(statuses(status))
                         t = time.monotonic()
                         self.coordinator.start()
                         self._say(f"SIGKILL of the coordinator at {at}; restarted on port {self.coordinator.port} "
@@ -323,7 +313,7 @@ class Run:
                         if _alive_trainer(victim["pid"]):
                             _sigkill(victim["pid"])
                         self.tally.rank_kills += 1
-                        at = _where([s for s in _statuses(status) if s["rank"] == victim["rank"]])
+                        at = _where([s for s in statuses(status) if s["rank"] == victim["rank"]])
                         self._say(f"SIGKILL of rank {victim['rank']} of {world} (pid {victim['pid']}) at {at}")
                         try:
                             proc.wait(timeout=60)
@@ -334,7 +324,7 @@ class Run:
                         return "finished" if proc.returncode == 0 else "rank"
                     self.kill_launch()
                     self.tally.preemptions += 1
-                    self._say(f"preempted: SIGKILL of torchrun and all {world} workers at {_where(_statuses(status))}")
+                    self._say(f"preempted: SIGKILL of torchrun and all {world} workers at {_where(statuses(status))}")
                     return "rollback" if rollback else "preempt"
             if time.monotonic() - last_change > STALL:
                 raise ChaosError(f"no training step for {STALL:.0f} s (launch {number}, {world} workers); "
