@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,3 +40,24 @@ class Ranks:
     def close(self) -> None:
         for s in self.samplers:
             s.close()
+
+
+def on_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
+    """Runs fn(rank) for every rank in its own thread (the ranks of one generation join together)."""
+    out: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pathlib
-import threading
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import pytest
+from _ranks import on_ranks
 from conftest import ServeProcess
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
@@ -16,27 +14,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from croupier.client import DistributedBatchSampler, DistributedSampler
 from croupier.server._service import Server
-
-
-def on_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
-    """Runs fn(rank) for every rank in its own thread (the ranks of one generation join together)."""
-    out: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return out
 
 
 @pytest.mark.parametrize("shuffle", [True, False])

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _sim import batches_of
 
 from croupier.core import ORDER_VERSION
 from croupier.core import feistel as _feistel
 from croupier.core import permute as _permute
-from croupier.core.order import Cursor, Plan, order, plan, plan_epoch
+from croupier.core.order import Cursor, order, plan, plan_epoch
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, SCOPES, TAILS, Spec
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "orders.json").read_text())
@@ -54,15 +55,6 @@ def _diff(what: str, got: list[Any], want: list[Any]) -> list[str]:
     return [f"{what}: {wrong} of {len(want)} items differ, the first at {k} (got {got[k]!r}, golden {want[k]!r})"]
 
 
-def _rank_batches(p: Plan, rank: int) -> list[list[int]]:
-    out: list[list[int]] = []
-    j = 0
-    while (b := p.batch_indices(rank, j)) is not None:
-        out.append(b.tolist())
-        j += 1
-    return out
-
-
 def golden_mismatches(golden: dict[str, Any]) -> list[str]:
     """Every way the engine differs from the golden file, one line each; [] when it yields the same.
 
@@ -78,7 +70,7 @@ def golden_mismatches(golden: dict[str, Any]) -> list[str]:
                      case["order"])
         p = plan(spec, cursor, case["world"])
         for r, want in enumerate(case["ranks"]):
-            out += _diff(f"{cid} rank {r}", _rank_batches(p, r), want)
+            out += _diff(f"{cid} rank {r}", batches_of(p, r), want)
     for case in golden["samples"]:
         spec, cid = _spec(case["spec"]), case["id"]
         pos = np.array(case["positions"], dtype=np.int64)

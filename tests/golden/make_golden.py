@@ -20,13 +20,15 @@ import json
 import pathlib
 import re
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 TESTS = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))  # the tests' helpers (run as a script, not under pytest)
+from _ranks import on_ranks  # noqa: E402
+
 ORDERS = TESTS / "golden" / "orders.json"
 FIXTURES = TESTS / "fixtures"
 
@@ -173,27 +175,6 @@ FIXTURE_CASES: list[dict[str, Any]] = [
 ]
 
 
-def _on_ranks(world: int, fn: Callable[[int], Any]) -> list[Any]:
-    """fn(rank) for every rank, each in its own thread (a generation's ranks join together)."""
-    out: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return out
-
-
 def make_fixture(case: dict[str, Any], address: str) -> dict[str, Any]:
     """Writes a checkpoint state with `case`'s writer world, and reads the rest of its epoch back at world 1."""
     from croupier.client import DistributedBatchSampler, DistributedSampler
@@ -210,7 +191,7 @@ def make_fixture(case: dict[str, Any], address: str) -> dict[str, Any]:
         s.close()
         return state, taken
 
-    written = _on_ranks(world, write)
+    written = on_ranks(world, write)
     state = written[0][0]
     if any(w[0] != state for w in written):
         raise RuntimeError(f"the ranks wrote different states (got {[w[0] for w in written]})")
