@@ -25,6 +25,8 @@ from croupier.core.checks import check_int
 
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
+#: The process that loaded this module; forked children inherit the exit hook but not its duty.
+_PID = os.getpid()
 #: Every sampler that has joined, so that a process whose loop stopped early exits promptly.
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -41,6 +43,8 @@ def _shutdown() -> None:
     run, a notebook cell) would otherwise leave a prefetch thread leasing from a coordinator whose
     thread pool refuses new work at interpreter shutdown, and the process would hang.
     """
+    if os.getpid() != _PID:
+        return  # a forked child (a DataLoader worker): its copies of gRPC objects must not be touched
     for sampler in list(_live):
         sampler.close()
     with _embedded_lock:
