@@ -1,5 +1,5 @@
 """croupier's client: drop-in samplers for torch's DataLoader, fed by a croupier coordinator."""
 
-from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
+from croupier.client._sampler import DistributedBatchSampler, DistributedSampler, shards
 
-__all__ = ["DistributedBatchSampler", "DistributedSampler"]
+__all__ = ["DistributedBatchSampler", "DistributedSampler", "shards"]

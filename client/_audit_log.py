@@ -5,7 +5,11 @@ Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRAN
 * ``start``: the generation (number, world, token), the spec's n / tail / partition, the wall
   clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start);
 * ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
-  chunk), and the chunk's indices (little-endian int64);
+  chunk, counted from the epoch's start as ``len()`` counts them), and the chunk's indices
+  (little-endian int64);
+* ``end``: the rank's last item of the epoch was handed out;
+* ``cut``: the loop moved on to the next epoch (``set_epoch``) after ``items`` items of this one:
+  the rest of the epoch is not trained;
 * ``ckpt``: a checkpoint state the sampler made: its ``origin`` (token/epoch/items), epoch, items.
 
 ``croupier audit`` (:mod:`croupier.tools.audit`) reads them back.

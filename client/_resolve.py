@@ -117,12 +117,36 @@ def resolve_world(num_replicas: int | None, rank: int | None, group: Any | None 
     return num_replicas, check_int("rank", rank, 0, num_replicas, ValueError)
 
 
-def resolve_job(job: str | None) -> str:
-    """`job`: given, else CROUPIER_JOB, else TORCHELASTIC_RUN_ID, else "default"."""
-    job = job or os.environ.get("CROUPIER_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "default"
-    if not isinstance(job, str) or len(job) > 256:
-        raise ValueError(f"job must be a string of at most 256 characters (got job={job!r})")
-    return job
+def dist_ready() -> bool:
+    """Whether torch.distributed is initialised in this process."""
+    return _dist() is not None
+
+
+#: How many samplers of each default job name this process has made (train, val and test
+#: samplers of one spec get distinct names, in the order the program makes them).
+_defaults: dict[str, int] = {}
+
+
+def resolve_job(job: str | None, spec: Any) -> tuple[str, bool]:
+    """The job's name, and whether it was named (``job=`` or ``CROUPIER_JOB``) rather than derived.
+
+    A derived name is ``RUN.FINGERPRINT``: RUN is the launcher's run (``TORCHELASTIC_RUN_ID``,
+    else ``SLURM_JOB_ID``, else ``local``) and FINGERPRINT the first 12 characters of the spec's
+    fingerprint; the k-th sampler of one spec in a process (k >= 2) appends ``.k``. Samplers of
+    different data or settings, and different launches, never share a job; every rank derives
+    the same name, since it runs the same program.
+    """
+    if job is None:
+        job = os.environ.get("CROUPIER_JOB") or None
+    if job is not None:
+        if not isinstance(job, str) or not job or len(job) > 256:
+            raise ValueError(f"job must be a non-empty string of at most 256 characters (got job={job!r})")
+        return job, True
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
+    base = f"{run[:200]}.{spec.fingerprint[:12]}"
+    with _embedded_lock:
+        k = _defaults[base] = _defaults.get(base, 0) + 1
+    return (base if k == 1 else f"{base}.{k}"), False
 
 
 def _store_dir() -> pathlib.Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 import uuid
@@ -20,6 +21,13 @@ from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+log = logging.getLogger("croupier")
+
+
+def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    """A list of ranks, shortened past 16."""
+    shown = ", ".join(map(str, list(ranks)[:16]))
+    return f"[{shown}{', ...' if len(ranks) > 16 else ''}] ({len(ranks)} ranks)"
 
 #: What a coordinator that is restarting answers: UNAVAILABLE (down), DEADLINE_EXCEEDED, and
 #: CANCELLED (a call that reached a server while it shut down). The client never cancels its own
@@ -101,16 +109,24 @@ class CoordinatorClient:
         many more ranks than the server has threads from queueing behind the first ones.
         """
         request_id = uuid.uuid4().hex
-        end = time.monotonic() + timeout
+        began = time.monotonic()
+        end, say = began + timeout, began + min(10.0, timeout / 2)
         while True:
             r = self.join(req, wait_s=min(poll_s, max(0.0, end - time.monotonic())), request_id=request_id)
             if r.start is not None:
                 return r
-            if time.monotonic() >= end:
+            now = time.monotonic()
+            if now >= end:
                 raise TimeoutError(
-                    f"generation {r.generation} of job {req.job!r} still waits for ranks {list(r.waiting_for)} "
-                    f"after {timeout:.0f} s"
+                    f"rank {req.rank} of job {req.job!r} gave up after {timeout:.0f} s: generation {r.generation} "
+                    f"(world {req.world}) still waits for ranks {_ranks(r.waiting_for)}. Every rank joins at its first "
+                    "batch; ranks that never reach it (a crashed process, a wrong world size, or all ranks in one "
+                    "process one after another: use croupier.client.shards for that) keep the others waiting"
                 )
+            if now >= say:
+                log.warning("croupier: rank %d of job %r has waited %.0f s for ranks %s of generation %d (world %d)",
+                            req.rank, req.job, now - began, _ranks(r.waiting_for), r.generation, req.world)
+                say = now + 30.0
 
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> LeaseReply:
         m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)

@@ -2,35 +2,48 @@
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
 from croupier.client._audit_log import AuditLog
-from croupier.client._resolve import agree, resolve_job, resolve_world, track
+from croupier.client._resolve import agree, dist_ready, resolve_job, resolve_world, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply
-from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
+from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
 from croupier.core.errors import Aborted, NotFound
-from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, plan_epoch, show
+from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, is_fresh, plan_epoch, show
 from croupier.core.spec import Spec
 
 _DONE = object()
+log = logging.getLogger("croupier")
 
 
 def _dataset_size(dataset: Sized | int) -> int:
     if isinstance(dataset, bool):
         raise TypeError(f"dataset must be a sized object or an int (got {dataset!r})")
     if isinstance(dataset, (int, np.integer)):
+        if dataset < 0:
+            raise ValueError(f"dataset size must be >= 0 (got {int(dataset)})")
         return int(dataset)
+    if isinstance(dataset, Sampler):
+        # NOTE: frameworks that re-shard a loader rebuild its batch sampler around their own
+        # sampler; read as a dataset, a sampler's len() is its shard, and training would
+        # silently see only indices below it.
+        raise TypeError(
+            f"dataset is a {type(dataset).__module__}.{type(dataset).__name__}, a sampler, not a dataset: croupier's "
+            "samplers deal the dataset themselves, so pass the dataset (or its size N). A framework that re-shards "
+            "loaders rebuilt this sampler around its own (Lightning: see croupier.integrations.lightning)"
+        )
     if not isinstance(dataset, Sized):
         raise TypeError(f"dataset must be a sized object or an int N (got {type(dataset).__name__}, which has no len())")
     return len(dataset)
@@ -113,19 +126,34 @@ def _first_of_its_rank(group: Any | None, rank: int) -> bool:
 
 
 class _Base(Sampler[Any]):
-    """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state."""
+    """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state.
+
+    Counting: an *item* is what the sampler yields (an index, or a batch for the batch sampler).
+    ``len()`` is this rank's items in the whole current epoch; ``items_done`` counts the items of
+    the current epoch handed out so far, from the epoch's start (after a resume, the items this
+    rank had taken before the checkpoint count too), and ``state_dict(consumed=)`` takes the same
+    count.
+    """
 
     _unit: int  # positions per item this sampler yields: 1 for indices, batch_size for batches
     _per_batch: bool  # yields batches (lists) rather than indices
 
-    def __init__(self, spec: Spec, num_replicas: int | None, rank: int | None, address: str | None, job: str | None,
-                 token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
+    def __init__(self, spec: Spec, empty: bool, num_replicas: int | None, rank: int | None, address: str | None,
+                 job: str | None, token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
-                 mesh_dim: str | int | None = None) -> None:
+                 mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
         self.spec = spec
+        self._empty = empty  # N = 0: nothing to deal, no coordinator needed
         self._group = _data_parallel_group(process_group, device_mesh, mesh_dim)
-        self.num_replicas, self.rank = resolve_world(num_replicas, rank, self._group)
-        self.job = resolve_job(job)
+        for name, v in (("num_replicas", num_replicas), ("rank", rank)):
+            if v is not None:
+                check_int(name, v, 0 if name == "rank" else 1, MAX_WORLD + 1, ValueError)
+        self._given = (num_replicas, rank)
+        self._world: tuple[int, int] | None = None  # (num_replicas, rank) once resolved
+        self._world_from_dist = False
+        if num_replicas is not None and rank is not None:
+            self._resolve_world()
+        self.job, self._job_named = resolve_job(job, spec)
         self._address = address
         self._token = token
         if lease_ahead < 1 or prefetch < 1:
@@ -135,103 +163,262 @@ class _Base(Sampler[Any]):
                 f"lease_ahead={lease_ahead} batches of {spec.batch_size} is more than one lease serves "
                 f"(at most {MAX_LEASE_BATCHES} batches and {MAX_LEASE_INDICES} indices)"
             )
+        if join_timeout is None:
+            join_timeout = float(os.environ.get("CROUPIER_JOIN_TIMEOUT") or 600.0)
+        if not join_timeout > 0:
+            raise ValueError(f"join_timeout must be > 0 seconds (got {join_timeout!r})")
+        self._join_timeout = join_timeout
         self._lease_ahead = lease_ahead
         self._prefetch = prefetch
         self._client: CoordinatorClient | None = None
+        self._address_used = ""  # the coordinator this sampler joined, to reconnect after a copy
         self._resume: Cursor | None = None  # from load_state_dict
+        self._resume_items: int | None = None  # items of the resumed epoch taken before the checkpoint (origin)
+        self._cut_on_join: tuple[int, int] | None = None  # (epoch, items) cut by set_epoch before the join
         self._hint: int | None = None  # from set_epoch before the first batch
         self._generation = 0
         self._start: Cursor | None = None  # the generation's resume point, once joined
         self._epoch = 0  # the epoch being (or last) iterated
-        self._yielded = 0  # items of self._epoch yielded, up to the start of the chunk in hand
+        self._before = 0  # items of self._epoch taken before this generation began
+        self._yielded = 0  # items of self._epoch yielded by this generation, up to the chunk in hand
         self._chunk: Iterator[int] | None = None  # the index sampler's chunk being yielded
         self._chunk_len = 0
-        self._complete = False  # self._epoch has been iterated to its end
+        self._entered = False  # an iteration of self._epoch has begun
+        self._complete = False  # self._epoch is over: iterated to its end, or cut by the trainer
+        self._ended_logged = False
         self._active: object | None = None  # the iterator allowed to yield
         self._prefetcher: _Prefetcher | None = None
         self._origin: str | None = None  # the loaded checkpoint state's origin, for the audit log
         self._token_used = ""
         self._audit_dir = audit_dir or os.environ.get("CROUPIER_AUDIT_DIR") or None
         self._audit: AuditLog | None = None
+        self._audit_path: tuple[str, str, str, int] | None = None  # where this rank's audit log is, once joined
+
+    # ---------------------------------------------------------------- world
+
+    def _resolve_world(self) -> tuple[int, int]:
+        """`num_replicas` and `rank`, resolved the first time anything needs them (not at construction)."""
+        if self._world is None:
+            self._world_from_dist = dist_ready()
+            self._world = resolve_world(self._given[0], self._given[1], self._group)
+        return self._world
+
+    @property  # torch's attribute; resolved when first needed, so a sampler may be built before init_process_group
+    def num_replicas(self) -> int:
+        """World size of the data-parallel group: given, else torch.distributed's, else the launcher's."""
+        return self._resolve_world()[0]
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        self._set_world(value, None)
+
+    @property  # torch's attribute, resolved as num_replicas
+    def rank(self) -> int:
+        """This process's rank in the data-parallel group."""
+        return self._resolve_world()[1]
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._set_world(None, value)
+
+    def _set_world(self, num_replicas: int | None, rank: int | None) -> None:
+        if self._start is not None:
+            raise RuntimeError(f"num_replicas and rank are fixed once the sampler has joined job {self.job!r}")
+        w, r = self._given
+        self._given = (num_replicas if num_replicas is not None else w, rank if rank is not None else r)
+        self._world = None
+
+    def _check_world_still(self) -> None:
+        """A world resolved before torch.distributed was initialised must match the one it has now."""
+        if self._world_from_dist or self._given[0] is not None and self._given[1] is not None:
+            return
+        dist = dist_ready()
+        if not dist:
+            return
+        now = resolve_world(self._given[0], self._given[1], self._group)
+        if now != self._world:
+            raise RuntimeError(
+                f"this sampler took num_replicas={self._world[0] if self._world else None}, "
+                f"rank={self._world[1] if self._world else None} before torch.distributed was initialised, but "
+                f"torch.distributed now says num_replicas={now[0]}, rank={now[1]}: build the sampler (or call len() "
+                "on it) after init_process_group, or pass num_replicas= and rank="
+            )
 
     # ---------------------------------------------------------------- joining
 
     def _join(self) -> None:
         if self._start is not None:
+            if self._client is None:  # a copy (pickle, deepcopy) of a joined sampler reconnects here
+                self._client = CoordinatorClient(self._address_used)
+                track(self)
+                if self._audit_path is not None:
+                    self._audit = AuditLog(*self._audit_path)
             return
-        token, address = agree(self._token, self._address, self.job, self.num_replicas)
+        num_replicas, rank = self._resolve_world()
+        self._check_world_still()
+        token, address = agree(self._token, self._address, self.job, num_replicas)
         self._client = CoordinatorClient(address)
+        self._address_used = address
         track(self)
-        req = JoinRequest(self.job, self.spec, token, self.num_replicas, self.rank, self._resume, self._hint)
+        req = JoinRequest(self.job, self.spec, token, num_replicas, rank, self._resume, self._hint)
         try:
-            r = self._client.join_started(req)
+            r = self._client.join_started(req, timeout=self._join_timeout)
         except Aborted as e:
             raise RuntimeError(
-                f"rank {self.rank} of job {self.job!r} belongs to an incarnation that a newer one replaced ({e}); "
+                f"rank {rank} of job {self.job!r} belongs to an incarnation that a newer one replaced ({e}); "
                 "this process is a zombie: restart it from the last checkpoint"
             ) from None
         assert r.start is not None
         self._generation, self._start = r.generation, r.start
         self._token_used = token
         self._epoch = r.start.epoch
-        if self._audit_dir and _first_of_its_rank(self._group, self.rank):
-            self._audit = AuditLog(self._audit_dir, self.job, token, self.rank)
-            self._audit.start(job=self.job, token=token, generation=r.generation, world=self.num_replicas,
-                              rank=self.rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
+        self._before = self._taken_before(r.start)
+        if self._audit_dir and _first_of_its_rank(self._group, rank):
+            self._audit_path = (self._audit_dir, self.job, token, rank)
+            self._audit = AuditLog(*self._audit_path)
+            self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
+                              rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
                               unit=self._unit, origin=self._origin, epoch=r.start.epoch)
+            if self._cut_on_join is not None:
+                self._audit.write(t="cut", epoch=self._cut_on_join[0], items=self._cut_on_join[1])
         if self._hint is not None and self._hint == r.start.epoch - 1:
             self._epoch = self._hint  # that epoch is complete: its iteration yields nothing
+            self._complete = True
         self._yielded = 0
-        self._complete = False
 
     def _plan(self, epoch: int) -> Plan | None:
+        world = self._resolve_world()[0]
         if self._start is None:  # before the join: what the generation will start from
-            start = bind(self.spec, self._resume or fresh(self.spec, self._hint or 0), self.num_replicas)
-            return plan_epoch(self.spec, start, self.num_replicas, epoch)
-        return plan_epoch(self.spec, self._start, self.num_replicas, epoch)
+            start = bind(self.spec, self._resume or fresh(self.spec, self._hint or 0), world)
+            return plan_epoch(self.spec, start, world, epoch)
+        return plan_epoch(self.spec, self._start, world, epoch)
+
+    def _rest(self, epoch: int) -> int:
+        """Items this rank gets in `epoch` from this generation (all of them, unless it resumed inside it)."""
+        p = self._plan(epoch)
+        if p is None:
+            return 0
+        return int(p.nb_r[self.rank]) if self._per_batch else p.samples(self.rank)
+
+    def _items_before(self, epoch: int) -> int:
+        """Items of `epoch` this rank had taken before this generation began (its resumed share)."""
+        if self._start is not None:
+            return self._before if epoch == self._start.epoch else 0
+        if self._resume is not None and epoch == self._resume.epoch:
+            return self._taken_before(self._resume)
+        return 0
+
+    def _taken_before(self, start: Cursor) -> int:
+        """Items of `start`'s epoch taken before `start`, as the checkpointing rank counted them.
+
+        NOTE: the state's origin names that count, so that ``len()`` after a resume is what the
+        trainer's own restored batch counter expects, whatever the world was. A rank that loaded
+        no state (one added by a scale-up), or a state without an origin, counts the positions
+        already dealt in this world's items; for a resume at the same world size that is the
+        same number.
+        """
+        if is_fresh(self.spec, start):
+            return 0
+        if self._resume is not None and self._resume_items is not None and self._resume.epoch == start.epoch:
+            return self._resume_items
+        return (self.spec.n - start.left) // (self.num_replicas * self._unit)
 
     # ---------------------------------------------------------------- epochs
 
-    def set_epoch(self, epoch: int) -> None:
-        """Accepted for drop-in compatibility; epochs advance by themselves.
-
-        Raises:
-            ValueError: `epoch` contradicts the job's progress (the checkpoint loaded, or the
-                epochs this sampler has already been through).
-        """
-        check_int("epoch", epoch, 0, MAX_COUNT, ValueError)
-        if self._start is None:
-            if self._resume is not None and not epoch_agrees(self.spec, self._resume, epoch):
-                raise ValueError(
-                    f"set_epoch({epoch}) contradicts the checkpoint state loaded, which resumes epoch "
-                    f"{self._resume.epoch} with {self._resume.left} of {self.spec.n} positions left"
-                )
-            self._hint = epoch
-            return
-        nxt = self._epoch + 1 if self._complete else self._epoch
-        if epoch == nxt or (epoch == self._epoch and self._complete):
-            return
-        raise ValueError(
-            f"set_epoch({epoch}) contradicts the job's progress: this sampler is at epoch {self._epoch} "
-            f"({'finished' if self._complete else f'{self.items_done} items in'}); the next epoch is {nxt}"
-        )
-
-    @property
-    def items_done(self) -> int:
-        """Items (indices, or batches for the batch sampler) of the current epoch yielded so far."""
+    def _taken(self) -> int:
+        """Items of the current epoch yielded by this generation."""
         if self._chunk is None:
             return self._yielded
         # NOTE: the index sampler hands out a chunk through a list iterator, at C speed; how far
         # it got is what the iterator has left, read only when someone asks.
         return self._yielded + self._chunk_len - operator.length_hint(self._chunk)
 
+    def _finished(self) -> bool:
+        """The current epoch is over: its last item was handed out, or the trainer moved on."""
+        return self._complete or (self._entered and self._taken() >= self._rest(self._epoch))
+
+    def _log_end(self) -> None:
+        if self._audit is not None and not self._ended_logged:
+            self._audit.write(t="end", epoch=self._epoch)
+        self._ended_logged = True
+
+    def _next_epoch(self) -> None:
+        if not self._complete:
+            self._log_end()
+        self._epoch += 1
+        self._before = self._yielded = 0
+        self._chunk = None
+        self._entered = self._complete = self._ended_logged = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for drop-in compatibility; epochs advance by themselves.
+
+        ``set_epoch(e + 1)`` while epoch ``e`` is not finished (a loop that stopped early and moves
+        on, e.g. a trainer's batch limit) starts epoch ``e + 1`` as torch's sampler does; the rest
+        of ``e`` is not trained, and the audit log says the trainer cut it.
+
+        Raises:
+            ValueError: `epoch` goes back before the job's progress (the checkpoint loaded, or the
+                epochs this sampler has already been through), or skips an epoch.
+        """
+        check_int("epoch", epoch, 0, MAX_COUNT, ValueError)
+        if self._empty:
+            self._epoch = epoch
+            return
+        if self._start is None:
+            resume = self._resume
+            if resume is not None and not epoch_agrees(self.spec, resume, epoch):
+                if epoch == resume.epoch + 1:  # the loop moves on from a resumed epoch at once: cut the rest
+                    taken = self._taken_before(resume)
+                    self._cut_on_join = (resume.epoch, taken)
+                    log.warning("croupier: set_epoch(%d) cuts epoch %d of job %r after %d items: the rest is not trained",
+                                epoch, resume.epoch, self.job, taken)
+                    self._resume = fresh(self.spec, epoch)
+                    self._resume_items = None
+                else:
+                    raise ValueError(
+                        f"set_epoch({epoch}) contradicts the checkpoint state loaded, which resumes epoch "
+                        f"{resume.epoch} with {resume.left} of {self.spec.n} positions left"
+                    )
+            self._hint = epoch
+            return
+        finished = self._finished()
+        nxt = self._epoch + 1 if finished else self._epoch
+        if epoch == self._epoch:  # the epoch in hand (if it is finished, the next iteration goes on to the next)
+            return
+        if epoch == self._epoch + 1:
+            if not finished:  # the loop stopped early and moves on: cut the rest of the epoch
+                done = self.items_done
+                log.warning("croupier: set_epoch(%d) cuts epoch %d of job %r after %d of %d items: the rest is not "
+                            "trained", epoch, self._epoch, self.job, done, len(self))
+                if self._audit is not None:
+                    self._audit.write(t="cut", epoch=self._epoch, items=done)
+                self._complete = True
+            self._stop_iteration()
+            self._next_epoch()
+            return
+        raise ValueError(
+            f"set_epoch({epoch}) contradicts the job's progress: this sampler is at epoch {self._epoch} "
+            f"({'finished' if finished else f'{self.items_done} items in'}); the next epoch is {nxt}"
+        )
+
+    @property
+    def items_done(self) -> int:
+        """Items (indices, or batches for the batch sampler) of the current epoch handed out so far,
+        counted from the epoch's start (the items taken before a resumed checkpoint count)."""
+        if self._empty:
+            return 0
+        if self._start is None:
+            return self._items_before(self.epoch)
+        return self._items_before(self._epoch) + self._taken()
+
     @property
     def epoch(self) -> int:
         """The epoch the next iteration goes through."""
-        if self._complete:
-            return self._epoch + 1
-        if self._start is not None:
+        if self._empty:
             return self._epoch
+        if self._start is not None:
+            return self._epoch + 1 if self._finished() else self._epoch
         if self._resume is None:
             return self._hint or 0
         if self._hint is not None and epoch_agrees(self.spec, self._resume, self._hint):
@@ -243,22 +430,42 @@ class _Base(Sampler[Any]):
         # torch's loops and frameworks sometimes assign sampler.epoch: the same as set_epoch.
         self.set_epoch(value)
 
+    def __len__(self) -> int:
+        """This rank's items in the whole current epoch (torch's meaning), resumed or not.
+
+        After a resume inside an epoch, the items this rank had taken before the checkpoint count
+        (as the trainer's own batch counter does); iterating yields the rest.
+        """
+        if self._empty:
+            return 0
+        e = self.epoch
+        return self._items_before(e) + self._rest(e)
+
     # ---------------------------------------------------------------- iteration
+
+    def _stop_iteration(self) -> None:
+        self._yielded, self._chunk = self._taken(), None
+        self._active = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
 
     def _items(self, it: object) -> Iterator[np.ndarray]:
         """Batches of positions' indices for the active iterator `it`; counts them as yielded."""
+        if self._empty:
+            return
         self._join()
-        if self._complete:
-            self._epoch += 1
-            self._yielded = 0
-            self._complete = False
-        self._yielded, self._chunk = self.items_done, None  # a new iterator goes on from the last item yielded
+        if self._entered and self._finished():  # the last iteration finished its epoch: this one goes on to the next
+            self._next_epoch()
+        # A new iterator goes on from the last item yielded.
+        self._stop_iteration()
         self._active = it
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        self._entered = True
         p = self._plan(self._epoch)
-        if p is None:  # an epoch the checkpoint had already finished
-            self._complete = True
+        if p is None:  # the epoch just before a fresh start: the checkpoint finished it
+            return
+        if self._taken() >= self._rest(self._epoch):  # nothing (left) in this epoch for this rank
+            self._log_end()
             return
         assert self._client is not None
         # A whole number of batches: the index sampler's unit is 1 with batch_size 1, the batch
@@ -267,6 +474,7 @@ class _Base(Sampler[Any]):
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
                          self._lease_ahead, self._prefetch)
         self._prefetcher = pf
+        before = self._before
         try:
             while True:
                 try:
@@ -281,13 +489,14 @@ class _Base(Sampler[Any]):
                 # The index sampler takes a whole lease at once; the batch sampler one batch at a time.
                 for b in (lease.batches if self._per_batch else [lease.indices]):
                     if self._audit is not None:
-                        self._audit.batch(self._epoch, self._yielded, b)
+                        self._audit.batch(self._epoch, before + self._yielded, b)
+                    if self._per_batch and self._taken() + 1 >= self._rest(self._epoch):
+                        # This rank's last batch of the epoch is being handed out. (The index
+                        # sampler hands out a lease item by item; its end is logged once seen.)
+                        self._log_end()
                     yield b
                     if self._active is not it:
                         return
-            self._complete = True
-            if self._audit is not None:
-                self._audit.write(t="end", epoch=self._epoch)
         finally:
             pf.close()
 
@@ -299,24 +508,31 @@ class _Base(Sampler[Any]):
         Save it with the model; loading it into a sampler of any world size resumes there.
 
         Args:
-            consumed: With a plain ``DataLoader`` and ``num_workers > 0``, which reads the sampler
-                ahead, pass how many items (indices, or batches for the batch sampler) this rank's
-                loop has taken in the current epoch. ``StatefulDataLoader`` and ``num_workers=0``
-                need nothing: the sampler has yielded exactly what the loop took.
+            consumed: With a loader that reads the sampler ahead (a plain ``DataLoader`` with
+                ``num_workers > 0``, Accelerate's), pass how many items (indices, or batches for
+                the batch sampler) this rank's loop has taken in the current epoch, counted from
+                the epoch's start as ``len()`` counts them (a trainer's batch index + 1, times the
+                batch size for the index sampler). ``StatefulDataLoader`` and ``num_workers=0``
+                need nothing: the sampler has handed out exactly what the loop took.
         """
+        if self._empty:
+            return {}
         if self._start is None:
             state = to_state(self.job, self.spec, self._resume or fresh(self.spec, self._hint or 0))
             if self._origin:
                 state["origin"] = self._origin
             return state
-        if self._complete and consumed is None:
+        if self._complete or consumed is None and self._finished():  # the epoch is over
             return self._stamp(to_state(self.job, self.spec, fresh(self.spec, self._epoch + 1)), self._epoch + 1, 0)
-        items = self.items_done if consumed is None else consumed
-        check_int("consumed", items, 0, None, ValueError)
+        items = self.items_done if consumed is None else check_int("consumed", consumed, 0, None, ValueError)
+        before = self._items_before(self._epoch)
+        if items < before:
+            raise ValueError(f"consumed={items} items is before this generation's resume point in epoch {self._epoch} "
+                             f"({before} items were taken before the checkpoint it resumed from)")
         p = self._plan(self._epoch)
         if p is None:
             return self._stamp(to_state(self.job, self.spec, self._start), self._start.epoch, 0)
-        positions = items * self._unit
+        positions = (items - before) * self._unit
         if positions % self.spec.batch_size:
             raise ValueError(f"consumed={items} items is not a whole number of lease batches of {self.spec.batch_size}")
         cursor = p.advance(positions // self.spec.batch_size)
@@ -334,6 +550,9 @@ class _Base(Sampler[Any]):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes from a checkpoint state (any world size); an empty dict means "from the start".
 
+        A sampler whose job was not named (no ``job=``, no ``CROUPIER_JOB``) takes the job named
+        in the state: resuming a checkpoint continues its job, whatever the new launch is called.
+
         Raises:
             ValueError: the state is malformed, or from another job or spec (both are shown).
             RuntimeError: this sampler has already started serving a generation.
@@ -343,23 +562,65 @@ class _Base(Sampler[Any]):
                 "load_state_dict must come before the first batch: this sampler already serves generation "
                 f"{self._generation} of job {self.job!r}; make a new sampler in the restarted process"
             )
-        resume = from_state(self.job, self.spec, state_dict)
+        if self._empty:
+            if state_dict:
+                raise ValueError(f"this sampler's dataset is empty (N = 0), so it has no state to load (got {state_dict!r})")
+            return
+        job = self.job
+        if not self._job_named and isinstance(state_dict, Mapping) and isinstance(state_dict.get("job"), str):
+            job = state_dict["job"]
+        resume = from_state(job, self.spec, state_dict)
         if resume is not None and self._hint is not None and not epoch_agrees(self.spec, resume, self._hint):
             raise ValueError(
                 f"set_epoch({self._hint}) was called before load_state_dict, but the checkpoint state resumes "
                 f"{show(resume)}: call set_epoch with the checkpoint's epoch, or after load_state_dict"
             )
+        self.job = job
         self._resume = resume
         self._origin = state_dict.get("origin") if resume is not None else None
+        self._resume_items = _items_of(self._origin, resume)
+        self._cut_on_join = None
 
     def close(self) -> None:
         """Stops background leasing and closes the connection."""
+        if self._start is not None and self._finished() and not self._complete:
+            self._log_end()
         if self._prefetcher is not None:
             self._prefetcher.close()
         if self._client is not None:
             self._client.close()
         if self._audit is not None:
             self._audit.close()
+
+    # ---------------------------------------------------------------- copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickle, deepcopy) carries where the sampler is, not its connection or threads.
+
+        It reconnects to the same coordinator and generation at its first batch; the
+        data-parallel group is not carried (the world it resolved is).
+        """
+        if self._group is not None and not self._empty:
+            self._resolve_world()
+        d = self.__dict__.copy()
+        d.update(_yielded=self._taken(), _chunk=None, _chunk_len=0, _client=None, _prefetcher=None, _active=None,
+                 _audit=None, _group=None)
+        return d
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def _items_of(origin: Any, resume: Cursor | None) -> int | None:
+    """The items the checkpointing rank had taken in the resumed epoch, from the state's origin."""
+    if resume is None or not isinstance(origin, str):
+        return None
+    parts = origin.rsplit("/", 2)
+    try:
+        epoch, items = int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        return None
+    return items if epoch == resume.epoch and items >= 0 else None
 
 
 def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
@@ -376,8 +637,12 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
         arr = np.asarray(lengths)
         if arr.size != n:
             raise ValueError(f"lengths has {arr.size} entries but the dataset has {n} samples")
+        if n == 0:
+            return Spec(n=1, **kw)
         return Spec.with_lengths(arr, **kw)
-    return Spec(n=n, **kw)
+    # NOTE: an empty dataset (N = 0) has nothing to deal: its sampler never joins, and the spec
+    # of one sample only checks the other settings.
+    return Spec(n=max(n, 1), **kw)
 
 
 class DistributedSampler(_Base, _TorchDistributedSampler[int]):
@@ -402,7 +667,11 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         drop_last: As torch: drop the tail so every rank gets the same count (True), or pad by
             repeating from the start of the order (False).
         address: HOST:PORT of a coordinator; default CROUPIER_ADDRESS, else an embedded one.
-        job: The job's name; default CROUPIER_JOB, else TORCHELASTIC_RUN_ID, else "default".
+        job: The job's name. Default: ``CROUPIER_JOB``; else a name made of the launcher's run
+            (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, else ``local``) and the spec's fingerprint,
+            with ``.2``, ``.3``, ... for further samplers of the same spec in one process, so
+            that train, val and test samplers, and successive experiments, never collide. A
+            sampler whose job was not named takes the job of the state it loads.
         permutation: ``"torch"`` for torch's exact order (``randperm`` per epoch), ``"feistel"``
             (default when shuffling: O(1) memory, instant start at any size), ``"window"``,
             ``"bucket"`` (with ``lengths``), ``"none"``.
@@ -418,6 +687,14 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             every process of one data-parallel rank receives the same batches.
         device_mesh: Instead of `process_group`, a ``DeviceMesh`` and its data-parallel
             dimension `mesh_dim` (a name or an index).
+        join_timeout: Seconds the first batch waits for the other ranks of its generation before
+            raising ``TimeoutError`` naming them (default ``CROUPIER_JOIN_TIMEOUT``, else 600);
+            while waiting, the ranks still missing are logged every 30 s.
+
+    ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
+    state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
+    first batch), so the sampler may be built before ``init_process_group``; a launcher that names
+    a world of several processes but not this one's rank is an error, never a silent rank 0.
     """
 
     _unit = 1
@@ -430,12 +707,12 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
                  token: str | None = None, lease_ahead: int = 16384, prefetch: int = 2,
                  audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
-                 mesh_dim: str | int | None = None) -> None:
+                 mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths)
-        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
-                         process_group, device_mesh, mesh_dim)
+        super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
+                         process_group, device_mesh, mesh_dim, join_timeout)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.dataset = dataset  # type: ignore[assignment]  # torch's attribute; an int N is allowed here
 
@@ -462,13 +739,30 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                 self._yielded += len(items)
                 self._chunk = None
 
+
+class _IndexView(Sampler[int]):
+    """A batch sampler's ``sampler`` attribute (torch's ``BatchSampler`` has one): this rank's
+    indices of the current epoch, as a count. Iterate the batch sampler itself."""
+
+    def __init__(self, owner: DistributedBatchSampler) -> None:
+        self._owner = owner
+
     def __len__(self) -> int:
-        p = self._plan(self.epoch)
-        return 0 if p is None else p.samples(self.rank)
+        o = self._owner
+        return 0 if o._empty else o._indices_in(o.epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("a DistributedBatchSampler deals whole batches: iterate it, not its .sampler")
+
+    def set_epoch(self, epoch: int) -> None:
+        self._owner.set_epoch(epoch)
 
 
-class DistributedBatchSampler(_Base):
+class DistributedBatchSampler(_Base, BatchSampler):
     """The same as :class:`DistributedSampler`, yielding lists of indices, for ``batch_sampler=``.
+
+    An instance of torch's ``BatchSampler`` with its attributes ``batch_size``, ``drop_last`` and
+    ``sampler`` (a view of this rank's indices: its ``len()`` counts them).
 
     Args:
         dataset: Any sized object, or an int N.
@@ -492,21 +786,22 @@ class DistributedBatchSampler(_Base):
                  lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
                  lease_ahead: int = 64, prefetch: int = 2, audit_dir: str | None = None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
-                 mesh_dim: str | int | None = None) -> None:
+                 mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size, drop_last, even_batches, scope,
                           buffer_size, pack_size, lengths)
         self._unit = batch_size
-        super().__init__(spec, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
-                         process_group, device_mesh, mesh_dim)
+        super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
+                         process_group, device_mesh, mesh_dim, join_timeout)
         self.batch_size, self.drop_last = batch_size, drop_last
+        self.sampler = _IndexView(self)
 
     def __iter__(self) -> Iterator[list[int]]:
         return _Batches(self)
 
-    def __len__(self) -> int:
-        p = self._plan(self.epoch)
-        return 0 if p is None else int(p.nb_r[self.rank])
+    def _indices_in(self, epoch: int) -> int:
+        p = self._plan(epoch)
+        return 0 if p is None else p.samples(self.rank) + self._items_before(epoch) * self.batch_size
 
 
 class _Batches(Iterator[list[int]]):
@@ -521,3 +816,57 @@ class _Batches(Iterator[list[int]]):
         b = next(self._gen).tolist()
         s._yielded += 1
         return b  # type: ignore[no-any-return]
+
+
+def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None, state: Mapping[str, Any] | None = None,
+           batch_size: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+           permutation: str | None = None, partition: str = "strided", tail: str | None = None,
+           even_batches: bool = False, scope: str = "global", buffer_size: int | None = None,
+           pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None) -> list[list[Any]]:
+    """Every rank's share of one epoch, computed in this process with no coordinator and no world.
+
+    For unit tests and notebooks: ``shards(ds, 4)[r]`` is what ``DistributedSampler(ds,
+    num_replicas=4, rank=r)`` yields in that epoch (with the same settings), and with
+    ``batch_size`` what ``DistributedBatchSampler(ds, batch_size, num_replicas=4, rank=r)`` yields.
+    Building every rank's sampler in one process instead would wait in the join for ranks that
+    only come later.
+
+    Args:
+        epoch: The epoch (default: the state's, else 0).
+        state: A checkpoint state: the rest of its epoch, dealt to `num_replicas` ranks.
+        batch_size: None for the index sampler's shares (lists of indices); else the batch
+            sampler's (lists of batches), with its meaning of ``drop_last`` and ``tail``.
+        Other arguments: as the samplers'.
+
+    Raises:
+        ValueError: a setting is out of range, or `epoch` contradicts `state`.
+    """
+    check_int("num_replicas", num_replicas, 1, MAX_WORLD + 1, ValueError)
+    n = _dataset_size(dataset)
+    if batch_size is None:
+        spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
+                          False, False, scope, buffer_size, pack_size, lengths)
+    else:
+        spec = _make_spec(n, shuffle, seed, tail or "pad", permutation, partition, batch_size, drop_last, even_batches,
+                          scope, buffer_size, pack_size, lengths)
+    if n == 0:
+        return [[] for _ in range(num_replicas)]
+    cursor = from_state(str(state.get("job")) if isinstance(state, Mapping) else "", spec, state) if state else None
+    if cursor is None:
+        cursor = fresh(spec, epoch or 0)
+    elif epoch is not None and epoch != cursor.epoch:
+        if not epoch_agrees(spec, cursor, epoch):
+            raise ValueError(f"epoch={epoch} contradicts the state, which resumes {show(cursor)}")
+    e = cursor.epoch if epoch is None else epoch
+    p = plan_epoch(spec, bind(spec, cursor, num_replicas), num_replicas, e)
+    out: list[list[Any]] = []
+    for r in range(num_replicas):
+        if p is None:
+            out.append([])
+            continue
+        idx, sizes = p.lease(r, 0, int(p.nb_r[r]))
+        if batch_size is None:
+            out.append(idx.tolist())
+        else:
+            out.append([b.tolist() for b in np.split(idx, np.cumsum(sizes)[:-1])] if sizes else [])
+    return out

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from croupier.client import DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler
 from croupier.server._service import Server
 from croupier.tools.audit import audit
 
@@ -63,6 +63,36 @@ def test_audit_passes_a_restarted_resized_job(server: Server, tmp_path: pathlib.
     out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "audit", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "G1 holds" in out.stdout
+
+
+def test_audit_counts_batches_of_the_batch_sampler(server: Server, tmp_path: pathlib.Path) -> None:
+    """A checkpoint 3 batches into an epoch keeps 3 whole batches per rank, not 3 indices."""
+    def incarnation(world: int, token: str, state: dict | None, steps: int | None) -> dict:
+        saved: dict = {}
+
+        def rank(r: int) -> None:
+            s = DistributedBatchSampler(N, 4, world, r, address=server.address, job="batches", token=token,
+                                        tail="uneven", audit_dir=str(tmp_path), lease_ahead=2)
+            if state:
+                s.load_state_dict(state)
+            for k, _ in enumerate(s, 1):
+                if k == 3 and steps is not None and r == 0:
+                    saved.update(s.state_dict())
+                if k == steps:
+                    break
+            s.close()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return saved
+
+    ck = incarnation(2, "b1", None, steps=5)  # checkpoint after 3 batches, dies after 5
+    incarnation(3, "b2", ck, steps=None)
+    (report,) = audit(tmp_path)
+    assert report.ok and report.finished and (report.missing, report.duplicates, report.trained) == (0, 0, N), report
 
 
 def _rewrite(path: pathlib.Path, fn) -> None:  # type: ignore[no-untyped-def]

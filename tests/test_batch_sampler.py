@@ -507,12 +507,14 @@ def kill_and_resize(server: Server, case: Case) -> Run:
 def check_states_agree(run: Run) -> None:
     """Every W1 rank still in its epoch saves rank 0's state, apart from "origin".
 
-    A rank whose iterator is exhausted (a short share: uneven tails, chunked parts) reports its
+    A rank that has had its last batch (a short share: uneven tails, chunked parts) reports its
     own epoch as finished; the job's checkpoint is rank 0's, which always has the most batches.
     """
+    # A rank's epoch ends once its last batch is handed out (no call past it needed).
+    ended = [e or len(got) >= int(run.plan1.nb_r[r]) for r, (e, got) in enumerate(zip(run.ended, run.w1_batches))]
     ref = {k: v for k, v in run.states[0].items() if k != "origin"}
     for r, st in enumerate(run.states):
-        if run.ended[0] or not run.ended[r]:  # once rank 0's epoch has ended, every rank's has
+        if ended[0] or not ended[r]:  # once rank 0's epoch has ended, every rank's has
             assert {k: v for k, v in st.items() if k != "origin"} == ref, f"rank {r}'s state differs from rank 0's"
 
 
@@ -535,13 +537,21 @@ def check_batches_follow_plans(run: Run) -> None:
 
 
 def check_lens(run: Run) -> None:
-    """len(sampler) is the number of batches the rank then gets (before its first batch when it can know)."""
+    """len(sampler) is the rank's whole share of the epoch: the batches the checkpointing rank had
+    taken in it before the checkpoint, plus the batches the rank then gets (before its first batch
+    when it can know)."""
     counts = [len(rb) for rb in run.w2_batches]
+    _, at_epoch, at_items = run.states[0]["origin"].rsplit("/", 2)
+    taken = int(at_items) if int(at_epoch) == run.cursor.epoch else 0
+    if run.case.w2 != run.case.w1 and None in run.lens_before:
+        # A rank that loaded no state counts what was taken in the new world's batches; only
+        # the ranks that loaded the state know the checkpointing rank's count.
+        counts = [c for c, b in zip(counts, run.lens_before) if b is not None]
     for r, (before, joined, got) in enumerate(zip(run.lens_before, run.lens_joined, counts)):
         if before is not None:  # loaded the state: knows its share before joining
-            assert before == got, f"W2 rank {r}: len() {before} before its first batch, then {got} batches"
-        if got:  # once joined (a rank with no batch has already moved on to the next epoch)
-            assert joined == got, f"W2 rank {r}: len() {joined} once joined, then {got} batches"
+            assert before == taken + got, f"W2 rank {r}: len() {before} before its first batch, then {taken} + {got} batches"
+        if got > 1:  # once joined (its first batch taken; a rank with at most one has finished the epoch)
+            assert joined == taken + got, f"W2 rank {r}: len() {joined} once joined, then {taken} + {got} batches"
     for p, batches, lens in run.whole_epochs:
         assert lens == [len(rb) for rb in batches], f"epoch {p.cursor.epoch}: len() {lens} != batches received"
 

@@ -116,8 +116,8 @@ def test_dataset_argument_and_validation() -> None:
         DistributedSampler(iter([1, 2]))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         DistributedSampler(10, num_replicas=2, rank=2)
-    with pytest.raises(ValueError, match="n must be"):
-        DistributedSampler(0)
+    with pytest.raises(ValueError, match="dataset size must be >= 0"):
+        DistributedSampler(-1)
     assert len(DistributedSampler(list(range(7)), num_replicas=2, rank=1, shuffle=False)) == 4
     with pytest.raises(ValueError, match="lease_ahead=100000 batches of 1 is more than one lease serves"):
         DistributedSampler(10, lease_ahead=100_000)

@@ -306,8 +306,11 @@ def test_world_size_without_rank_is_refused(bare_env: pytest.MonkeyPatch, sample
     with pytest.raises(ValueError, match="WORLD_SIZE=2"):
         resolve_world(None, None)
     extra = (BATCH,) if sampler is DistributedBatchSampler else ()
+    early = sampler(N, *extra, job="no-rank")  # resolved when first needed, not when built
     with pytest.raises(ValueError, match="WORLD_SIZE"):
-        sampler(N, *extra, job="no-rank")
+        len(early)
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        next(iter(early))
     s = sampler(N, *extra, rank=1, job="no-rank")  # the rank given: the world comes from WORLD_SIZE
     assert (s.num_replicas, s.rank) == (2, 1)
 

@@ -1,7 +1,7 @@
 """`croupier audit`: reads the audit logs the samplers wrote and checks G1 from them.
 
-The log's records are described in :mod:`croupier.client` (``_audit_log``): ``start``, ``batch``
-and ``ckpt``.
+The log's records are described in :mod:`croupier.client` (``_audit_log``): ``start``, ``batch``,
+``end``, ``cut`` and ``ckpt``.
 
 The audit follows the chain backwards from the last incarnation to start: each resumed from a
 checkpoint that an earlier one made, so what counts of that earlier one is what it received up to
@@ -43,6 +43,7 @@ class Incarnation:
     ranks: dict[int, _Rank]
     ends: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> ranks that finished it
     checkpoints: set[str] = dataclasses.field(default_factory=set)  # origins of the states it made
+    cuts: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> items taken when the trainer moved on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class EpochReport:
     finished: bool
     ok: bool
     why: str
+    cut: bool = False  # the trainer moved on before the epoch's end (set_epoch of the next epoch)
 
 
 def _read(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -93,6 +95,8 @@ def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
                 inc.ends[r["epoch"]] = inc.ends.get(r["epoch"], 0) + 1
             elif r["t"] == "ckpt":
                 inc.checkpoints.add(r["origin"])
+            elif r["t"] == "cut":
+                inc.cuts[r["epoch"]] = max(inc.cuts.get(r["epoch"], 0), r["items"])
         inc.ranks[s["rank"]] = rank
     return {job: sorted(incs.values(), key=lambda i: i.ts) for job, incs in jobs.items()}
 
@@ -101,11 +105,19 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
     """What `inc` received up to (epoch, items) — everything when items is None — by epoch."""
     out: dict[int, list[int]] = collections.defaultdict(list)
     for rank in inc.ranks.values():
+        unit = int(rank.start.get("unit", 1))  # indices per item: the batch sampler's items are batches
         for e, at, idx in rank.batches:
-            if items is None or e < epoch:
+            # A rank receives whole leases; what counts is what it handed out before a checkpoint
+            # (epoch, items) ended it, or before the trainer cut the epoch.
+            limit = inc.cuts.get(e)
+            if items is not None and e == epoch:
+                limit = items if limit is None else min(limit, items)
+            elif items is not None and e > epoch:
+                continue
+            if limit is None:
                 out[e] += idx.tolist()
-            elif e == epoch and at < items:
-                out[e] += idx[: items - at].tolist()
+            elif at < limit:
+                out[e] += idx[: (limit - at) * unit].tolist()
     return out
 
 
@@ -134,7 +146,12 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     trained: dict[int, list[int]] = collections.defaultdict(list)
     worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed
     finished: dict[int, int] = {}  # epoch -> world of the incarnation that finished it
+    cut: dict[int, int] = {}  # epoch -> items taken when the trainer cut it
     for inc, ce, ci in chain:
+        for e, items in inc.cuts.items():
+            if ce is None or e < ce:
+                cut[e] = items
+                trained.setdefault(e, [])
         for e, idx in _cut(inc, ce or 0, ci).items():
             trained[e] += idx
             if idx:
@@ -156,6 +173,13 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
         missing = n - len([i for i in c if 0 <= i < n])
         dups = len(idx) - len(c)
         done = e in finished
+        if e in cut and not done:
+            w = max(worlds[e], default=1)
+            ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
+            why = (f"CUT: the trainer moved on to epoch {e + 1} after {cut[e]} items of a rank; {missing} indices "
+                   "not trained" if ok else f"G1 VIOLATED: {dups} duplicates before the trainer cut the epoch")
+            reports.append(EpochReport(job, e, last.n, len(idx), dups, missing, False, False, why, cut=True))
+            continue
         if not done:
             w = max(worlds[e])
             ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
@@ -189,21 +213,28 @@ def audit(logdir: str | os.PathLike[str]) -> list[EpochReport]:
     return [r for job, incs in sorted(jobs.items()) for r in audit_job(job, incs)]
 
 
-def verdict(reports: list[EpochReport], allow_unfinished: bool = False) -> tuple[bool, str]:
+def verdict(reports: list[EpochReport], allow_unfinished: bool = False, allow_cut: bool = False) -> tuple[bool, str]:
     """Whether the audit passes, and a one-line summary.
 
     An epoch that did not end fails it too (G1 speaks of finished epochs), unless
-    `allow_unfinished` (for an audit of a job still running).
+    `allow_unfinished` (for an audit of a job still running); so does an epoch the trainer cut
+    (it moved on before the epoch's end: a batch limit, a debug run), unless `allow_cut`.
     """
-    bad = [r for r in reports if not r.ok]
+    cuts = [r for r in reports if r.cut and "VIOLATED" not in r.why]
+    bad = [r for r in reports if not r.ok and r not in cuts]
     open_ = [r for r in reports if not r.finished and r.ok]
     finished = [r for r in reports if r.finished]
     head = f"{len(finished)} finished epochs audited, {sum(r.trained for r in reports)} indices"
     if bad:
         return False, f"{head}; G1 VIOLATED in {len(bad)} epochs"
+    if cuts and not allow_cut:
+        return False, (f"{head}; the trainer cut {len(cuts)} epochs short ({', '.join(str(r.epoch) for r in cuts)}): "
+                       "nothing trained twice, but not every index was trained")
     if open_ and not allow_unfinished:
         return False, (f"{head}; {len(open_)} epochs did not finish ({', '.join(str(r.epoch) for r in open_)}): "
                        "nothing violated so far, but G1 is not established for them")
+    if cuts:
+        return True, f"{head}; G1 holds for the finished epochs; {len(cuts)} epochs cut short by the trainer"
     return True, f"{head}; G1 holds"
 
 

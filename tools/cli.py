@@ -53,7 +53,7 @@ def _audit_cmd(args: argparse.Namespace) -> int:
         print(f"croupier: error: {e}", file=sys.stderr)
         return 2
     print(render(reports))
-    ok, summary = verdict(reports, allow_unfinished=args.allow_unfinished)
+    ok, summary = verdict(reports, allow_unfinished=args.allow_unfinished, allow_cut=args.allow_cut)
     print(f"\n{summary}")
     return 0 if ok else 1
 
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")
     a.add_argument("--allow-unfinished", action="store_true",
                    help="pass although the last epoch did not end (a job still running); default: fail")
+    a.add_argument("--allow-cut", action="store_true",
+                   help="pass although the trainer cut epochs short (a batch limit, a debug run); default: fail")
     a.set_defaults(func=_audit_cmd)
 
     o = sub.add_parser("order", help="print the first batches one rank gets in one epoch")
