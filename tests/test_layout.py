@@ -12,13 +12,16 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Source folder -> the package it installs as.
-PACKAGES = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client", "tools": "croupier.tools"}
+PACKAGES = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client", "tools": "croupier.tools",
+            "integrations": "croupier.integrations"}
 #: What each package may import of croupier (its own package always).
 ALLOWED = {
     "croupier.core": {"croupier.v1"},
     "croupier.server": {"croupier.core", "croupier.v1"},
     "croupier.client": {"croupier.core", "croupier.v1", "croupier.server"},  # the server: the embedded coordinator
     "croupier.tools": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client"},
+    # The trainers' glue: the client's public API only, as a user's code would use it.
+    "croupier.integrations": {"croupier.core", "croupier.client"},
 }
 #: Third-party modules a package must not import at module level (lazily inside a function is allowed).
 NOT_AT_TOP = {"croupier.core": {"grpc", "sqlite3", "torch", "msgpack"}}

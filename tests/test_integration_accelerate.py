@@ -1,0 +1,112 @@
+"""croupier under HF Accelerate: saved mid-epoch by 2 ranks with ``save_state``, resumed on 2 and on 1, audited.
+
+The end-to-end tests run ``examples/accelerate_train.py`` under torchrun (gloo, CPU): one run trains
+and ``save_state``s mid-epoch (global step 11: epoch 1, 3 steps in), then stops (a preemption); each
+resume starts from a copy of that run's audit logs, coordinator store and loop logs, and both
+``croupier audit`` (what the sampler handed out, cut at the checkpoint) and the loop's own log (the
+indices the training loop received after Accelerate's loader) must show every epoch exactly once.
+The last test prepares the loader with plain ``accelerator.prepare``: Accelerate re-shards
+croupier's batches and the loop trains half of each epoch, which the loop's log shows (the audit,
+which counts at the sampler, cannot).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from croupier.tools.audit import audit, load, render, verdict
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "accelerate_train.py"
+SAMPLES, EPOCHS, BATCH, STOP = 64, 2, 4, 11  # world 2: 8 steps an epoch, so step 11 is 3 steps into epoch 1
+TIMEOUT = 120.0
+
+
+def torchrun(nproc: int, workdir: pathlib.Path, *extra: str) -> str:
+    """Runs the example under torchrun with `workdir`'s audit, state and loop-log directories; its stdout."""
+    env = {**os.environ, "CROUPIER_AUDIT_DIR": str(workdir / "audit"), "CROUPIER_STATE_DIR": str(workdir / "state"),
+           "OMP_NUM_THREADS": "1"}
+    for name in ("CROUPIER_ADDRESS", "CROUPIER_TOKEN", "CROUPIER_JOB"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+           "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
+           "--ckpt-dir", str(workdir / "ckpt"), "--trained-log", str(workdir / "trained"), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=workdir,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this test started
+        out, err = proc.communicate()
+        raise AssertionError(f"torchrun {nproc} timed out after {TIMEOUT} s:\n{out}\n{err[-4000:]}") from None
+    print(out, end="")
+    assert proc.returncode == 0, f"torchrun {nproc} exited {proc.returncode}:\n{out}\n{err[-4000:]}"
+    return out
+
+
+def loop_counts(workdir: pathlib.Path) -> dict[int, collections.Counter[int]]:
+    """Per epoch, how often each index reached the training loop, over every run's loop log in `workdir`."""
+    seen: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for path in sorted((workdir / "trained").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            seen[rec["epoch"]].update(rec["idx"])
+    return seen
+
+
+def exactly_once(seen: dict[int, collections.Counter[int]]) -> bool:
+    return sorted(seen) == list(range(EPOCHS)) and all(
+        sorted(c) == list(range(SAMPLES)) and set(c.values()) == {1} for c in seen.values())
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """2 ranks (2 DataLoader workers each: the loader reads well ahead), save_state at step 11, then stop."""
+    work = tmp_path_factory.mktemp("accelerate-first")
+    out = torchrun(2, work, "--stop-after-steps", str(STOP), "--num-workers", "2")
+    assert f"saved {work / 'ckpt' / f'step-{STOP}'} at epoch 1, step {STOP}" in out
+    return work
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_resume_any_world_exactly_once(preempted: pathlib.Path, tmp_path: pathlib.Path, nproc: int) -> None:
+    for name in ("audit", "state", "trained"):
+        shutil.copytree(preempted / name, tmp_path / name)
+    out = torchrun(nproc, tmp_path, "--resume", str(preempted / "ckpt" / f"step-{STOP}"), "--num-workers", "2")
+    assert f"resumed {preempted / 'ckpt' / f'step-{STOP}'} at step {STOP}, epoch 1, world {nproc}" in out
+    assert "training done" in out
+    reports = audit(tmp_path / "audit")
+    ok, summary = verdict(reports)
+    print(f"audit of the resume on {nproc} rank(s):\n{render(reports)}\n{summary}")
+    assert ok, summary
+    assert [(r.epoch, r.finished, r.trained, r.duplicates, r.missing) for r in reports] == [
+        (0, True, SAMPLES, 0, 0), (1, True, SAMPLES, 0, 0)], render(reports)
+    incs = load(tmp_path / "audit")["accelerate-train"]
+    assert len(incs) == 2 and incs[1].world == nproc
+    assert incs[1].origin == f"{incs[0].token}/1/{3 * BATCH}"  # the first run's save_state: epoch 1, 12 indices a rank
+    seen = loop_counts(tmp_path)
+    print("loop log: " + ", ".join(f"epoch {e}: {sum(c.values())} indices, {len(c)} distinct" for e, c in sorted(seen.items())))
+    assert exactly_once(seen), {e: (sum(c.values()), len(c)) for e, c in seen.items()}
+
+
+@pytest.mark.e2e
+def test_plain_prepare_trains_half(tmp_path: pathlib.Path) -> None:
+    """Without the integration, accelerator.prepare re-shards croupier's batches: half of each epoch is trained."""
+    out = torchrun(2, tmp_path, "--plain-prepare")
+    assert "training done" in out
+    seen = loop_counts(tmp_path)
+    counts = {e: sum(c.values()) for e, c in sorted(seen.items())}
+    reports = audit(tmp_path / "audit")
+    print(f"audit (counts at the sampler):\n{render(reports)}\n{verdict(reports)[1]}\nloop log: {counts} indices an epoch")
+    assert not exactly_once(seen)
+    assert counts == {e: SAMPLES // 2 for e in range(EPOCHS)}

@@ -1,0 +1,121 @@
+"""croupier under PyTorch Lightning, end to end: torchrun ranks, a mid-epoch checkpoint, a preemption, resumes, the audit.
+
+examples/lightning_train.py trains with default Trainer settings and croupier's sampler in a plain
+``DataLoader`` or torchdata's ``StatefulDataLoader`` (2 workers each: the loader reads the sampler
+ahead). A first run on 2 ranks checkpoints at step 5 (``ModelCheckpoint``) and is "preempted"
+at step 7 (every rank ``os._exit``). From that checkpoint, ``trainer.fit(ckpt_path=...)`` resumes
+with 2 ranks and, separately (a copy of the audit directory), with 1 rank; both run to the end of
+3 epochs, and ``croupier audit`` must find every epoch exactly once. Without
+:class:`~croupier.integrations.lightning.CroupierCheckpoint`, the same resume fails the audit.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from croupier.tools.audit import audit, render, verdict
+
+pytestmark = pytest.mark.e2e  # several processes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "lightning_train.py"
+EPOCHS, SAVE_AT, STOP_AT = 3, 5, 7
+TIMEOUT = 150  # seconds, per torchrun
+
+
+def torchrun(nproc: int, work: pathlib.Path, audit_dir: pathlib.Path, job: str, *args: str) -> str:
+    """Runs the example under torchrun; returns its stderr (asserts exit 0)."""
+    env = {**os.environ, "CROUPIER_JOB": job, "CROUPIER_AUDIT_DIR": str(audit_dir),
+           "CROUPIER_STATE_DIR": str(work / "coordinator"), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("CROUPIER_ADDRESS", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+           "--ckpt-dir", str(work / "ckpt"), "--epochs", str(EPOCHS), "--workers", "2", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT, cwd=work)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return r.stderr
+
+
+def cut_records(audit_dir: pathlib.Path) -> list[dict[str, Any]]:
+    """The ``cut`` records of the audit logs: an epoch the training loop left before its end."""
+    out = []
+    for path in sorted(audit_dir.glob("*/*.audit")):
+        with open(path, "rb") as f:
+            out += [r for r in msgpack.Unpacker(f, raw=False) if r.get("t") == "cut"]
+    return out
+
+
+def check_audit(audit_dir: pathlib.Path, title: str) -> tuple[bool, str]:
+    """Audits `audit_dir`, prints the table (shown with -s); returns the verdict and the table."""
+    reports = audit(audit_dir)
+    ok, summary = verdict(reports)
+    cuts = cut_records(audit_dir)
+    # NOTE: tools/audit.py does not read ``cut`` records yet, so an epoch that the loop left before
+    # its end shows as trained in full there; count them separately.
+    text = f"{render(reports)}\n\n{summary}; cut records: {len(cuts)}"
+    print(f"\n== {title}\n{text}")
+    return ok and not cuts, text
+
+
+@pytest.fixture(scope="module", params=["plain", "stateful"])
+def preempted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, pathlib.Path]]:
+    """A first run on 2 ranks: checkpoint at step SAVE_AT, preempted at STOP_AT. Yields (loader, its directory)."""
+    loader: str = request.param
+    work = tmp_path_factory.mktemp(f"lightning-{loader}")
+    torchrun(2, work, work / "audit", f"lt-{loader}", "--loader", loader, "--checkpoint-every", str(SAVE_AT),
+             "--stop-after-steps", str(STOP_AT))
+    ckpts = sorted((work / "ckpt").glob("*.ckpt"))
+    assert [c.name for c in ckpts] == [f"step={SAVE_AT}.ckpt"], ckpts
+    yield loader, work
+
+
+def resume(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path, nproc: int, *extra: str) -> tuple[bool, str, str]:
+    """Resumes the preempted run from its checkpoint with `nproc` ranks, in a copy of its audit directory."""
+    loader, work = preempted
+    audit_dir = tmp_path / "audit"
+    shutil.copytree(work / "audit", audit_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(work / "ckpt", run / "ckpt")
+    err = torchrun(nproc, run, audit_dir, f"lt-{loader}", "--loader", loader, "--resume",
+                   str(run / "ckpt" / f"step={SAVE_AT}.ckpt"), *extra)
+    ok, text = check_audit(audit_dir, f"{loader} loader, 2 ranks -> {nproc} {' '.join(extra)}".rstrip())
+    return ok, text, err
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_resume_mid_epoch_exactly_once(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path, nproc: int) -> None:
+    """Preempted on 2 ranks, resumed from the mid-epoch checkpoint on `nproc`: every epoch exactly once."""
+    ok, text, err = resume(preempted, tmp_path, nproc)
+    assert ok, text
+    assert "cuts epoch" not in err, err[-3000:]
+    assert f"{EPOCHS} finished epochs audited" in text
+
+
+def test_stateful_loader_resumes_from_an_epoch_end_checkpoint(tmp_path: pathlib.Path) -> None:
+    """Lightning restores a StatefulDataLoader's state only inside an epoch; from an epoch's end the callback's state is used."""
+    job = "lt-epoch-end"
+    torchrun(2, tmp_path, tmp_path / "audit", job, "--loader", "stateful", "--epoch-end-checkpoints",
+             "--stop-after-steps", "14")  # 12 steps an epoch: checkpoint at step 12, preempted at 14
+    ckpt = tmp_path / "ckpt" / "step=12.ckpt"
+    assert ckpt.exists(), sorted((tmp_path / "ckpt").glob("*"))
+    err = torchrun(2, tmp_path, tmp_path / "audit", job, "--loader", "stateful", "--resume", str(ckpt))
+    ok, text = check_audit(tmp_path / "audit", "stateful loader, epoch-end checkpoint, 2 ranks -> 2")
+    assert ok, text
+    assert "cuts epoch" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("preempted", ["plain"], indirect=True)
+def test_resume_without_the_callback_fails_the_audit(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    """The same resume with a plain DataLoader and no CroupierCheckpoint: the sampler starts the epoch over, the audit says so."""
+    ok, text, _ = resume(preempted, tmp_path, 1, "--no-callback")
+    assert not ok, text
