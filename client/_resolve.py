@@ -226,6 +226,12 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def embedded_here(address: str) -> bool:
+    """Whether `address` is a coordinator embedded in this process."""
+    with _embedded_lock:
+        return any(str(server.address) == address for server in _embedded.values())
+
+
 def _start_embedded(store_url: str, host: str) -> str:
     """Starts (once per process and store) a coordinator in this process; returns its address."""
     with _embedded_lock:

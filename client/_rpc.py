@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from croupier.core import errors as E
-from croupier.core.api import JoinRequest, JoinResult
+from croupier.core.api import Grant, JoinRequest, JoinResult
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
 from croupier.core.wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_indices
@@ -33,6 +33,10 @@ def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
 #: CANCELLED (a call that reached a server while it shut down). The client never cancels its own
 #: calls, and once closed its channel refuses retries, so retrying CANCELLED cannot loop.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class Unreachable(E.Unavailable):
+    """The coordinator did not answer a call that is not retried (a grant): it is down or restarting."""
 
 
 class LeaseReply:
@@ -72,14 +76,16 @@ class CoordinatorClient:
         self.retries = 0
         self.closed = False
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.retry_for
+    def _call(self, what: str, fn: Callable[[], T], retry_for: float | None = None) -> T:
+        deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
         delay = 0.02
         while True:
             try:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code()
+                if code in RETRYABLE and retry_for == 0.0:
+                    raise Unreachable(f"coordinator at {self.address}: {what} failed with {code.name}") from None
                 if code in RETRYABLE and time.monotonic() < deadline and not self.closed:
                     self.retries += 1
                     time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
@@ -128,10 +134,30 @@ class CoordinatorClient:
                             req.rank, req.job, now - began, _ranks(r.waiting_for), r.generation, req.world)
                 say = now + 30.0
 
-    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> LeaseReply:
+    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
+              timeout: float | None = None) -> LeaseReply:
+        """Batches first .. first + count - 1 of `rank` in `epoch`, as indices.
+
+        With `timeout`, asks once: no answer within it raises :class:`Unreachable` (not retried).
+        """
         m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
-        r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout))
+        if timeout is not None:
+            r = self._call("lease", lambda: self.stub.Lease(m, timeout=timeout), retry_for=0.0)
+        else:
+            r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout))
         return LeaseReply(unpack_indices(r.indices, r.itemsize), list(r.sizes), r.end_of_epoch, r.epoch_samples)
+
+    def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
+              timeout: float = 1.0) -> Grant:
+        """Asks once for batches first .. first + count - 1 of `rank` in `epoch`, as positions of the plan.
+
+        Raises:
+            Unreachable: no answer within `timeout` (the coordinator is down or restarting); not retried.
+            Aborted, NotFound: the generation was replaced (fenced).
+        """
+        m = pb.GrantRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
+        r = self._call("grant", lambda: self.stub.Grant(m, timeout=timeout), retry_for=0.0)
+        return Grant(list(r.sizes), r.end_of_epoch, r.epoch_samples)
 
     def get_job(self, job: str) -> tuple[Spec, JoinResult]:
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))

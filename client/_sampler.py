@@ -15,9 +15,9 @@ from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
 from croupier.client._audit_log import AuditLog
-from croupier.client._resolve import agree, dist_ready, resolve_job, resolve_world, track
-from croupier.client._rpc import CoordinatorClient, LeaseReply
-from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, JoinRequest
+from croupier.client._resolve import agree, dist_ready, embedded_here, resolve_job, resolve_world, track
+from croupier.client._rpc import CoordinatorClient, LeaseReply, Unreachable
+from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, Grant, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
 from croupier.core.errors import Aborted, NotFound
@@ -50,26 +50,63 @@ def _dataset_size(dataset: Sized | int) -> int:
 
 
 class _Prefetcher:
-    """Leases batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead."""
+    """Prepares batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead.
+
+    Every lease is asked of the coordinator, which fences replaced generations. A coordinator in
+    another process computes the lease's indices (on another core); one embedded in this process
+    grants positions and the indices are computed here from the generation's plan, without the
+    round trip of the indices through gRPC. When the coordinator does not answer within 1 s,
+    the rank computes the lease from its plan, the same code the coordinator runs (its data
+    cannot have changed: only a join changes it, and a join needs the coordinator), and asks
+    again at the next lease; a lease refused as fenced stops it.
+    """
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
-                 lease_size: int, depth: int) -> None:
+                 lease_size: int, depth: int, plan: Plan, local: bool) -> None:
+        self._local = local
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._args = (client, job, generation, rank, epoch)
         self._next = first
         self._lease_size = lease_size
+        self._plan = plan
+        self.ungranted = 0  # leases computed while the coordinator did not answer
         self._thread = threading.Thread(target=self._run, name=f"croupier-lease-r{rank}-e{epoch}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         client, job, gen, rank, epoch = self._args
+        plan, count = self._plan, self._lease_size
         try:
             while not self._stop.is_set():
-                lease = client.lease(job, gen, rank, epoch, self._next, self._lease_size)
-                self._next += len(lease.sizes)
-                self._put(lease)
-                if lease.end_of_epoch:
+                got: Grant | LeaseReply | None
+                try:
+                    if self._local:
+                        got = client.grant(job, gen, rank, epoch, self._next, count)
+                    else:
+                        got = client.lease(job, gen, rank, epoch, self._next, count, timeout=1.0)
+                except Unreachable:
+                    if client.closed:
+                        break
+                    got = None
+                    if not self.ungranted:
+                        log.warning("croupier: the coordinator of job %r does not answer; rank %d trains on from its "
+                                    "plan and asks again at every lease", job, rank)
+                    self.ungranted += 1
+                if isinstance(got, LeaseReply):
+                    idx, sizes = got.indices, got.sizes
+                else:
+                    idx, sizes = plan.lease(rank, self._next, count)
+                    if got is not None and got.sizes != sizes:
+                        raise RuntimeError(
+                            f"the coordinator granted batches of sizes {got.sizes[:8]} from batch {self._next} of "
+                            f"epoch {epoch}, but this rank's plan has {sizes[:8]}: the client and the coordinator "
+                            "compute different orders (another croupier release?)"
+                        )
+                end = int(plan.nb_r[rank]) <= self._next + len(sizes)
+                self._next += len(sizes)
+                self._put(LeaseReply(idx, sizes, end, plan.samples(rank)))
+                if end:
                     break
         except BaseException as e:  # handed to the consumer, which raises it
             self._put(e)
@@ -472,7 +509,7 @@ class _Base(Sampler[Any]):
         # sampler's unit is its batch_size.
         first_batch = self._yielded * self._unit // self.spec.batch_size
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
-                         self._lease_ahead, self._prefetch)
+                         self._lease_ahead, self._prefetch, p, embedded_here(self._address_used))
         self._prefetcher = pf
         before = self._before
         try:

@@ -74,6 +74,19 @@ class Lease:
     n: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """Consecutive batches of one rank in one epoch, as positions of the generation's plan.
+
+    The batches are ``first .. first + len(sizes) - 1`` of the rank's share; the client computes
+    their indices with :meth:`croupier.core.order.Plan.lease`.
+    """
+
+    sizes: list[int]  # the size of each granted batch
+    end_of_epoch: bool
+    epoch_samples: int
+
+
 def validate_join(req: JoinRequest) -> None:
     """Raises InvalidArgument, naming the value, for a malformed join request."""
     check_name("job name", req.job, MAX_NAME, InvalidArgument)

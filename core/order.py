@@ -230,15 +230,22 @@ class Plan:
         Returns:
             The dataset indices of the batches, concatenated, and the size of each batch.
         """
-        stop = min(first + count, int(self.nb_r[rank]))
-        if stop <= first:
+        sizes = self.batch_sizes(rank, first, count)
+        if not sizes:
             return np.zeros(0, dtype=np.int64), []
         b = self.spec.batch_size
-        end = min(stop * b, int(self.n_r[rank]))
-        local = np.arange(first * b, end, dtype=np.int64)
+        local = np.arange(first * b, first * b + sum(sizes), dtype=np.int64)
         idx = order(self.spec, self.cursor.epoch, self.positions(self.virtual(rank, local)), self.cursor.base_world)
-        sizes = [b] * (stop - first - 1) + [end - (stop - 1) * b]
         return idx, sizes
+
+    def batch_sizes(self, rank: int, first: int, count: int) -> list[int]:
+        """The sizes of batches first .. first + count - 1 of `rank` (fewer at the epoch's end): a grant."""
+        stop = min(first + count, int(self.nb_r[rank]))
+        if stop <= first:
+            return []
+        b = self.spec.batch_size
+        end = min(stop * b, int(self.n_r[rank]))
+        return [b] * (stop - first - 1) + [end - (stop - 1) * b]
 
     def samples(self, rank: int) -> int:
         """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""

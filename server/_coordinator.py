@@ -13,13 +13,14 @@ from croupier.core.api import (
     MAX_JOIN_WAIT_S,
     MAX_LEASE_BATCHES,
     MAX_LEASE_INDICES,
+    Grant,
     JoinRequest,
     JoinResult,
     Lease,
 )
 from croupier.core.checks import check_int
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from croupier.core.order import plan_epoch
+from croupier.core.order import Plan, plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._journal import pack_event, pack_snapshot, recover
 from croupier.server._state import Event
@@ -154,11 +155,12 @@ class Coordinator:
 
     # ---------------------------------------------------------------- reads
 
-    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Lease:
-        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end)."""
-        check_int("lease count", count, 1, None, InvalidArgument)
+    def _plan(self, what: str, job: str, generation: int, rank: int, epoch: int, first: int,
+              count: int) -> tuple[Spec, Plan | None]:
+        """Checks a lease or grant request (fencing first) and returns the plan of its epoch."""
+        check_int(f"{what} count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
-            raise ResourceExhausted(f"lease count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
+            raise ResourceExhausted(f"{what} count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
         with self._cond:
             self._check_ok()
             gen = self._state.generation(job, generation)
@@ -170,15 +172,27 @@ class Coordinator:
         check_int("first batch", first, 0, MAX_COUNT, InvalidArgument)
         if spec.batch_size * count > MAX_LEASE_INDICES:
             raise ResourceExhausted(
-                f"lease of {count} batches of {spec.batch_size} is more than the {MAX_LEASE_INDICES} indices one call serves"
+                f"{what} of {count} batches of {spec.batch_size} is more than the {MAX_LEASE_INDICES} indices one call serves"
             )
-        p = plan_epoch(spec, start, world, epoch)
+        return spec, plan_epoch(spec, start, world, epoch)
+
+    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Lease:
+        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end)."""
+        spec, p = self._plan("lease", job, generation, rank, epoch, first, count)
         if p is None:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
         with self._compute:
             idx, sizes = p.lease(rank, first, count)
         end = int(p.nb_r[rank]) <= first + len(sizes)
         return Lease(idx, sizes, end, p.samples(rank), spec.n)
+
+    def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Grant:
+        """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices."""
+        _, p = self._plan("grant", job, generation, rank, epoch, first, count)
+        if p is None:
+            return Grant([], True, 0)
+        sizes = p.batch_sizes(rank, first, count)
+        return Grant(sizes, int(p.nb_r[rank]) <= first + len(sizes), p.samples(rank))
 
     def job(self, job: str) -> tuple[Spec, JoinResult]:
         """The job's spec and its current generation's standing."""

@@ -81,6 +81,11 @@ class CoordinatorServicer:
         return pb.LeaseResponse(indices=data, sizes=lease.sizes, itemsize=itemsize,
                                 end_of_epoch=lease.end_of_epoch, epoch_samples=lease.epoch_samples)
 
+    def Grant(self, raw: bytes, context: grpc.ServicerContext) -> pb.GrantResponse:
+        m = _parse(pb.GrantRequest, raw)
+        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count)
+        return pb.GrantResponse(sizes=g.sizes, end_of_epoch=g.end_of_epoch, epoch_samples=g.epoch_samples)
+
     def GetJob(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetJobResponse:
         m = _parse(pb.GetJobRequest, raw)
         spec, r = self.core.job(m.job)
@@ -121,7 +126,7 @@ class Server:
         servicer = CoordinatorServicer(self.core)
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc")
         self._grpc = grpc.server(self._pool, options=SERVER_OPTIONS)
-        handlers = {name: _handler(getattr(servicer, name)) for name in ("Join", "Lease", "GetJob")}
+        handlers = {name: _handler(getattr(servicer, name)) for name in ("Join", "Lease", "Grant", "GetJob")}
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler, _sampler
 from croupier.server._service import Server
 
 
@@ -188,6 +188,41 @@ def test_batch_sampler_with_bucketing(server: Server) -> None:
     # window of 48, so a batch spans a small range of lengths (a random batch spans ~75).
     spreads = [max(lengths[i] for i in b) - min(lengths[i] for i in b) for r in got for b in r]
     assert max(spreads) < 25
+
+
+@pytest.mark.parametrize("asks", ["lease", "grant"])
+def test_trains_on_while_the_coordinator_is_down(tmp_path: pathlib.Path, serve_process: type[ServeProcess],
+                                                 monkeypatch: pytest.MonkeyPatch, asks: str) -> None:
+    """Only joins need the coordinator: a rank of a started generation finishes its epoch and starts the
+    next one from its plan while the coordinator is dead, and is fenced at its first lease once it is back.
+
+    A sampler leases indices from a coordinator in another process and asks one embedded in its
+    own process for grants (positions it computes itself): both, here against a real process.
+    """
+    monkeypatch.setattr(_sampler, "embedded_here", lambda address: asks == "grant")
+    store = f"sqlite:///{tmp_path}/c.db"
+    p = serve_process(store)
+    n, job = 3000, "outage"
+    s = DistributedSampler(n, address=p.address, job=job, token="a", lease_ahead=50, prefetch=1)
+    it = iter(s)
+    first = [next(it) for _ in range(500)]
+    p.kill()
+    rest = list(it)  # the rest of epoch 0, with no coordinator at all
+    epoch1 = list(s)  # and all of epoch 1
+    assert p.proc.poll() is not None, "the coordinator was expected to stay dead"
+    assert sorted(first + rest) == list(range(n)) and sorted(epoch1) == list(range(n))
+    p2 = serve_process(store, port=p.port)
+    ref = DistributedSampler(n, address=p2.address, job="outage-reference", token="r")
+    assert first + rest == list(ref)  # the same order the coordinator would have granted
+    it2 = iter(s)  # epoch 2, granted again
+    next(it2)
+    intruder = DistributedSampler(n, address=p2.address, job=job, token="b")
+    next(iter(intruder))  # a new incarnation: generation 2 replaces the old one
+    with pytest.raises(RuntimeError, match="fenced off"):
+        for _ in it2:
+            pass
+    for x in (s, ref, intruder):
+        x.close()
 
 
 def test_survives_a_coordinator_kill(tmp_path: pathlib.Path, serve_process: type[ServeProcess]) -> None:

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import grpc
 import numpy as np
@@ -120,6 +121,13 @@ def _lease_msg(**kw: object) -> bytes:
     return m.SerializeToString()
 
 
+def _grant_msg(**kw: object) -> bytes:
+    m = pb.GrantRequest(job="j", generation=2, rank=0, epoch=3, first_batch=0, count=4)
+    for k, v in kw.items():
+        setattr(m, k, v)
+    return m.SerializeToString()
+
+
 BAD = [
     # (method, payload, status, words in the details)
     ("Join", b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "not a valid croupier.v1.JoinRequest"),
@@ -146,8 +154,39 @@ BAD = [
     ("Lease", _lease_msg(generation=99), grpc.StatusCode.NOT_FOUND, "no generation 99"),
     ("Lease", _lease_msg(generation=1), grpc.StatusCode.ABORTED, "fenced"),  # a zombie of generation 1
     ("Lease", _lease_msg(generation=2, epoch=0), grpc.StatusCode.OUT_OF_RANGE, "before this generation's resume point"),
+    ("Grant", b"\x08\x96", grpc.StatusCode.INVALID_ARGUMENT, "not a valid croupier.v1.GrantRequest"),
+    ("Grant", _grant_msg(job="nope"), grpc.StatusCode.NOT_FOUND, "not known"),
+    ("Grant", _grant_msg(rank=7), grpc.StatusCode.INVALID_ARGUMENT, "rank must be in [0, 2)"),
+    ("Grant", _grant_msg(count=0), grpc.StatusCode.INVALID_ARGUMENT, "grant count"),
+    ("Grant", _grant_msg(count=10**6), grpc.StatusCode.RESOURCE_EXHAUSTED, "more than"),
+    ("Grant", _grant_msg(generation=99), grpc.StatusCode.NOT_FOUND, "no generation 99"),
+    ("Grant", _grant_msg(generation=1), grpc.StatusCode.ABORTED, "fenced"),  # a zombie of generation 1
+    ("Grant", _grant_msg(generation=2, epoch=0), grpc.StatusCode.OUT_OF_RANGE, "before this generation's resume point"),
     ("GetJob", pb.GetJobRequest(job="missing").SerializeToString(), grpc.StatusCode.NOT_FOUND, "not known"),
 ]
+
+
+def test_a_grant_names_the_batches_a_lease_serves(client: CoordinatorClient) -> None:
+    """Grant and Lease answer the same batches: one as positions of the plan, one as indices."""
+    gen = start_job(client, world=3, token="g")
+    spec = client.get_job("j")[0]
+    for rank in range(3):
+        first = 0
+        while True:
+            g = client.grant("j", gen, rank, 0, first, 4)
+            lease = client.lease("j", gen, rank, 0, first, 4)
+            assert g.sizes == lease.sizes and g.end_of_epoch == lease.end_of_epoch
+            assert g.epoch_samples == lease.epoch_samples
+            assert lease.indices.tolist() == _plan_of(client, spec).lease(rank, first, 4)[0].tolist()
+            first += len(g.sizes)
+            if g.end_of_epoch:
+                break
+
+
+def _plan_of(client: CoordinatorClient, spec: Any) -> Any:
+    from croupier.core.order import plan_epoch
+    _, r = client.get_job("j")
+    return plan_epoch(spec, r.start, r.world, r.start.epoch)
 
 
 def test_bad_input_gets_its_status_and_changes_nothing(server: Server, client: CoordinatorClient) -> None:

@@ -282,6 +282,76 @@ class LeaseResponse(_message.Message):
 Global___LeaseResponse: _TypeAlias = LeaseResponse  # noqa: Y015
 
 @_typing.final
+class GrantRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    FIRST_BATCH_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    generation: _builtins.int
+    rank: _builtins.int
+    epoch: _builtins.int
+    first_batch: _builtins.int
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        first_batch: _builtins.int = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "generation", b"generation", "job", b"job", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantRequest: _TypeAlias = GrantRequest  # noqa: Y015
+
+@_typing.final
+class GrantResponse(_message.Message):
+    """A grant: batches first_batch .. first_batch + len(sizes) - 1 of the rank's share of the epoch
+    in the generation's plan. Batch j of rank r holds the plan's positions of r's local items
+    [j * batch_size, min((j + 1) * batch_size, its item count)), mapped through the epoch's order
+    (croupier.core.order.Plan.lease computes exactly these indices).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SIZES_FIELD_NUMBER: _builtins.int
+    END_OF_EPOCH_FIELD_NUMBER: _builtins.int
+    EPOCH_SAMPLES_FIELD_NUMBER: _builtins.int
+    end_of_epoch: _builtins.bool
+    """True when the rank has no batch after the last one granted in this epoch."""
+    epoch_samples: _builtins.int
+    """How many indices the rank gets in this epoch in all."""
+    @_builtins.property
+    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The size of each granted batch, in order; fewer than `count` when the rank's epoch ends."""
+
+    def __init__(
+        self,
+        *,
+        sizes: _abc.Iterable[_builtins.int] | None = ...,
+        end_of_epoch: _builtins.bool = ...,
+        epoch_samples: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "sizes", b"sizes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrantResponse: _TypeAlias = GrantResponse  # noqa: Y015
+
+@_typing.final
 class GetJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

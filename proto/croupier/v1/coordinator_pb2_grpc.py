@@ -44,6 +44,11 @@ class CoordinatorStub:
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=croupier_dot_v1_dot_coordinator__pb2.LeaseResponse.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/croupier.v1.Coordinator/Grant',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.GrantRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.GrantResponse.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/croupier.v1.Coordinator/GetJob',
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
@@ -63,7 +68,20 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lease(self, request, context):
-        """Leases up to `count` consecutive batches of one rank in one epoch (read-only, idempotent).
+        """Leases up to `count` consecutive batches of one rank in one epoch, as dataset indices
+        (read-only, idempotent). For clients that do not compute croupier's orders themselves
+        (grpcurl, other languages).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Grant(self, request, context):
+        """Grants up to `count` consecutive batches of one rank in one epoch, as positions: the
+        answer names which batches of the generation's plan the rank may take, and the client
+        computes their indices itself from the spec and the generation's start (croupier.core's
+        order and plan, the same code the coordinator runs). Read-only, idempotent, and refused
+        (ABORTED, NOT_FOUND) for a replaced generation exactly as Lease is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -88,6 +106,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Lease,
                     request_deserializer=croupier_dot_v1_dot_coordinator__pb2.LeaseRequest.FromString,
                     response_serializer=croupier_dot_v1_dot_coordinator__pb2.LeaseResponse.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.GrantRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.GrantResponse.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -149,6 +172,33 @@ class Coordinator:
             '/croupier.v1.Coordinator/Lease',
             croupier_dot_v1_dot_coordinator__pb2.LeaseRequest.SerializeToString,
             croupier_dot_v1_dot_coordinator__pb2.LeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/Grant',
+            croupier_dot_v1_dot_coordinator__pb2.GrantRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.GrantResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,17 @@ class CoordinatorStub:
     (every rank joined) or `wait_ms` passed, whichever comes first.
     """
     Lease: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseResponse]
-    """Leases up to `count` consecutive batches of one rank in one epoch (read-only, idempotent)."""
+    """Leases up to `count` consecutive batches of one rank in one epoch, as dataset indices
+    (read-only, idempotent). For clients that do not compute croupier's orders themselves
+    (grpcurl, other languages).
+    """
+    Grant: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GrantRequest, _coordinator_pb2.GrantResponse]
+    """Grants up to `count` consecutive batches of one rank in one epoch, as positions: the
+    answer names which batches of the generation's plan the rank may take, and the client
+    computes their indices itself from the spec and the generation's start (croupier.core's
+    order and plan, the same code the coordinator runs). Read-only, idempotent, and refused
+    (ABORTED, NOT_FOUND) for a replaced generation exactly as Lease is.
+    """
     GetJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.GetJobResponse]
     """What the coordinator holds for one job (read-only)."""
 
@@ -53,7 +63,17 @@ class CoordinatorAsyncStub(CoordinatorStub):
     (every rank joined) or `wait_ms` passed, whichever comes first.
     """
     Lease: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeaseRequest, _coordinator_pb2.LeaseResponse]  # type: ignore[assignment]
-    """Leases up to `count` consecutive batches of one rank in one epoch (read-only, idempotent)."""
+    """Leases up to `count` consecutive batches of one rank in one epoch, as dataset indices
+    (read-only, idempotent). For clients that do not compute croupier's orders themselves
+    (grpcurl, other languages).
+    """
+    Grant: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GrantRequest, _coordinator_pb2.GrantResponse]  # type: ignore[assignment]
+    """Grants up to `count` consecutive batches of one rank in one epoch, as positions: the
+    answer names which batches of the generation's plan the rank may take, and the client
+    computes their indices itself from the spec and the generation's start (croupier.core's
+    order and plan, the same code the coordinator runs). Read-only, idempotent, and refused
+    (ABORTED, NOT_FOUND) for a replaced generation exactly as Lease is.
+    """
     GetJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.GetJobResponse]  # type: ignore[assignment]
     """What the coordinator holds for one job (read-only)."""
 
@@ -74,7 +94,23 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.LeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.LeaseResponse, _abc.Awaitable[_coordinator_pb2.LeaseResponse]]:
-        """Leases up to `count` consecutive batches of one rank in one epoch (read-only, idempotent)."""
+        """Leases up to `count` consecutive batches of one rank in one epoch, as dataset indices
+        (read-only, idempotent). For clients that do not compute croupier's orders themselves
+        (grpcurl, other languages).
+        """
+
+    @_abc_1.abstractmethod
+    def Grant(
+        self,
+        request: _coordinator_pb2.GrantRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GrantResponse, _abc.Awaitable[_coordinator_pb2.GrantResponse]]:
+        """Grants up to `count` consecutive batches of one rank in one epoch, as positions: the
+        answer names which batches of the generation's plan the rank may take, and the client
+        computes their indices itself from the spec and the generation's start (croupier.core's
+        order and plan, the same code the coordinator runs). Read-only, idempotent, and refused
+        (ABORTED, NOT_FOUND) for a replaced generation exactly as Lease is.
+        """
 
     @_abc_1.abstractmethod
     def GetJob(
