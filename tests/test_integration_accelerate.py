@@ -13,59 +13,30 @@ which counts at the sampler, cannot).
 from __future__ import annotations
 
 import collections
-import json
-import os
 import pathlib
 import shutil
-import signal
-import subprocess
-import sys
 
 import pytest
+from _torchrun import exactly_once as each_once
+from _torchrun import loop_counts
+from _torchrun import torchrun as run_example
 
 from croupier.tools.audit import audit, load, render, verdict
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "accelerate_train.py"
+EXAMPLE = "accelerate_train.py"
 SAMPLES, EPOCHS, BATCH, STOP = 64, 2, 4, 11  # world 2: 8 steps an epoch, so step 11 is 3 steps into epoch 1
 TIMEOUT = 120.0
 
 
 def torchrun(nproc: int, workdir: pathlib.Path, *extra: str) -> str:
-    """Runs the example under torchrun with `workdir`'s audit, state and loop-log directories; its stdout."""
-    env = {**os.environ, "CROUPIER_AUDIT_DIR": str(workdir / "audit"), "CROUPIER_STATE_DIR": str(workdir / "state"),
-           "OMP_NUM_THREADS": "1"}
-    for name in ("CROUPIER_ADDRESS", "CROUPIER_TOKEN", "CROUPIER_JOB"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-           "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
-           "--ckpt-dir", str(workdir / "ckpt"), "--trained-log", str(workdir / "trained"), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=workdir,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the session this test started
-        out, err = proc.communicate()
-        raise AssertionError(f"torchrun {nproc} timed out after {TIMEOUT} s:\n{out}\n{err[-4000:]}") from None
-    print(out, end="")
-    assert proc.returncode == 0, f"torchrun {nproc} exited {proc.returncode}:\n{out}\n{err[-4000:]}"
-    return out
-
-
-def loop_counts(workdir: pathlib.Path) -> dict[int, collections.Counter[int]]:
-    """Per epoch, how often each index reached the training loop, over every run's loop log in `workdir`."""
-    seen: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-    for path in sorted((workdir / "trained").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            seen[rec["epoch"]].update(rec["idx"])
-    return seen
+    """Runs the example on `nproc` ranks with `workdir`'s audit, state and loop-log directories; its stdout."""
+    args = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
+            "--ckpt-dir", str(workdir / "ckpt"), "--trained-log", str(workdir / "trained"), *extra]
+    return run_example(EXAMPLE, nproc, workdir, args, timeout=TIMEOUT)[0]
 
 
 def exactly_once(seen: dict[int, collections.Counter[int]]) -> bool:
-    return sorted(seen) == list(range(EPOCHS)) and all(
-        sorted(c) == list(range(SAMPLES)) and set(c.values()) == {1} for c in seen.values())
+    return each_once(seen, EPOCHS, SAMPLES)
 
 
 @pytest.fixture(scope="module")

@@ -11,52 +11,28 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import pathlib
 import shutil
-import signal
-import subprocess
-import sys
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]
 import pytest
 import torch.distributed.checkpoint as dcp
+from _torchrun import torchrun as run_example
 
 from croupier.client import DistributedSampler
 from croupier.integrations.dcp import KEY, SamplerState
 from croupier.tools.audit import audit, load, render, verdict
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "dcp_train.py"
+EXAMPLE = "dcp_train.py"
 SAMPLES, EPOCHS, BATCH, STOP = 80, 2, 4, 13  # world 2: 10 steps an epoch, so step 13 is 3 steps into epoch 1
 TIMEOUT = 120.0
 
 
 def torchrun(nproc: int, workdir: pathlib.Path, *extra: str) -> str:
-    """Runs the example under torchrun with `workdir`'s audit and state directories; its stdout."""
-    env = {**os.environ, "CROUPIER_AUDIT_DIR": str(workdir / "audit"), "CROUPIER_STATE_DIR": str(workdir / "state"),
-           "OMP_NUM_THREADS": "1"}
-    for name in ("CROUPIER_ADDRESS", "CROUPIER_TOKEN", "CROUPIER_JOB"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-           "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
-           "--ckpt-dir", str(workdir / "ckpt"), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=workdir,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in a session of its own: kill -9 the workers this torchrun
-        # started, by pid, then torchrun's own session (the one this test started).
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.send_signal(signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"torchrun {nproc} timed out after {TIMEOUT} s:\n{out}\n{err[-4000:]}") from None
-    print(out, end="")
-    assert proc.returncode == 0, f"torchrun {nproc} exited {proc.returncode}:\n{out}\n{err[-4000:]}"
-    return out
+    """Runs the example on `nproc` ranks with `workdir`'s audit and state directories; its stdout."""
+    args = ["--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
+            "--ckpt-dir", str(workdir / "ckpt"), *extra]
+    return run_example(EXAMPLE, nproc, workdir, args, timeout=TIMEOUT)[0]
 
 
 @pytest.fixture(scope="module")

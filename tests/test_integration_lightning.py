@@ -11,38 +11,30 @@ with 2 ranks and, separately (a copy of the audit directory), with 1 rank; both 
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 import pytest
+from _torchrun import torchrun as run_example
 
 from croupier.tools.audit import audit, render, verdict
 
 pytestmark = pytest.mark.e2e  # several processes
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "lightning_train.py"
+EXAMPLE = "lightning_train.py"
 EPOCHS, SAVE_AT, STOP_AT = 3, 5, 7
 TIMEOUT = 150  # seconds, per torchrun
 
 
 def torchrun(nproc: int, work: pathlib.Path, audit_dir: pathlib.Path, job: str, *args: str) -> str:
     """Runs the example under torchrun; returns its stderr (asserts exit 0)."""
-    env = {**os.environ, "CROUPIER_JOB": job, "CROUPIER_AUDIT_DIR": str(audit_dir),
-           "CROUPIER_STATE_DIR": str(work / "coordinator"), "OMP_NUM_THREADS": "1",
+    env = {"CROUPIER_JOB": job, "CROUPIER_AUDIT_DIR": str(audit_dir), "CROUPIER_STATE_DIR": str(work / "coordinator"),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore"}
-    env.pop("CROUPIER_ADDRESS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-           "--ckpt-dir", str(work / "ckpt"), "--epochs", str(EPOCHS), "--workers", "2", *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT, cwd=work)
-    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return r.stderr
+    args = ("--ckpt-dir", str(work / "ckpt"), "--epochs", str(EPOCHS), "--workers", "2", *args)
+    return run_example(EXAMPLE, nproc, work, list(args), env=env, timeout=TIMEOUT)[1]
 
 
 def cut_records(audit_dir: pathlib.Path) -> list[dict[str, Any]]:
