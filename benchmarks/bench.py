@@ -357,8 +357,8 @@ async def _drive_forever() -> None:
                 elif cmd["kind"] == "grant":
                     g = await stub.Grant(pb.GrantRequest(job=cmd["job"], generation=cmd["generation"], rank=r, epoch=0,
                                                          first_batch=j, count=LEASE_INDICES))
-                    got["indices"] += sum(g.sizes)
-                    j = 0 if g.end_of_epoch else j + len(g.sizes)
+                    got["indices"] += (g.batches - 1) * 1 + g.last_size if g.batches else 0  # batch_size 1
+                    j = 0 if g.end_of_epoch else j + g.batches
                 else:
                     resp = await stub.Lease(pb.LeaseRequest(job=cmd["job"], generation=cmd["generation"], rank=r, epoch=0,
                                                             first_batch=j, count=LEASE_INDICES))

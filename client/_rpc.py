@@ -157,7 +157,7 @@ class CoordinatorClient:
         """
         m = pb.GrantRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
         r = self._call("grant", lambda: self.stub.Grant(m, timeout=timeout), retry_for=0.0)
-        return Grant(list(r.sizes), r.end_of_epoch, r.epoch_samples)
+        return Grant(r.batches, r.last_size, r.end_of_epoch, r.epoch_samples)
 
     def get_job(self, job: str) -> tuple[Spec, JoinResult]:
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))

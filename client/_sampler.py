@@ -97,11 +97,11 @@ class _Prefetcher:
                     idx, sizes = got.indices, got.sizes
                 else:
                     idx, sizes = plan.lease(rank, self._next, count)
-                    if got is not None and got.sizes != sizes:
+                    if got is not None and (got.batches, got.last_size) != (len(sizes), sizes[-1] if sizes else 0):
                         raise RuntimeError(
-                            f"the coordinator granted batches of sizes {got.sizes[:8]} from batch {self._next} of "
-                            f"epoch {epoch}, but this rank's plan has {sizes[:8]}: the client and the coordinator "
-                            "compute different orders (another croupier release?)"
+                            f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
+                            f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
+                            "coordinator compute different plans (another croupier release?)"
                         )
                 end = int(plan.nb_r[rank]) <= self._next + len(sizes)
                 self._next += len(sizes)

@@ -78,13 +78,18 @@ class Lease:
 class Grant:
     """Consecutive batches of one rank in one epoch, as positions of the generation's plan.
 
-    The batches are ``first .. first + len(sizes) - 1`` of the rank's share; the client computes
+    The batches are ``first .. first + batches - 1`` of the rank's share; the client computes
     their indices with :meth:`croupier.core.order.Plan.lease`.
     """
 
-    sizes: list[int]  # the size of each granted batch
+    batches: int  # how many batches are granted
+    last_size: int  # the last one's size; every other one is full
     end_of_epoch: bool
     epoch_samples: int
+
+    def sizes(self, batch_size: int) -> list[int]:
+        """The size of each granted batch."""
+        return [batch_size] * (self.batches - 1) + [self.last_size] if self.batches else []
 
 
 def validate_join(req: JoinRequest) -> None:

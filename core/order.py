@@ -239,13 +239,18 @@ class Plan:
         return idx, sizes
 
     def batch_sizes(self, rank: int, first: int, count: int) -> list[int]:
-        """The sizes of batches first .. first + count - 1 of `rank` (fewer at the epoch's end): a grant."""
+        """The sizes of batches first .. first + count - 1 of `rank` (fewer at the epoch's end)."""
+        batches, last = self.grant(rank, first, count)
+        return [self.spec.batch_size] * (batches - 1) + [last] if batches else []
+
+    def grant(self, rank: int, first: int, count: int) -> tuple[int, int]:
+        """How many of batches first .. first + count - 1 `rank` has, and the last one's size
+        (every other one is full): a grant, in O(1)."""
         stop = min(first + count, int(self.nb_r[rank]))
         if stop <= first:
-            return []
+            return 0, 0
         b = self.spec.batch_size
-        end = min(stop * b, int(self.n_r[rank]))
-        return [b] * (stop - first - 1) + [end - (stop - 1) * b]
+        return stop - first, min(stop * b, int(self.n_r[rank])) - (stop - 1) * b
 
     def samples(self, rank: int) -> int:
         """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""

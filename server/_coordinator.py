@@ -190,9 +190,9 @@ class Coordinator:
         """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices."""
         _, p = self._plan("grant", job, generation, rank, epoch, first, count)
         if p is None:
-            return Grant([], True, 0)
-        sizes = p.batch_sizes(rank, first, count)
-        return Grant(sizes, int(p.nb_r[rank]) <= first + len(sizes), p.samples(rank))
+            return Grant(0, 0, True, 0)
+        batches, last = p.grant(rank, first, count)
+        return Grant(batches, last, int(p.nb_r[rank]) <= first + batches, p.samples(rank))
 
     def job(self, job: str) -> tuple[Spec, JoinResult]:
         """The job's spec and its current generation's standing."""

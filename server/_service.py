@@ -84,7 +84,8 @@ class CoordinatorServicer:
     def Grant(self, raw: bytes, context: grpc.ServicerContext) -> pb.GrantResponse:
         m = _parse(pb.GrantRequest, raw)
         g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count)
-        return pb.GrantResponse(sizes=g.sizes, end_of_epoch=g.end_of_epoch, epoch_samples=g.epoch_samples)
+        return pb.GrantResponse(batches=g.batches, last_size=g.last_size, end_of_epoch=g.end_of_epoch,
+                                epoch_samples=g.epoch_samples)
 
     def GetJob(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetJobResponse:
         m = _parse(pb.GetJobRequest, raw)

@@ -325,27 +325,29 @@ class GrantResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    SIZES_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
+    LAST_SIZE_FIELD_NUMBER: _builtins.int
     END_OF_EPOCH_FIELD_NUMBER: _builtins.int
     EPOCH_SAMPLES_FIELD_NUMBER: _builtins.int
+    batches: _builtins.int
+    """How many batches are granted: `count`, or fewer when the rank's epoch ends."""
+    last_size: _builtins.int
+    """The size of the last granted batch; every other one holds the spec's batch_size."""
     end_of_epoch: _builtins.bool
     """True when the rank has no batch after the last one granted in this epoch."""
     epoch_samples: _builtins.int
     """How many indices the rank gets in this epoch in all."""
-    @_builtins.property
-    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The size of each granted batch, in order; fewer than `count` when the rank's epoch ends."""
-
     def __init__(
         self,
         *,
-        sizes: _abc.Iterable[_builtins.int] | None = ...,
+        batches: _builtins.int = ...,
+        last_size: _builtins.int = ...,
         end_of_epoch: _builtins.bool = ...,
         epoch_samples: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "sizes", b"sizes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "last_size", b"last_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
