@@ -9,10 +9,13 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,8 +35,16 @@ TRAINER_MODULE = "croupier.tools.demo_train"
 HEALTH_SERVICES = ("", "croupier.v1.Coordinator")
 #: The oldest Kubernetes the manifests are for (gRPC probes, PDB unhealthyPodEvictionPolicy), and the newest.
 KUBE_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
-#: What the images COPY: the package (pyproject's package-dir) and what `pip install .` reads.
-BUILD_CONTEXT = ("pyproject.toml", "README.md", "constraints.txt", "proto", "server", "client")
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """The top-level folders of pyproject's package-dir (croupier.core = "core", ...): `pip install .` needs each."""
+    line = next(ln for ln in (ROOT / "pyproject.toml").read_text().splitlines() if ln.startswith("package-dir"))
+    return tuple(sorted({folder.split("/")[0] for folder in re.findall(r'= "([^"]+)"', line)}))
+
+
+#: What the images COPY: the package (every folder of pyproject's package-dir) and what `pip install .` reads.
+BUILD_CONTEXT = ("pyproject.toml", "README.md", "constraints.txt", *_package_dirs())
 
 
 # --- reading the files ------------------------------------------------------------------------
@@ -480,3 +491,24 @@ def test_trainer_and_audit_run_as_the_images_say(coordinator: Running, tmp_path:
     r = subprocess.run(audit, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 finished epochs audited" in r.stdout and "G1 holds" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["coordinator", "trainer"])
+def test_what_the_image_copies_builds_the_package(name: str, tmp_path: pathlib.Path) -> None:
+    """`pip install .` in the image sees only what it COPYs: a wheel built from just that has every package."""
+    image = read_image(ROOT / "deploy" / "docker" / f"{name}.Dockerfile")
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in image.copied:
+        origin = ROOT / path.rstrip("/")
+        if origin.is_dir():
+            shutil.copytree(origin, src / path.rstrip("/"), ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(origin, src / path)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path / "wheel"), str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("croupier-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for pkg in ("core", "server", "client", "tools", "integrations", "v1"):
+        assert f"croupier/{pkg}/__init__.py" in names, f"the image's package lacks croupier.{pkg}"

@@ -22,8 +22,11 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --constraint constraints.txt --index-url "${TORCH_INDEX_URL}" torch
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
+COPY core/ core/
 COPY server/ server/
 COPY client/ client/
+COPY tools/ tools/
+COPY integrations/ integrations/
 RUN pip install --constraint constraints.txt . \
  && python -c "import croupier.tools.demo_train"
 
