@@ -47,6 +47,10 @@ LEASE_AHEAD = 24  # indices per lease: every rank calls the coordinator every ot
 ROLLBACK_DEPTH = 8  # an older checkpoint is one of the last 8 before the latest
 POLL = 0.02  # seconds: the watch loop's refresh interval
 END_MARGIN = 0.5  # seconds of training before the end of the job: the last moment to inject a fault still due
+#: Simulated compute per training step. The ranks train on while the coordinator restarts, so a
+#: job of tiny steps would end before the faults due could land.
+STEP_MS = 40
+RESTART_S = 1.5  # seconds a coordinator restart is expected to take, until one is measured
 STALL = 120.0  # seconds without a step: the run has hung
 KINDS = ("rank", "coordinator", "preempt")
 WEIGHTS = (0.35, 0.25, 0.40)
@@ -194,6 +198,8 @@ class Run:
                  coordinator: Coordinator, log: IO[str]) -> None:
         self.work = work
         self.faults = faults
+        self.restart_s = RESTART_S  # the longest coordinator restart seen so far
+        self.first_kinds = rng.sample(KINDS, len(KINDS))
         self.epochs = epochs
         self.n = n
         self.rng = rng
@@ -207,10 +213,13 @@ class Run:
 
     def launch(self, world: int, resume: pathlib.Path | None) -> None:
         status = self.work / "status"
+        # NOTE: a worker of the launch just killed may still be writing its status as it dies.
         shutil.rmtree(status, ignore_errors=True)
-        status.mkdir()
+        status.mkdir(exist_ok=True)
+        for stale in status.glob("*"):
+            stale.unlink(missing_ok=True)
         cfg = {"workdir": str(self.work), "n": self.n, "epochs": self.epochs, "batch_size": BATCH,
-               "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD,
+               "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD, "step_ms": STEP_MS,
                "resume_from": str(resume) if resume is not None else None}
         env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.coordinator.address,
                "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"), "OMP_NUM_THREADS": "1",
@@ -284,16 +293,25 @@ class Run:
                     print("\r" + line.ljust(100), end="", flush=True)
                     last_line = line
                 if target is None and self.tally.faults < self.faults:
-                    kind = self.rng.choices(KINDS, WEIGHTS)[0]
+                    # The first faults are one of each kind (in a random order), so that even a short
+                    # run has them all; the rest are drawn by weight.
+                    kind = (self.first_kinds[self.tally.faults] if self.tally.faults < len(self.first_kinds)
+                            else self.rng.choices(KINDS, WEIGHTS)[0])
                     target = (kind, s0["step"] + self._gap(kind, s0))
                 # NOTE: a fault due after the end of the job comes just before the end instead, so
                 # that the run injects every fault it was asked for; unless it is the last one, it is
                 # a preemption that rolls back to an older checkpoint, which leaves room for the rest.
+                # NOTE: the ranks train on while the coordinator restarts (and this loop waits for it),
+                # so a coordinator kill needs that long before the end to leave room for the next fault.
                 pace = (now - first[0]) / (s0["step"] - first[1]) if s0["step"] > first[1] else 0.1  # s/step
-                near_end = s0["epoch"] == self.epochs - 1 and (s0["of"] - s0["k"]) * pace <= END_MARGIN
+                allowance = self.restart_s if target is not None and target[0] == "coordinator" else 0.0
+                steps_left = (s0["of"] - s0["k"]) + (self.epochs - 1 - s0["epoch"]) * math.ceil(
+                    self.n / (int(s0["world"]) * BATCH))
+                near_end = steps_left * pace <= END_MARGIN + allowance
                 if target is not None and (s0["step"] >= target[1] or near_end):
                     kind = target[0]
-                    rollback = s0["step"] < target[1] and self.tally.faults + 1 < self.faults
+                    early = s0["step"] < target[1] or (near_end and kind == "coordinator")
+                    rollback = early and self.tally.faults + 1 < self.faults
                     if rollback:
                         kind = "preempt"
                     if kind == "coordinator":
@@ -302,8 +320,10 @@ class Run:
                         at = _where(statuses(status))
                         t = time.monotonic()
                         self.coordinator.start()
+                        took = time.monotonic() - t
+                        self.restart_s = max(self.restart_s, took)
                         self._say(f"SIGKILL of the coordinator at {at}; restarted on port {self.coordinator.port} "
-                                  f"in {time.monotonic() - t:.1f} s, the ranks carry on")
+                                  f"in {took:.1f} s, the ranks carry on")
                         target = None
                         continue
                     if kind == "rank":

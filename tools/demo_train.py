@@ -96,7 +96,8 @@ def main() -> None:
     status.mkdir(exist_ok=True)
     for epoch in range(start_epoch, cfg["epochs"]):
         sampler.set_epoch(epoch)
-        k, of = 0, len(loader)  # batches of this epoch this incarnation gets (the rest, after a resume)
+        # This epoch's batches: taken so far (after a resume, those before the checkpoint) and in all.
+        k, of = sampler.items_done // cfg["batch_size"], len(loader)
         for x, y in loader:
             k += 1
             t_step = time.monotonic()
