@@ -141,10 +141,8 @@ class CoordinatorClient:
         With `timeout`, asks once: no answer within it raises :class:`Unreachable` (not retried).
         """
         m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
-        if timeout is not None:
-            r = self._call("lease", lambda: self.stub.Lease(m, timeout=timeout), retry_for=0.0)
-        else:
-            r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout))
+        r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout if timeout is None else timeout),
+                       retry_for=None if timeout is None else 0.0)
         return LeaseReply(unpack_indices(r.indices, r.itemsize), list(r.sizes), r.end_of_epoch, r.epoch_samples)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,

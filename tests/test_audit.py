@@ -5,11 +5,11 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
-import threading
 
 import msgpack
 import numpy as np
 import pytest
+from _ranks import on_ranks
 
 from croupier.client import DistributedBatchSampler, DistributedSampler
 from croupier.server._service import Server
@@ -40,11 +40,7 @@ def run_ranks(server: Server, logdir: pathlib.Path, world: int, token: str, stat
                 break
         s.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    on_ranks(world, rank)
     return saved
 
 
@@ -82,11 +78,7 @@ def test_audit_counts_batches_of_the_batch_sampler(server: Server, tmp_path: pat
                     break
             s.close()
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        on_ranks(world, rank)
         return saved
 
     ck = incarnation(2, "b1", None, steps=5)  # checkpoint after 3 batches, dies after 5
