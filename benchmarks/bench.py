@@ -28,7 +28,7 @@ WORLD = 8  # num_replicas of every sampler measured; rank 0 is the rank timed
 BATCH = 256  # the DataLoader's batch_size
 # DistributedSampler's default lease_ahead: indices per Lease call, as the client sends them
 # (checked against the sampler where it is imported; croupier is imported lazily, per child).
-LEASE_INDICES = 16384
+LEASE_INDICES = 65536
 STEPS_PER_LEASE = LEASE_INDICES // BATCH
 MIB = 1 << 20
 #: torch's DistributedSampler holds randperm (int64) and its tolist(): a list slot and a Python int per index.

@@ -13,10 +13,19 @@ import grpc
 import numpy as np
 
 from croupier.core import errors as E
-from croupier.core.api import Grant, JoinRequest, JoinResult
+from croupier.core.api import CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
-from croupier.core.wire import CHANNEL_OPTIONS, cursor_from_proto, cursor_to_proto, spec_from_proto, spec_to_proto, unpack_indices
+from croupier.core.wire import (
+    CHANNEL_OPTIONS,
+    checkpoint_to_proto,
+    cursor_from_proto,
+    cursor_to_proto,
+    record_from_proto,
+    spec_from_proto,
+    spec_to_proto,
+    unpack_indices,
+)
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -135,25 +144,32 @@ class CoordinatorClient:
                 say = now + 30.0
 
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
-              timeout: float | None = None) -> LeaseReply:
+              timeout: float | None = None, progress: tuple[int, int] | None = None) -> LeaseReply:
         """Batches first .. first + count - 1 of `rank` in `epoch`, as indices.
 
         With `timeout`, asks once: no answer within it raises :class:`Unreachable` (not retried).
+        `progress` (epoch, batches) reports how far the rank's loop got (see :meth:`report`).
         """
         m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
+        if progress is not None:
+            m.progress.epoch, m.progress.batches = progress
         r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout if timeout is None else timeout),
                        retry_for=None if timeout is None else 0.0)
         return LeaseReply(unpack_indices(r.indices, r.itemsize), list(r.sizes), r.end_of_epoch, r.epoch_samples)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
-              timeout: float = 1.0) -> Grant:
+              timeout: float = 1.0, progress: tuple[int, int] | None = None) -> Grant:
         """Asks once for batches first .. first + count - 1 of `rank` in `epoch`, as positions of the plan.
+
+        `progress` (epoch, batches) reports how far the rank's loop got (see :meth:`report`).
 
         Raises:
             Unreachable: no answer within `timeout` (the coordinator is down or restarting); not retried.
             Aborted, NotFound: the generation was replaced (fenced).
         """
         m = pb.GrantRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
+        if progress is not None:
+            m.progress.epoch, m.progress.batches = progress
         r = self._call("grant", lambda: self.stub.Grant(m, timeout=timeout), retry_for=0.0)
         return Grant(r.batches, r.last_size, r.end_of_epoch, r.epoch_samples)
 
@@ -161,6 +177,32 @@ class CoordinatorClient:
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))
         start: Cursor | None = cursor_from_proto(r.start) if r.started else None
         return spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for))
+
+    def status(self, job: str) -> JobStatus:
+        """What the coordinator holds for `job`: generation, the ranks' cursors, the checkpoints recorded."""
+        r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))
+        start: Cursor | None = cursor_from_proto(r.start) if r.started else None
+        ranks = tuple(RankCursor(c.rank, c.epoch, c.batches, c.batches_in_epoch, c.reported_unix_ms) for c in r.ranks)
+        return JobStatus(spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for)), ranks,
+                         tuple(record_from_proto(c) for c in r.checkpoints))
+
+    def report(self, job: str, generation: int, rank: int, progress: tuple[int, int],
+               checkpoint: tuple[int | None, Cursor, str] | None = None, timeout: float | None = None) -> None:
+        """Reports how far the rank's loop got (epoch, batches of its share of the generation's plan)
+        and, with `checkpoint` (step, cursor, origin), a checkpoint state it took; returns once the
+        coordinator made the checkpoint durable. With `timeout`, asks once (Unreachable if no answer)."""
+        m = pb.ReportRequest(job=job, generation=generation, rank=rank)
+        m.progress.epoch, m.progress.batches = progress
+        if checkpoint is not None:
+            m.checkpoint.CopyFrom(checkpoint_to_proto(*checkpoint))
+        self._call("report", lambda: self.stub.Report(m, timeout=self.call_timeout if timeout is None else timeout),
+                   retry_for=None if timeout is None else 0.0)
+
+    def checkpoint(self, job: str, step: int) -> tuple[Spec, CheckpointRecord]:
+        """The job's spec and the checkpoint it recorded at training step `step` (NotFound if none)."""
+        r = self._call("get_checkpoint", lambda: self.stub.GetCheckpoint(pb.GetCheckpointRequest(job=job, step=step),
+                                                                          timeout=self.call_timeout))
+        return spec_from_proto(r.spec), record_from_proto(r.record)
 
     def close(self) -> None:
         """Closes the channel: calls in flight end, and no call retries any more."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 import os
@@ -14,18 +15,24 @@ import numpy as np
 from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
+from croupier.client import _expander
 from croupier.client._audit_log import AuditLog
 from croupier.client._resolve import agree, dist_ready, embedded_here, resolve_job, resolve_world, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Unreachable
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, Grant, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
-from croupier.core.errors import Aborted, NotFound
+from croupier.core.errors import Aborted, CroupierError, NotFound
 from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, is_fresh, plan_epoch, show
 from croupier.core.spec import Spec
 
 _DONE = object()
 log = logging.getLogger("croupier")
+#: How long state_dict waits for the coordinator to record a checkpoint before going on without it.
+_REPORT_TIMEOUT_S = 5.0
+#: How long a lease waits for the coordinator's answer before the rank computes it itself; and
+#: that wait while the coordinator is not answering.
+_ASK_S, _PROBE_S = 1.0, 0.25
 
 
 def _dataset_size(dataset: Sized | int) -> int:
@@ -54,8 +61,10 @@ class _Prefetcher:
 
     Every lease is asked of the coordinator, which fences replaced generations. A coordinator in
     another process computes the lease's indices (on another core); one embedded in this process
-    grants positions and the indices are computed here from the generation's plan, without the
-    round trip of the indices through gRPC. When the coordinator does not answer within 1 s,
+    grants positions and the indices are computed from the generation's plan, without the
+    round trip of the indices through gRPC, by this process's lease helper process
+    (`croupier.client._expander`: the computation would contend for the GIL with the training
+    loop; ``CROUPIER_EXPANDER=0`` computes here instead). When the coordinator does not answer within 1 s,
     the rank computes the lease from its plan, the same code the coordinator runs (its data
     cannot have changed: only a join changes it, and a join needs the coordinator), and asks
     again at the next lease; a lease refused as fenced stops it.
@@ -71,32 +80,44 @@ class _Prefetcher:
         self._lease_size = lease_size
         self._plan = plan
         self.ungranted = 0  # leases computed while the coordinator did not answer
+        #: (epoch, batches) the consumer's loop had taken when it last took a lease: reported with
+        #: the next request (the consumer sets it; a tuple is replaced whole)
+        self.progress: tuple[int, int] | None = None
         self._thread = threading.Thread(target=self._run, name=f"croupier-lease-r{rank}-e{epoch}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         client, job, gen, rank, epoch = self._args
         plan, count = self._plan, self._lease_size
+        missed = False  # the last ask went unanswered
         try:
             while not self._stop.is_set():
                 got: Grant | LeaseReply | None
+                # NOTE: while the coordinator does not answer, each lease still asks, but waits
+                # only _PROBE_S: a stopped (not dead) coordinator never refuses, and a full
+                # _ASK_S per lease could outlast the leases queued ahead of the loop.
+                wait = _PROBE_S if missed else _ASK_S
                 try:
                     if self._local:
-                        got = client.grant(job, gen, rank, epoch, self._next, count)
+                        got = client.grant(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
                     else:
-                        got = client.lease(job, gen, rank, epoch, self._next, count, timeout=1.0)
+                        got = client.lease(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
+                    if missed:
+                        log.warning("croupier: the coordinator of job %r answers again (rank %d)", job, rank)
+                    missed = False
                 except Unreachable:
                     if client.closed:
                         break
                     got = None
-                    if not self.ungranted:
+                    if not missed:
                         log.warning("croupier: the coordinator of job %r does not answer; rank %d trains on from its "
                                     "plan and asks again at every lease", job, rank)
+                    missed = True
                     self.ungranted += 1
                 if isinstance(got, LeaseReply):
                     idx, sizes = got.indices, got.sizes
                 else:
-                    idx, sizes = plan.lease(rank, self._next, count)
+                    idx, sizes = _expander.lease(plan, rank, self._next, count)
                     if got is not None and (got.batches, got.last_size) != (len(sizes), sizes[-1] if sizes else 0):
                         raise RuntimeError(
                             f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
@@ -206,6 +227,7 @@ class _Base(Sampler[Any]):
             raise ValueError(f"join_timeout must be > 0 seconds (got {join_timeout!r})")
         self._join_timeout = join_timeout
         self._lease_ahead = lease_ahead
+        self._agreed: tuple[str, str] | None = None  # (token, address) agreed before the join (resume_from_step)
         self._prefetch = prefetch
         self._client: CoordinatorClient | None = None
         self._address_used = ""  # the coordinator this sampler joined, to reconnect after a copy
@@ -293,7 +315,7 @@ class _Base(Sampler[Any]):
             return
         num_replicas, rank = self._resolve_world()
         self._check_world_still()
-        token, address = agree(self._token, self._address, self.job, num_replicas)
+        token, address = self._agreed or agree(self._token, self._address, self.job, num_replicas)
         self._client = CoordinatorClient(address)
         self._address_used = address
         track(self)
@@ -514,6 +536,7 @@ class _Base(Sampler[Any]):
         before = self._before
         try:
             while True:
+                pf.progress = (self._epoch, self._taken() * self._unit // self.spec.batch_size)
                 try:
                     lease = pf.get()
                 except (Aborted, NotFound) as e:
@@ -539,10 +562,14 @@ class _Base(Sampler[Any]):
 
     # ---------------------------------------------------------------- state
 
-    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+    def state_dict(self, consumed: int | None = None, *, step: int | None = None) -> dict[str, Any]:
         """The checkpoint state: a small, topology-free dict naming where the job is in its data.
 
-        Save it with the model; loading it into a sampler of any world size resumes there.
+        Save it with the model; loading it into a sampler of any world size resumes there. Once
+        the sampler has joined, the state is also recorded at the coordinator (durably, before
+        this returns), with `step` if given: :meth:`resume_from_step` finds it there, for a
+        trainer that keeps only its step. When the coordinator does not answer, a warning says
+        so and the state is returned all the same (it alone suffices to resume).
 
         Args:
             consumed: With a loader that reads the sampler ahead (a plain ``DataLoader`` with
@@ -551,7 +578,12 @@ class _Base(Sampler[Any]):
                 the epoch's start as ``len()`` counts them (a trainer's batch index + 1, times the
                 batch size for the index sampler). ``StatefulDataLoader`` and ``num_workers=0``
                 need nothing: the sampler has handed out exactly what the loop took.
+            step: The trainer's global step at this checkpoint (the number of optimizer steps
+                taken since the job's start, as the HF Trainer's ``global_step``, Lightning's
+                ``global_step`` or torchtitan's ``step`` count it), naming the coordinator's record.
         """
+        if step is not None:
+            check_int("step", step, 0, None, ValueError)
         if self._empty:
             return {}
         if self._start is None:
@@ -560,7 +592,8 @@ class _Base(Sampler[Any]):
                 state["origin"] = self._origin
             return state
         if self._complete or consumed is None and self._finished():  # the epoch is over
-            return self._stamp(to_state(self.job, self.spec, fresh(self.spec, self._epoch + 1)), self._epoch + 1, 0)
+            return self._stamp(fresh(self.spec, self._epoch + 1), self._epoch + 1, 0, step,
+                               (self._epoch, self._rest(self._epoch) * self._unit // self.spec.batch_size))
         items = self.items_done if consumed is None else check_int("consumed", consumed, 0, None, ValueError)
         before = self._items_before(self._epoch)
         if items < before:
@@ -568,21 +601,78 @@ class _Base(Sampler[Any]):
                              f"({before} items were taken before the checkpoint it resumed from)")
         p = self._plan(self._epoch)
         if p is None:
-            return self._stamp(to_state(self.job, self.spec, self._start), self._start.epoch, 0)
+            return self._stamp(self._start, self._start.epoch, 0, step, None)
         positions = (items - before) * self._unit
         if positions % self.spec.batch_size:
             raise ValueError(f"consumed={items} items is not a whole number of lease batches of {self.spec.batch_size}")
+        progress = (self._epoch, positions // self.spec.batch_size)
         cursor = p.advance(positions // self.spec.batch_size)
         if cursor.epoch != self._epoch:  # the epoch is complete
-            return self._stamp(to_state(self.job, self.spec, cursor), cursor.epoch, 0)
-        return self._stamp(to_state(self.job, self.spec, cursor), self._epoch, items)
+            return self._stamp(cursor, cursor.epoch, 0, step, progress)
+        return self._stamp(cursor, self._epoch, items, step, progress)
 
-    def _stamp(self, state: dict[str, Any], epoch: int, items: int) -> dict[str, Any]:
-        """Names the state after where this incarnation made it, and logs it for the audit."""
+    def _stamp(self, cursor: Cursor, epoch: int, items: int, step: int | None,
+               progress: tuple[int, int] | None) -> dict[str, Any]:
+        """The state of `cursor`, named after where this incarnation made it; logs it for the
+        audit and records it at the coordinator (with how far the loop got, `progress`)."""
+        state = to_state(self.job, self.spec, cursor)
         state["origin"] = f"{self._token_used}/{epoch}/{items}"
         if self._audit is not None:
             self._audit.ckpt(state["origin"], epoch, items)
+        if self._client is not None and not self._client.closed:
+            try:
+                self._client.report(self.job, self._generation, self.rank, progress or (self._epoch, 0),
+                                    (step, cursor, state["origin"]), timeout=_REPORT_TIMEOUT_S)
+            except (CroupierError, Unreachable) as e:
+                log.warning("croupier: rank %d of job %r could not record its checkpoint%s at the coordinator (%s); "
+                            "the state dict alone resumes it", self.rank, self.job,
+                            "" if step is None else f" of step {step}", e)
         return state
+
+    def resume_from_step(self, step: int) -> None:
+        """Resumes from the checkpoint the job recorded at training step `step` (any world size).
+
+        For a trainer that keeps its global step but not the sampler's state: every rank's
+        ``state_dict(step=s)`` recorded the state at the coordinator, and this loads it, exactly
+        as ``load_state_dict`` would load the saved dict. Call it on every rank, where
+        ``load_state_dict`` would go: after ``init_process_group`` and before the first batch.
+
+        The job must be found again: name it (``job=`` or ``CROUPIER_JOB``) or keep the launch's
+        run id (torchrun ``--rdzv-id``, the same Slurm job), and keep the coordinator (an address,
+        or the embedded one's store under ``CROUPIER_STATE_DIR`` on global rank 0's host; a job of
+        one process keeps no records across restarts).
+
+        Rolling back past several checkpoints is allowed: the records of later steps stay until
+        the job records a checkpoint at or before their step again, which replaces them.
+
+        Raises:
+            LookupError: the coordinator has no record of `step` for this job (the message lists
+                the steps it has).
+            ValueError: the record is of another spec; a malformed step.
+            RuntimeError: this sampler has already started serving a generation.
+        """
+        check_int("step", step, 0, None, ValueError)
+        if self._start is not None:
+            raise RuntimeError(
+                "resume_from_step must come before the first batch: this sampler already serves generation "
+                f"{self._generation} of job {self.job!r}; make a new sampler in the restarted process"
+            )
+        if self._empty:
+            return
+        num_replicas, _ = self._resolve_world()
+        self._agreed = agree(self._token, self._address, self.job, num_replicas)
+        with CoordinatorClient(self._agreed[1]) as c:
+            try:
+                spec, record = c.checkpoint(self.job, step)
+            except NotFound as e:
+                raise LookupError(
+                    f"{e}. A relaunch finds its job's records under the same job name: pass job= or set CROUPIER_JOB "
+                    f"(this sampler's job is {self.job!r})"
+                ) from None
+        state = to_state(self.job, spec, record.cursor)
+        if record.origin:
+            state["origin"] = record.origin
+        self.load_state_dict(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resumes from a checkpoint state (any world size); an empty dict means "from the start".
@@ -742,7 +832,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  job: str | None = None, permutation: str | None = None, partition: str = "strided",
                  tail: str | None = None, scope: str = "global", buffer_size: int | None = None,
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
-                 token: str | None = None, lease_ahead: int = 16384, prefetch: int = 2,
+                 token: str | None = None, lease_ahead: int = 65536, prefetch: int = 2,
                  audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
         n = _dataset_size(dataset)
@@ -764,16 +854,18 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         return len(self) * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        return self._indices(object())
+        # Chained in C: taking an index costs what taking one from torch's list does; Python runs
+        # once per lease, and `_taken()` reads the position inside the lease from its iterator.
+        return itertools.chain.from_iterable(self._leases(object()))
 
-    def _indices(self, me: object) -> Iterator[int]:
+    def _leases(self, me: object) -> Iterator[Iterator[int]]:
         for chunk in self._items(me):
             items = chunk.tolist()
             it = iter(items)
             self._chunk, self._chunk_len = it, len(items)
-            yield from it
-            if self._active is me:
-                self._yielded += len(items)
+            yield it
+            if self._active is me:  # the lease is used up (or the loop let go of this iterator)
+                self._yielded += len(items) - operator.length_hint(it)
                 self._chunk = None
 
 
@@ -821,7 +913,7 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  tail: str = "pad", even_batches: bool = False, scope: str = "global",
                  buffer_size: int | None = None, pack_size: int | None = None,
                  lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
-                 lease_ahead: int = 64, prefetch: int = 2, audit_dir: str | None = None,
+                 lease_ahead: int = 256, prefetch: int = 2, audit_dir: str | None = None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
         n = _dataset_size(dataset)

@@ -92,6 +92,48 @@ class Grant:
         return [batch_size] * (self.batches - 1) + [self.last_size] if self.batches else []
 
 
+#: Checkpoint records a coordinator keeps per job (the oldest go first).
+CHECKPOINT_HISTORY = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCursor:
+    """How far one rank's loop got, as it last reported: `batches` of its `batches_in_epoch`
+    batches of `epoch` in the current generation's plan."""
+
+    rank: int
+    epoch: int
+    batches: int
+    batches_in_epoch: int
+    reported_ms: int  # Unix time, milliseconds, the coordinator's clock
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRecord:
+    """A checkpoint state a job took, as the coordinator recorded it.
+
+    ``step`` is the trainer's global step the checkpoint was named after (None when it named
+    none); ``cursor`` and ``origin`` are the state's (``croupier.core.checkpoint``).
+    """
+
+    step: int | None
+    cursor: Cursor
+    origin: str
+    generation: int
+    rank: int
+    recorded_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStatus:
+    """What the coordinator holds for one job."""
+
+    spec: Spec
+    result: JoinResult
+    ranks: tuple[RankCursor, ...] = ()
+    checkpoints: tuple[CheckpointRecord, ...] = ()
+
+
 def validate_join(req: JoinRequest) -> None:
     """Raises InvalidArgument, naming the value, for a malformed join request."""
     check_name("job name", req.job, MAX_NAME, InvalidArgument)

@@ -29,33 +29,39 @@ def round_keys(key: int) -> np.ndarray:
     return keys
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
-    # splitmix64's finaliser: a cheap, well-mixing 64-bit hash (the Feistel round function).
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    out: np.ndarray = z ^ (z >> _S31)
-    return out
-
-
 def _domain_bits(n: int) -> int:
     # The smallest power-of-two domain holding [0, n), at least 2 bits so both halves exist.
     return max(2, (n - 1).bit_length())
 
 
 def _encrypt(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
-    """One pass of the Feistel network on [0, 2**bits); keys is (ROUNDS,) or (ROUNDS, len(x))."""
+    """One pass of the Feistel network on [0, 2**bits), in place on the uint64 array `x` (returned);
+    keys is (ROUNDS,) or (ROUNDS, len(x))."""
     # NOTE: an unbalanced network whose halves swap widths each round, so any bit count works
     # and the power-of-two domain is < 2n: cycle-walking takes fewer than 2 passes on average.
+    # Every step writes into one of three buffers: no temporaries, so a large input costs no
+    # allocation (and no page faults) per step, and numpy runs each step without the GIL.
+    lo, z, t = np.empty_like(x), np.empty_like(x), np.empty_like(x)
     lo_bits = bits // 2
     for i in range(ROUNDS):
         hi_bits = bits - lo_bits
-        lo_mask = np.uint64((1 << lo_bits) - 1)
-        hi_mask = np.uint64((1 << hi_bits) - 1)
-        lo = x & lo_mask
-        hi = x >> np.uint64(lo_bits)
-        f = _mix(lo ^ keys[i]) & hi_mask
+        np.bitwise_and(x, np.uint64((1 << lo_bits) - 1), out=lo)
+        np.right_shift(x, np.uint64(lo_bits), out=x)  # x is now the high part
+        # z = F(lo): splitmix64's finaliser of lo ^ key, cut to hi_bits
+        np.bitwise_xor(lo, keys[i], out=z)
+        np.right_shift(z, _S30, out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.multiply(z, _M1, out=z)
+        np.right_shift(z, _S27, out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.multiply(z, _M2, out=z)
+        np.right_shift(z, _S31, out=t)
+        np.bitwise_xor(z, t, out=z)
+        np.bitwise_and(z, np.uint64((1 << hi_bits) - 1), out=z)
         # (hi, lo) -> (lo, hi ^ F(lo)): lo becomes the high part, the new low part has hi_bits.
-        x = (lo << np.uint64(hi_bits)) | (hi ^ f)
+        np.bitwise_xor(x, z, out=x)
+        np.left_shift(lo, np.uint64(hi_bits), out=lo)
+        np.bitwise_or(x, lo, out=x)
         lo_bits = hi_bits
     return x
 

@@ -194,6 +194,10 @@ class Plan:
 
     def positions(self, v: np.ndarray) -> np.ndarray:
         """Order positions of virtual positions `v` (padding mapped by the tail policy)."""
+        if len(self.starts) == 1 and (v.size == 0 or int(v.max()) < self.left):
+            # One interval left and no padding (a fresh epoch): the order's positions are a shift.
+            shifted: np.ndarray = v + int(self.starts[0]) if self.starts[0] else v
+            return shifted
         real = v < self.left
         k = np.searchsorted(self.cum, v, side="right") - 1  # (len,) interval of each v
         k = np.minimum(k, len(self.starts) - 1)
@@ -230,11 +234,12 @@ class Plan:
         Returns:
             The dataset indices of the batches, concatenated, and the size of each batch.
         """
-        sizes = self.batch_sizes(rank, first, count)
-        if not sizes:
+        batches, last = self.grant(rank, first, count)
+        if not batches:
             return np.zeros(0, dtype=np.int64), []
         b = self.spec.batch_size
-        local = np.arange(first * b, first * b + sum(sizes), dtype=np.int64)
+        sizes = [b] * (batches - 1) + [last]
+        local = np.arange(first * b, first * b + (batches - 1) * b + last, dtype=np.int64)
         idx = order(self.spec, self.cursor.epoch, self.positions(self.virtual(rank, local)), self.cursor.base_world)
         return idx, sizes
 

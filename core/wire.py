@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from croupier.core.api import CheckpointRecord
 from croupier.core.errors import InvalidArgument
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
@@ -81,6 +82,28 @@ def cursor_from_proto(m: pb.Cursor) -> Cursor:
         raise InvalidArgument(f"cursor.remaining must be int64 pairs, a multiple of 16 bytes (got {len(m.remaining)} bytes)")
     flat = np.frombuffer(m.remaining, dtype="<i8").reshape(-1, 2)  # (k, 2)
     return Cursor(int(m.epoch), tuple((int(a), int(b)) for a, b in flat.tolist()), int(m.base_world))
+
+
+def record_to_proto(r: CheckpointRecord) -> pb.CheckpointRecord:
+    m = pb.CheckpointRecord(generation=r.generation, rank=r.rank, recorded_unix_ms=r.recorded_ms)
+    m.checkpoint.CopyFrom(checkpoint_to_proto(r.step, r.cursor, r.origin))
+    return m
+
+
+def record_from_proto(m: pb.CheckpointRecord) -> CheckpointRecord:
+    step, cursor, origin = checkpoint_from_proto(m.checkpoint)
+    return CheckpointRecord(step, cursor, origin, m.generation, m.rank, m.recorded_unix_ms)
+
+
+def checkpoint_to_proto(step: int | None, cursor: Cursor, origin: str) -> pb.Checkpoint:
+    m = pb.Checkpoint(cursor=cursor_to_proto(cursor), origin=origin)
+    if step is not None:
+        m.step = step
+    return m
+
+
+def checkpoint_from_proto(m: pb.Checkpoint) -> tuple[int | None, Cursor, str]:
+    return (m.step if m.HasField("step") else None), cursor_from_proto(m.cursor), m.origin
 
 
 def itemsize_for(n: int) -> int:

@@ -13,14 +13,17 @@ from croupier.core.api import (
     MAX_JOIN_WAIT_S,
     MAX_LEASE_BATCHES,
     MAX_LEASE_INDICES,
+    CheckpointRecord,
     Grant,
+    JobStatus,
     JoinRequest,
     JoinResult,
     Lease,
+    RankCursor,
 )
 from croupier.core.checks import check_int
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from croupier.core.order import Plan, plan_epoch
+from croupier.core.order import Cursor, Plan, plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._journal import pack_event, pack_snapshot, recover
 from croupier.server._state import Event
@@ -110,6 +113,32 @@ class Coordinator:
                 self._check_ok()
             return result
 
+    def report(self, job: str, generation: int, rank: int, epoch: int, batches: int,
+               checkpoint: tuple[int | None, Cursor, str] | None = None) -> None:
+        """Records how far a rank's loop got and, with `checkpoint` (step, cursor, origin), a
+        checkpoint state it took; returns once the checkpoint is durable.
+
+        A progress report alone is journaled without waiting: losing the last one in a crash
+        only makes the cursor older until the rank's next report.
+        """
+        with self._cond:
+            self._check_ok()
+            events = self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint)
+            self._journal(events)
+            if checkpoint is None:
+                return
+            target = self._seq
+            while self._durable < target and self._failed is None:
+                self._cond.wait()
+            self._check_ok()
+
+    def checkpoint(self, job: str, step: int) -> tuple[Spec, CheckpointRecord]:
+        """The job's spec and its record of the checkpoint at training step `step` (NotFound if none)."""
+        with self._cond:
+            self._check_ok()
+            record = self._state.checkpoint(job, step)
+            return self._state.jobs[job].spec, record
+
     def _generation_of(self, job: str) -> int:
         return self._state.current(job).number
 
@@ -176,9 +205,15 @@ class Coordinator:
             )
         return spec, plan_epoch(spec, start, world, epoch)
 
-    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Lease:
-        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end)."""
+    def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
+              progress: tuple[int, int] | None = None) -> Lease:
+        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end).
+
+        `progress` (epoch, batches) is the rank's report of how far its loop got (see :meth:`report`).
+        """
         spec, p = self._plan("lease", job, generation, rank, epoch, first, count)
+        if progress is not None:
+            self.report(job, generation, rank, *progress)
         if p is None:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
         with self._compute:
@@ -186,20 +221,31 @@ class Coordinator:
         end = int(p.nb_r[rank]) <= first + len(sizes)
         return Lease(idx, sizes, end, p.samples(rank), spec.n)
 
-    def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Grant:
+    def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
+              progress: tuple[int, int] | None = None) -> Grant:
         """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices."""
         _, p = self._plan("grant", job, generation, rank, epoch, first, count)
+        if progress is not None:
+            self.report(job, generation, rank, *progress)
         if p is None:
             return Grant(0, 0, True, 0)
         batches, last = p.grant(rank, first, count)
         return Grant(batches, last, int(p.nb_r[rank]) <= first + batches, p.samples(rank))
 
-    def job(self, job: str) -> tuple[Spec, JoinResult]:
-        """The job's spec and its current generation's standing."""
+    def job(self, job: str) -> JobStatus:
+        """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
         with self._cond:
             self._check_ok()
             gen = self._state.current(job)
-            return self._state.jobs[job].spec, JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
+            j = self._state.jobs[job]
+            result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
+            progress = sorted(j.progress.items())
+            checkpoints = tuple(j.checkpoints)
+        ranks = []
+        for rank, (epoch, batches, at) in progress:
+            p = plan_epoch(j.spec, gen.start, gen.world, epoch) if gen.start is not None else None
+            ranks.append(RankCursor(rank, epoch, batches, 0 if p is None else int(p.nb_r[rank]), at))
+        return JobStatus(j.spec, result, tuple(ranks), checkpoints)
 
     def snapshot_state(self) -> bytes:
         """The whole state, msgpack-encoded (for tests that check a call changed nothing)."""
@@ -219,3 +265,6 @@ class Coordinator:
         self._writer.join()
         self.store.close()
 
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -20,9 +20,11 @@ from croupier.core.api import JoinRequest, JoinResult
 from croupier.core.wire import (
     SERVER_OPTIONS,
     SERVICE,
+    checkpoint_from_proto,
     cursor_from_proto,
     cursor_to_proto,
     pack_indices,
+    record_to_proto,
     spec_from_proto,
     spec_to_proto,
 )
@@ -54,6 +56,10 @@ def _join_response(r: JoinResult) -> pb.JoinResponse:
     return m
 
 
+#: The coordinator's RPCs, as the servicer names its methods.
+RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint")
+
+
 class CoordinatorServicer:
     """Each RPC converts the message, calls the core, converts back."""
 
@@ -76,26 +82,50 @@ class CoordinatorServicer:
 
     def Lease(self, raw: bytes, context: grpc.ServicerContext) -> pb.LeaseResponse:
         m = _parse(pb.LeaseRequest, raw)
-        lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count)
+        lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
         data, itemsize = pack_indices(lease.indices, lease.n)
         return pb.LeaseResponse(indices=data, sizes=lease.sizes, itemsize=itemsize,
                                 end_of_epoch=lease.end_of_epoch, epoch_samples=lease.epoch_samples)
 
     def Grant(self, raw: bytes, context: grpc.ServicerContext) -> pb.GrantResponse:
         m = _parse(pb.GrantRequest, raw)
-        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count)
+        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
         return pb.GrantResponse(batches=g.batches, last_size=g.last_size, end_of_epoch=g.end_of_epoch,
                                 epoch_samples=g.epoch_samples)
 
     def GetJob(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetJobResponse:
         m = _parse(pb.GetJobRequest, raw)
-        spec, r = self.core.job(m.job)
-        j = _join_response(r)
-        out = pb.GetJobResponse(spec=spec_to_proto(spec), generation=j.generation, world=j.world,
+        st = self.core.job(m.job)
+        j = _join_response(st.result)
+        out = pb.GetJobResponse(spec=spec_to_proto(st.spec), generation=j.generation, world=j.world,
                                 started=j.started, waiting_for=j.waiting_for)
         if j.HasField("start"):
             out.start.CopyFrom(j.start)
+        out.ranks.extend(pb.RankCursor(rank=c.rank, epoch=c.epoch, batches=c.batches, batches_in_epoch=c.batches_in_epoch,
+                                       reported_unix_ms=c.reported_ms) for c in st.ranks)
+        out.checkpoints.extend(record_to_proto(r) for r in st.checkpoints)
         return out
+
+    def Report(self, raw: bytes, context: grpc.ServicerContext) -> pb.ReportResponse:
+        m = _parse(pb.ReportRequest, raw)
+        if not m.HasField("progress"):
+            raise E.InvalidArgument("a report needs the rank's progress")
+        checkpoint = None
+        if m.HasField("checkpoint"):
+            if not m.checkpoint.HasField("cursor"):
+                raise E.InvalidArgument("a reported checkpoint needs its cursor")
+            checkpoint = checkpoint_from_proto(m.checkpoint)
+        self.core.report(m.job, m.generation, m.rank, m.progress.epoch, m.progress.batches, checkpoint)
+        return pb.ReportResponse()
+
+    def GetCheckpoint(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetCheckpointResponse:
+        m = _parse(pb.GetCheckpointRequest, raw)
+        spec, record = self.core.checkpoint(m.job, m.step)
+        return pb.GetCheckpointResponse(spec=spec_to_proto(spec), record=record_to_proto(record))
+
+
+def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
+    return (m.progress.epoch, m.progress.batches) if m.HasField("progress") else None
 
 
 def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMethodHandler[Any, Any]:
@@ -127,7 +157,7 @@ class Server:
         servicer = CoordinatorServicer(self.core)
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc")
         self._grpc = grpc.server(self._pool, options=SERVER_OPTIONS)
-        handlers = {name: _handler(getattr(servicer, name)) for name in ("Join", "Lease", "Grant", "GetJob")}
+        handlers = {name: _handler(getattr(servicer, name)) for name in RPCS}
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)

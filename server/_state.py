@@ -17,10 +17,18 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from croupier.core.api import MAX_COUNT, MAX_NAME, JoinRequest, JoinResult, validate_join
+from croupier.core.api import (
+    CHECKPOINT_HISTORY,
+    MAX_COUNT,
+    MAX_NAME,
+    CheckpointRecord,
+    JoinRequest,
+    JoinResult,
+    validate_join,
+)
 from croupier.core.checks import check_int, check_name
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
-from croupier.core.order import Cursor, bind, epoch_agrees, fresh, show
+from croupier.core.order import Cursor, bind, epoch_agrees, fresh, show, validate_cursor
 from croupier.core.spec import ORDER_VERSION, Spec
 
 # --------------------------------------------------------------------------- requests and events
@@ -56,8 +64,36 @@ class GenerationStarted:
     start: Cursor
 
 
-Event = JobRegistered | GenerationOpened | RankJoined | GenerationStarted
-_EVENT_TYPES: dict[str, type] = {t.__name__: t for t in (JobRegistered, GenerationOpened, RankJoined, GenerationStarted)}
+@dataclasses.dataclass(frozen=True)
+class ProgressReported:
+    """A rank's loop has taken `batches` batches of `epoch` from its share of the generation's plan."""
+
+    job: str
+    generation: int
+    rank: int
+    epoch: int
+    batches: int
+    at_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRecorded:
+    """A rank of the generation took a checkpoint state: `cursor`, named after training step `step`."""
+
+    job: str
+    generation: int
+    rank: int
+    step: int | None
+    cursor: Cursor
+    origin: str
+    at_ms: int
+
+
+Event = JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
+_EVENT_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (JobRegistered, GenerationOpened, RankJoined, GenerationStarted, ProgressReported, CheckpointRecorded)
+}
 
 
 def _cursor_to(c: Cursor | None) -> Any:
@@ -70,10 +106,14 @@ def _cursor_to(c: Cursor | None) -> Any:
 #: Journals outlive releases: a release that changes either format MUST bump this, and MUST
 #: still read every older version or refuse it with an error naming both versions
 #: (tests/fixtures/journal-v2.db is a journal of version 2). Version 1 was croupier 0.1's, whose
-#: journal records had no version at all. Each event and snapshot also carries the
+#: journal records had no version at all. Version 3 added the ProgressReported and
+#: CheckpointRecorded events and each job's ``progress`` and ``checkpoints`` in snapshots; a
+#: version 2 journal is read as it is (its jobs have neither). Each event and snapshot also carries the
 #: ``ORDER_VERSION`` its specs' orders were computed with: the generations' resume points are
 #: positions of those orders, so a journal of another order version is refused, not re-mapped.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: Every format version this croupier reads.
+READS = (2, 3)
 
 
 class FormatError(ValueError):
@@ -164,10 +204,11 @@ def _check_version(what: str, d: Mapping[str, Any]) -> None:
     v = d["version"]
     if isinstance(v, bool) or not isinstance(v, int):
         raise FormatError(f"{what} format version must be an int (got {_show(v)})")
-    if v != FORMAT_VERSION:
+    if v not in READS:
         newer = "; a newer croupier wrote it" if v > FORMAT_VERSION else ""
         raise FormatError(
-            f"{what} format version {v} is not one this croupier reads (it reads version {FORMAT_VERSION}){newer}"
+            f"{what} format version {v} is not one this croupier reads (it reads versions "
+            f"{', '.join(map(str, READS))}){newer}"
         )
     order = d.get("order")
     if order != ORDER_VERSION:
@@ -243,6 +284,10 @@ class Job:
     spec: Spec
     generation: Generation | None = None
     tokens: list[str] = dataclasses.field(default_factory=list)
+    #: rank -> (epoch, batches, at_ms): the current generation's ranks, as last reported
+    progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
+    checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
 
 
 class State:
@@ -306,6 +351,73 @@ class State:
             events.append(GenerationStarted(req.job, number, _decide_start(req.spec, joined, world)))
         return events
 
+    def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
+                      checkpoint: tuple[int | None, Cursor, str] | None = None) -> list[Event]:
+        """The events of a rank's report: its progress (when it changed) and a checkpoint (when new).
+
+        Args:
+            checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None.
+
+        Raises:
+            InvalidArgument: a malformed report (a rank outside the world, an epoch before the
+                generation's, a cursor that is not one of the job's).
+            Aborted, NotFound, FailedPrecondition: as :meth:`generation` (fencing first).
+            FailedPrecondition: the generation already recorded `step` with another cursor
+                (its ranks are not in lockstep).
+        """
+        gen = self.generation(job, generation)
+        assert gen.start is not None
+        check_int("rank", rank, 0, gen.world, InvalidArgument)
+        check_int("epoch", epoch, gen.start.epoch, MAX_COUNT, InvalidArgument)
+        check_int("batches", batches, 0, MAX_COUNT, InvalidArgument)
+        j = self.jobs[job]
+        events: list[Event] = []
+        last = j.progress.get(rank)
+        # NOTE: a rank's loop only goes forward within a generation; a report behind the last one
+        # is an older one that arrived late (a lease request sent before a state_dict's report).
+        if last is None or last[:2] < (epoch, batches):
+            events.append(ProgressReported(job, generation, rank, epoch, batches, at_ms))
+        if checkpoint is not None:
+            step, cursor, origin = checkpoint
+            if step is not None:
+                check_int("step", step, 0, MAX_COUNT, InvalidArgument)
+            if not isinstance(origin, str) or len(origin) > 4 * MAX_NAME:
+                raise InvalidArgument(f"origin must be a string of at most {4 * MAX_NAME} characters (got {origin!r})")
+            try:
+                validate_cursor(j.spec, cursor)
+            except ValueError as e:
+                raise InvalidArgument(f"checkpoint cursor: {e}") from None
+            same = [c for c in j.checkpoints if c.generation == generation and c.step == step
+                    and (step is not None or c.cursor == cursor)]
+            if same and same[0].cursor != cursor:
+                raise FailedPrecondition(
+                    f"generation {generation} of job {job!r} recorded step {step} at {show(same[0].cursor)} "
+                    f"(rank {same[0].rank}); rank {rank} reports {show(cursor)} for it: the ranks did not "
+                    "take the same number of batches before this checkpoint"
+                )
+            if not same:
+                events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms))
+        return events
+
+    def checkpoint(self, job: str, step: int) -> CheckpointRecord:
+        """The job's record of training step `step`.
+
+        Raises:
+            NotFound: an unknown job, or no record of that step (the message lists the steps recorded).
+        """
+        check_int("step", step, 0, MAX_COUNT, InvalidArgument)
+        self.current(job)
+        records = self.jobs[job].checkpoints
+        for c in reversed(records):
+            if c.step == step:
+                return c
+        steps = [c.step for c in records if c.step is not None]
+        shown = ", ".join(map(str, steps[-16:])) or "none"
+        raise NotFound(
+            f"job {job!r} has no checkpoint recorded at step {step} (steps recorded: {shown}; the coordinator "
+            f"keeps the last {CHECKPOINT_HISTORY})"
+        )
+
     # ---------------------------------------------------------------- application
 
     def apply(self, ev: Event) -> None:
@@ -316,11 +428,20 @@ class State:
             job = self.jobs[ev.job]
             job.generation = Generation(ev.generation, ev.world, ev.token)
             job.tokens.append(ev.token)
+            job.progress = {}  # the replaced world's ranks
         elif isinstance(ev, RankJoined):
             gen = self._generation(ev.job, ev.generation)
             gen.joined[ev.rank] = (ev.resume, ev.epoch)
         elif isinstance(ev, GenerationStarted):
             self._generation(ev.job, ev.generation).start = ev.start
+        elif isinstance(ev, ProgressReported):
+            self._generation(ev.job, ev.generation)
+            self.jobs[ev.job].progress[ev.rank] = (ev.epoch, ev.batches, ev.at_ms)
+        elif isinstance(ev, CheckpointRecorded):
+            self._generation(ev.job, ev.generation)
+            job = self.jobs[ev.job]
+            job.checkpoints = _record(job.checkpoints, CheckpointRecord(
+                ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms))
         else:  # pragma: no cover - the Event union is closed
             raise TypeError(f"not an event: {ev!r}")
 
@@ -384,7 +505,12 @@ class State:
                     "joined": [[r, _cursor_to(c), e] for r, (c, e) in sorted(g.joined.items())],
                     "start": _cursor_to(g.start),
                 }
-            jobs.append({"name": j.name, "spec": j.spec.to_dict(), "generation": gd, "tokens": list(j.tokens)})
+            jobs.append({
+                "name": j.name, "spec": j.spec.to_dict(), "generation": gd, "tokens": list(j.tokens),
+                "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
+                "checkpoints": [[c.step, _cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms]
+                                for c in j.checkpoints],
+            })
         return {"version": FORMAT_VERSION, "order": ORDER_VERSION, "jobs": jobs}
 
     @classmethod
@@ -413,7 +539,7 @@ class State:
             _check_version("snapshot", snap)
             body = _as_map("the snapshot", snap, ["version", "order", "jobs"])
             for i, jd in enumerate(_as_list("snapshot jobs", body["jobs"])):
-                job = _restore_job(f"snapshot job {i}", jd)
+                job = _restore_job(f"snapshot job {i}", jd, body["version"])
                 if job.name in s.jobs:
                     raise FormatError(f"snapshot job {i}: job {job.name!r} appears twice")
                 s.jobs[job.name] = job
@@ -422,12 +548,23 @@ class State:
         return s
 
 
-def _restore_job(what: str, v: Any) -> Job:
-    """One job of a snapshot, read back; see :meth:`State.restore`."""
-    jd = _as_map(what, v, ["name", "spec", "generation", "tokens"])
+def _restore_job(what: str, v: Any, version: int) -> Job:
+    """One job of a snapshot of format `version`, read back; see :meth:`State.restore`."""
+    later = ["progress", "checkpoints"] if version >= 3 else []
+    jd = _as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = _as_str(f"{what} name", jd["name"])
     tokens = [_as_str(f"{what} token {k}", t) for k, t in enumerate(_as_list(f"{what} tokens", jd["tokens"]))]
     job = Job(name, _as_spec(f"{what} spec", jd["spec"]), None, tokens)
+    for k, entry in enumerate(_as_list(f"{what} progress", jd.get("progress", []))):
+        r, e, b, t = (_as_int(f"{what} progress entry {k}", x) for x in _as_list(f"{what} progress entry {k}", entry, 4))
+        job.progress[r] = (e, b, t)
+    for k, entry in enumerate(_as_list(f"{what} checkpoints", jd.get("checkpoints", []))):
+        w = f"{what} checkpoint {k}"
+        step, cursor, origin, gen, rank, t = _as_list(f"{w} ([step, cursor, origin, generation, rank, ms])", entry, 6)
+        job.checkpoints.append(CheckpointRecord(
+            None if step is None else _as_int(f"{w} step", step), _as_cursor(f"{w} cursor", cursor),
+            _as_str(f"{w} origin", origin), _as_int(f"{w} generation", gen), _as_int(f"{w} rank", rank),
+            _as_int(f"{w} time", t)))
     if jd["generation"] is not None:
         where = f"{what} ({name!r}) generation"
         g = _as_map(where, jd["generation"], ["number", "world", "token", "joined", "start"])
@@ -495,3 +632,17 @@ def _decide_start(spec: Spec, joined: Mapping[int, tuple[Cursor | None, int | No
             return bind(spec, c, world)
     epochs = [e for _, e in joined.values() if e is not None]
     return bind(spec, fresh(spec, epochs[0] if epochs else 0), world)
+
+
+def _record(records: list[CheckpointRecord], new: CheckpointRecord) -> list[CheckpointRecord]:
+    """The job's checkpoint history after `new`.
+
+    A record at step s from a newer generation replaces every record of an older generation at
+    step s or later: the job rolled back to a checkpoint before them (or resized from one), and
+    their steps now name other states (the trainer overwrites those checkpoints too). Then the
+    oldest go until CHECKPOINT_HISTORY are left.
+    """
+    kept = records
+    if new.step is not None:
+        kept = [c for c in records if c.step is None or c.step < new.step or c.generation >= new.generation]
+    return [*kept, new][-CHECKPOINT_HISTORY:]

@@ -82,10 +82,12 @@ def test_a_coordinator_recovers_the_v2_journal(journal_v2: str) -> None:
     resume = Cursor(1, ((40, 100),))
     core = Coordinator(open_store(journal_v2))
     try:
-        spec, gen = core.job("alpha")
+        st = core.job("alpha")
+        spec, gen = st.spec, st.result
         assert spec == alpha
         assert (gen.generation, gen.world, gen.start, gen.waiting_for) == (2, 3, None, (2,))
-        spec, gen = core.job("beta")
+        st = core.job("beta")
+        spec, gen = st.spec, st.result
         assert spec == beta
         assert (gen.generation, gen.world, gen.start, gen.waiting_for) == (1, 1, fresh(beta, 3), ())
         state = msgpack.unpackb(core.snapshot_state())
@@ -123,11 +125,11 @@ BAD_RECORDS: dict[str, tuple[bytes, str]] = {
     "not a map": (_packed([1, 2, 3]), r"an event must be a map \(got list\)"),
     "unknown event type": (
         _packed({"type": "JobDeleted", "version": 2, "order": 2, "job": "j"}),
-        r"unknown event type 'JobDeleted' \(known: \['GenerationOpened', 'GenerationStarted', 'JobRegistered', 'RankJoined'\]\)",
+        r"unknown event type 'JobDeleted' \(known: \['CheckpointRecorded', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined'\]\)",
     ),
     "newer format version": (
-        _packed({**_rank_1(), "version": 3}),
-        r"event format version 3 is not one this croupier reads \(it reads version 2\); a newer croupier wrote it",
+        _packed({**_rank_1(), "version": FORMAT_VERSION + 1}),
+        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3\); a newer croupier wrote it",
     ),
     "no format version": (_packed(_without(_rank_1(), "version")), r"the event has no format version"),
     "missing field": (_packed(_without(_rank_1(), "rank")), r"missing \['rank'\], unknown \[\]"),
@@ -159,8 +161,8 @@ def test_an_unreadable_record_is_corrupt_naming_file_and_seq(tmp_path: Path, cas
 BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     "not msgpack": (b"\xc1\xc1\xc1", r"its 3 bytes are not msgpack"),
     "newer format version": (
-        _packed({"version": 3, "order": 2, "jobs": [], "quotas": {}}),
-        r"snapshot format version 3 is not one this croupier reads \(it reads version 2\)",
+        _packed({"version": FORMAT_VERSION + 1, "order": 2, "jobs": [], "quotas": {}}),
+        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3\)",
     ),
     "no format version": (_packed({"jobs": []}), r"the snapshot has no format version"),
     "unknown field": (_packed({"version": 2, "order": 2, "jobs": [], "quotas": {}}), r"unknown \['quotas'\]"),
@@ -170,7 +172,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     ),
     "croupier 0.1's snapshot": (
         _packed({"version": 1, "jobs": []}),
-        r"snapshot format version 1 is not one this croupier reads \(it reads version 2\)",
+        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3\)",
     ),
     "mistyped job": (
         _packed({"version": 2, "order": 2, "jobs": [{"name": 7, "spec": {}, "generation": None, "tokens": []}]}),
@@ -207,7 +209,7 @@ def test_a_good_snapshot_and_the_records_after_it_are_recovered(tmp_path: Path) 
     store.close()
     core = Coordinator(open_store(f"sqlite:///{path}"))
     try:
-        assert core.job("j")[1].waiting_for == ()
+        assert core.job("j").result.waiting_for == ()
     finally:
         core.close()
 
@@ -246,7 +248,7 @@ def _mutated(ev: Any, **changes: Any) -> dict[str, Any]:
     ("d", "why"),
     [
         (_mutated(EVENTS[1], version=True), r"event format version must be an int \(got True\)"),
-        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads version 2\)$"),
+        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3\)$"),
         (_without(encode_event(EVENTS[1]), "type"), r"unknown event type None"),
         (_mutated(EVENTS[1], type=["RankJoined"]), r"unknown event type \['RankJoined'\]"),
         (_mutated(EVENTS[1], job=7), r"GenerationOpened.job must be a str \(got GenerationOpened.job=7\)"),

@@ -36,9 +36,11 @@ def read_logs(logdir: pathlib.Path, run: str) -> list[dict]:
     return out
 
 
-def resume_case(tmp_path: pathlib.Path, w1: int, w2: int, workers: int) -> None:
+def resume_case(tmp_path: pathlib.Path, w1: int, w2: int, workers: int, by_step: bool = False) -> None:
     save_at, park_after = 5, 9
-    first = torchrun(w1, tmp_path, "a", "--workers", str(workers), "--save-at", str(save_at), "--park-after", str(park_after), park=True)
+    how = ["--by-step"] if by_step else []
+    first = torchrun(w1, tmp_path, "a", "--workers", str(workers), "--save-at", str(save_at), "--park-after", str(park_after),
+                     *how, park=True)
     try:
         assert first.stdout is not None
         seen = ""
@@ -56,7 +58,7 @@ def resume_case(tmp_path: pathlib.Path, w1: int, w2: int, workers: int) -> None:
                 pass
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
-    second = torchrun(w2, tmp_path, "b", "--workers", str(workers), "--resume")
+    second = torchrun(w2, tmp_path, "b", "--workers", str(workers), "--resume", *how)
     out, err = second.communicate(timeout=300)
     assert second.returncode == 0, err[-4000:]
 
@@ -80,3 +82,9 @@ def resume_case(tmp_path: pathlib.Path, w1: int, w2: int, workers: int) -> None:
 @pytest.mark.parametrize("w1, w2", [(3, 2), (2, 4)])
 def test_resume_after_kill_with_another_world_size(tmp_path: pathlib.Path, w1: int, w2: int, workers: int) -> None:
     resume_case(tmp_path, w1, w2, workers)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_by_step_after_kill_with_another_world_size(tmp_path: pathlib.Path, workers: int) -> None:
+    """A trainer that keeps only its step: the coordinator's record of that step resumes it exactly."""
+    resume_case(tmp_path, 3, 2, workers, by_step=True)

@@ -128,6 +128,18 @@ def _grant_msg(**kw: object) -> bytes:
     return m.SerializeToString()
 
 
+def _report_msg(**kw: object) -> bytes:
+    m = pb.ReportRequest(job="j", generation=2, rank=0, progress=pb.Progress(epoch=3, batches=1))
+    for k, v in kw.items():
+        if v is None:
+            m.ClearField(k)
+        elif k in ("progress", "checkpoint"):
+            getattr(m, k).CopyFrom(v)
+        else:
+            setattr(m, k, v)
+    return m.SerializeToString()
+
+
 BAD = [
     # (method, payload, status, words in the details)
     ("Join", b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "not a valid croupier.v1.JoinRequest"),
@@ -163,6 +175,21 @@ BAD = [
     ("Grant", _grant_msg(generation=1), grpc.StatusCode.ABORTED, "fenced"),  # a zombie of generation 1
     ("Grant", _grant_msg(generation=2, epoch=0), grpc.StatusCode.OUT_OF_RANGE, "before this generation's resume point"),
     ("GetJob", pb.GetJobRequest(job="missing").SerializeToString(), grpc.StatusCode.NOT_FOUND, "not known"),
+    ("Report", b"\x08\x96", grpc.StatusCode.INVALID_ARGUMENT, "not a valid croupier.v1.ReportRequest"),
+    ("Report", _report_msg(progress=None), grpc.StatusCode.INVALID_ARGUMENT, "needs the rank's progress"),
+    ("Report", _report_msg(job="nope"), grpc.StatusCode.NOT_FOUND, "not known"),
+    ("Report", _report_msg(generation=1), grpc.StatusCode.ABORTED, "fenced"),
+    ("Report", _report_msg(generation=99), grpc.StatusCode.NOT_FOUND, "no generation 99"),
+    ("Report", _report_msg(rank=7), grpc.StatusCode.INVALID_ARGUMENT, "rank must be in [0, 2)"),
+    ("Report", _report_msg(progress=pb.Progress(epoch=0, batches=1)), grpc.StatusCode.INVALID_ARGUMENT, "epoch must be in [3"),
+    ("Report", _report_msg(checkpoint=pb.Checkpoint(step=1)), grpc.StatusCode.INVALID_ARGUMENT, "needs its cursor"),
+    ("Report", _report_msg(checkpoint=pb.Checkpoint(cursor=pb.Cursor(epoch=3, remaining=np.array([5, 5000], "<i8").tobytes()))),
+     grpc.StatusCode.INVALID_ARGUMENT, "inside [0, 1000)"),
+    ("Report", _report_msg(checkpoint=pb.Checkpoint(step=1, cursor=pb.Cursor(epoch=3), origin="x" * 2000)),
+     grpc.StatusCode.INVALID_ARGUMENT, "origin must be"),
+    ("GetCheckpoint", pb.GetCheckpointRequest(job="nope", step=1).SerializeToString(), grpc.StatusCode.NOT_FOUND, "not known"),
+    ("GetCheckpoint", pb.GetCheckpointRequest(job="j", step=4).SerializeToString(), grpc.StatusCode.NOT_FOUND,
+     "no checkpoint recorded at step 4"),
 ]
 
 
@@ -243,7 +270,7 @@ def test_unavailable_when_the_store_fails(tmp_path: pathlib.Path) -> None:
     core.close()
     # Restarted on the same store: only what was durable is there.
     core2 = Coordinator(open_store(f"sqlite:///{tmp_path}/s.db"))
-    assert core2.job("j")[1].generation == 1
+    assert core2.job("j").result.generation == 1
     core2.close()
 
 

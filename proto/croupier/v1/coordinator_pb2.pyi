@@ -220,12 +220,17 @@ class LeaseRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     FIRST_BATCH_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     epoch: _builtins.int
     first_batch: _builtins.int
     count: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___Progress:
+        """How far the rank's loop got when it asked (optional)."""
+
     def __init__(
         self,
         *,
@@ -235,12 +240,15 @@ class LeaseRequest(_message.Message):
         epoch: _builtins.int = ...,
         first_batch: _builtins.int = ...,
         count: _builtins.int = ...,
+        progress: Global___Progress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "generation", b"generation", "job", b"job", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "generation", b"generation", "job", b"job", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__progress: _TypeAlias = _typing.Literal["progress"]  # noqa: Y015
+    _WhichOneofArgType__progress: _TypeAlias = _typing.Literal["_progress", b"_progress"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__progress) -> _WhichOneofReturnType__progress | None: ...
 
 Global___LeaseRequest: _TypeAlias = LeaseRequest  # noqa: Y015
 
@@ -291,12 +299,17 @@ class GrantRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     FIRST_BATCH_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     epoch: _builtins.int
     first_batch: _builtins.int
     count: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___Progress:
+        """How far the rank's loop got when it asked (optional; a report at no extra call)."""
+
     def __init__(
         self,
         *,
@@ -306,14 +319,44 @@ class GrantRequest(_message.Message):
         epoch: _builtins.int = ...,
         first_batch: _builtins.int = ...,
         count: _builtins.int = ...,
+        progress: Global___Progress | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "generation", b"generation", "job", b"job", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__progress: _TypeAlias = _typing.Literal["progress"]  # noqa: Y015
+    _WhichOneofArgType__progress: _TypeAlias = _typing.Literal["_progress", b"_progress"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__progress) -> _WhichOneofReturnType__progress | None: ...
+
+Global___GrantRequest: _TypeAlias = GrantRequest  # noqa: Y015
+
+@_typing.final
+class Progress(_message.Message):
+    """How far one rank's training loop got: it has taken `batches` batches of `epoch` from its share
+    of the generation's plan (for the epoch the generation resumed inside, its share of what was
+    left; for a later epoch, its share of the whole epoch). An index sampler's batch is one index.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    batches: _builtins.int
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        batches: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "generation", b"generation", "job", b"job", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "epoch", b"epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___GrantRequest: _TypeAlias = GrantRequest  # noqa: Y015
+Global___Progress: _TypeAlias = Progress  # noqa: Y015
 
 @_typing.final
 class GrantResponse(_message.Message):
@@ -382,6 +425,8 @@ class GetJobResponse(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     START_FIELD_NUMBER: _builtins.int
     WAITING_FOR_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world: _builtins.int
     started: _builtins.bool
@@ -391,6 +436,16 @@ class GetJobResponse(_message.Message):
     def start(self) -> Global___Cursor: ...
     @_builtins.property
     def waiting_for(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedCompositeFieldContainer[Global___RankCursor]:
+        """Each rank's cursor of the current generation, as last reported (ranks that have not
+        reported yet are absent).
+        """
+
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointRecord]:
+        """The checkpoints the job recorded, oldest first (the last 64)."""
+
     def __init__(
         self,
         *,
@@ -400,11 +455,205 @@ class GetJobResponse(_message.Message):
         started: _builtins.bool = ...,
         start: Global___Cursor | None = ...,
         waiting_for: _abc.Iterable[_builtins.int] | None = ...,
+        ranks: _abc.Iterable[Global___RankCursor] | None = ...,
+        checkpoints: _abc.Iterable[Global___CheckpointRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "generation", b"generation", "ranks", b"ranks", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
+
+@_typing.final
+class RankCursor(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
+    BATCHES_IN_EPOCH_FIELD_NUMBER: _builtins.int
+    REPORTED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    epoch: _builtins.int
+    batches: _builtins.int
+    """Batches of `epoch` the rank's loop has taken from its share of this generation's plan ..."""
+    batches_in_epoch: _builtins.int
+    """... out of this many."""
+    reported_unix_ms: _builtins.int
+    """When it reported, in milliseconds since the Unix epoch (the coordinator's clock)."""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        epoch: _builtins.int = ...,
+        batches: _builtins.int = ...,
+        batches_in_epoch: _builtins.int = ...,
+        reported_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "batches_in_epoch", b"batches_in_epoch", "epoch", b"epoch", "rank", b"rank", "reported_unix_ms", b"reported_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RankCursor: _TypeAlias = RankCursor  # noqa: Y015
+
+@_typing.final
+class Checkpoint(_message.Message):
+    """A checkpoint state a rank took: where the job is in its data (the cursor), the state's origin,
+    and the training step the trainer named, if any.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    origin: _builtins.str
+    @_builtins.property
+    def cursor(self) -> Global___Cursor: ...
+    def __init__(
+        self,
+        *,
+        step: _builtins.int | None = ...,
+        cursor: Global___Cursor | None = ...,
+        origin: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "cursor", b"cursor", "step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "cursor", b"cursor", "origin", b"origin", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
+
+Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
+
+@_typing.final
+class CheckpointRecord(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    RECORDED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    generation: _builtins.int
+    rank: _builtins.int
+    """The first rank that reported it (ranks in lockstep report the same state)."""
+    recorded_unix_ms: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint: ...
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___Checkpoint | None = ...,
+        generation: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        recorded_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "generation", b"generation", "rank", b"rank", "recorded_unix_ms", b"recorded_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRecord: _TypeAlias = CheckpointRecord  # noqa: Y015
+
+@_typing.final
+class ReportRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    generation: _builtins.int
+    rank: _builtins.int
+    @_builtins.property
+    def progress(self) -> Global___Progress: ...
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        progress: Global___Progress | None = ...,
+        checkpoint: Global___Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "checkpoint", b"checkpoint", "progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "checkpoint", b"checkpoint", "generation", b"generation", "job", b"job", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checkpoint: _TypeAlias = _typing.Literal["checkpoint"]  # noqa: Y015
+    _WhichOneofArgType__checkpoint: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checkpoint) -> _WhichOneofReturnType__checkpoint | None: ...
+
+Global___ReportRequest: _TypeAlias = ReportRequest  # noqa: Y015
+
+@_typing.final
+class ReportResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015
+
+@_typing.final
+class GetCheckpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    step: _builtins.int
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        step: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCheckpointRequest: _TypeAlias = GetCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class GetCheckpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spec(self) -> Global___Spec: ...
+    @_builtins.property
+    def record(self) -> Global___CheckpointRecord: ...
+    def __init__(
+        self,
+        *,
+        spec: Global___Spec | None = ...,
+        record: Global___CheckpointRecord | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record", "spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["record", b"record", "spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCheckpointResponse: _TypeAlias = GetCheckpointResponse  # noqa: Y015

@@ -54,6 +54,16 @@ class CoordinatorStub:
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetJobResponse.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/croupier.v1.Coordinator/Report',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.ReportRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.ReportResponse.FromString,
+                _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/croupier.v1.Coordinator/GetCheckpoint',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -88,7 +98,24 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetJob(self, request, context):
-        """What the coordinator holds for one job (read-only).
+        """What the coordinator holds for one job (read-only): its generation, each rank's cursor as
+        last reported, and the checkpoints the job took.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Report(self, request, context):
+        """A rank reports how far its training loop got and, when it took a checkpoint state
+        (state_dict), that state. Answers once the checkpoint is durable (a progress report alone
+        is journaled without waiting). Refused (ABORTED, NOT_FOUND) for a replaced generation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCheckpoint(self, request, context):
+        """The checkpoint state a job recorded at a training step (resume by step; read-only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +143,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetJobRequest.FromString,
                     response_serializer=croupier_dot_v1_dot_coordinator__pb2.GetJobResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.ReportRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.ReportResponse.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +263,60 @@ class Coordinator:
             '/croupier.v1.Coordinator/GetJob',
             croupier_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
             croupier_dot_v1_dot_coordinator__pb2.GetJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/Report',
+            croupier_dot_v1_dot_coordinator__pb2.ReportRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/GetCheckpoint',
+            croupier_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.GetCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

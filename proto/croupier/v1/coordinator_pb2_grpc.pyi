@@ -53,7 +53,16 @@ class CoordinatorStub:
     (ABORTED, NOT_FOUND) for a replaced generation exactly as Lease is.
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.GetJobResponse]
-    """What the coordinator holds for one job (read-only)."""
+    """What the coordinator holds for one job (read-only): its generation, each rank's cursor as
+    last reported, and the checkpoints the job took.
+    """
+    Report: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportRequest, _coordinator_pb2.ReportResponse]
+    """A rank reports how far its training loop got and, when it took a checkpoint state
+    (state_dict), that state. Answers once the checkpoint is durable (a progress report alone
+    is journaled without waiting). Refused (ABORTED, NOT_FOUND) for a replaced generation.
+    """
+    GetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.GetCheckpointResponse]
+    """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -75,7 +84,16 @@ class CoordinatorAsyncStub(CoordinatorStub):
     (ABORTED, NOT_FOUND) for a replaced generation exactly as Lease is.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.GetJobResponse]  # type: ignore[assignment]
-    """What the coordinator holds for one job (read-only)."""
+    """What the coordinator holds for one job (read-only): its generation, each rank's cursor as
+    last reported, and the checkpoints the job took.
+    """
+    Report: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportRequest, _coordinator_pb2.ReportResponse]  # type: ignore[assignment]
+    """A rank reports how far its training loop got and, when it took a checkpoint state
+    (state_dict), that state. Answers once the checkpoint is durable (a progress report alone
+    is journaled without waiting). Refused (ABORTED, NOT_FOUND) for a replaced generation.
+    """
+    GetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.GetCheckpointResponse]  # type: ignore[assignment]
+    """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -118,6 +136,27 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.GetJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.GetJobResponse, _abc.Awaitable[_coordinator_pb2.GetJobResponse]]:
-        """What the coordinator holds for one job (read-only)."""
+        """What the coordinator holds for one job (read-only): its generation, each rank's cursor as
+        last reported, and the checkpoints the job took.
+        """
+
+    @_abc_1.abstractmethod
+    def Report(
+        self,
+        request: _coordinator_pb2.ReportRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReportResponse, _abc.Awaitable[_coordinator_pb2.ReportResponse]]:
+        """A rank reports how far its training loop got and, when it took a checkpoint state
+        (state_dict), that state. Answers once the checkpoint is durable (a progress report alone
+        is journaled without waiting). Refused (ABORTED, NOT_FOUND) for a replaced generation.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCheckpoint(
+        self,
+        request: _coordinator_pb2.GetCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetCheckpointResponse, _abc.Awaitable[_coordinator_pb2.GetCheckpointResponse]]:
+        """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
