@@ -186,6 +186,11 @@ class CoordinatorClient:
         return JobStatus(spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for)), ranks,
                          tuple(record_from_proto(c) for c in r.checkpoints))
 
+    def jobs(self) -> list[str]:
+        """The names of the jobs the coordinator holds (those this caller may read)."""
+        r = self._call("list_jobs", lambda: self.stub.ListJobs(pb.ListJobsRequest(), timeout=self.call_timeout))
+        return list(r.jobs)
+
     def report(self, job: str, generation: int, rank: int, progress: tuple[int, int],
                checkpoint: tuple[int | None, Cursor, str] | None = None, timeout: float | None = None) -> None:
         """Reports how far the rank's loop got (epoch, batches of its share of the generation's plan)

@@ -168,10 +168,11 @@ class CroupierLoaderState:
     def __init__(self, loader: CroupierDataLoader) -> None:
         self.loader = loader
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The state to save; `step` (the trainer's global step) also names the coordinator's record of it."""
         loader = self.loader
         consumed = loader.consumed()
-        state = loader.croupier_sampler.state_dict(consumed=consumed)
+        state = loader.croupier_sampler.state_dict(consumed=consumed, step=step)
         epoch = loader._count_epoch if consumed is not None else loader.iteration
         return {"format": FORMAT, "sampler": state, "epoch": epoch, "items": consumed or 0}
 

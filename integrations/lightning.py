@@ -172,7 +172,7 @@ class CroupierCheckpoint(Callback):
             else:
                 batch_size = getattr(dl, "batch_size", None) or getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
                 consumed = min(batches * int(batch_size or 1), len(sampler))
-            states.append(sampler.state_dict(consumed=consumed))
+            states.append(sampler.state_dict(consumed=consumed, step=trainer.global_step))
         return {"format": _FORMAT, "samplers": states}
 
     # ------------------------------------------------------------------ restoring

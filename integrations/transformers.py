@@ -125,7 +125,9 @@ class CroupierCallback(TrainerCallback):
                 train_dataloader: Any = None, **kwargs: Any) -> None:
         if not isinstance(train_dataloader, CroupierDataLoader):
             return
-        data = train_dataloader.croupier_state.state_dict()  # on every rank: each rank's audit log names the checkpoint
+        # On every rank: each rank's audit log names the checkpoint, and the coordinator records it
+        # under the global step (DistributedSampler.resume_from_step).
+        data = train_dataloader.croupier_state.state_dict(step=state.global_step)
         if not args.should_save:
             return
         folder = os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

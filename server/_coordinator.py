@@ -247,6 +247,12 @@ class Coordinator:
             ranks.append(RankCursor(rank, epoch, batches, 0 if p is None else int(p.nb_r[rank]), at))
         return JobStatus(j.spec, result, tuple(ranks), checkpoints)
 
+    def jobs(self) -> list[str]:
+        """The names of the jobs the coordinator holds, sorted."""
+        with self._cond:
+            self._check_ok()
+            return sorted(self._state.jobs)
+
     def snapshot_state(self) -> bytes:
         """The whole state, msgpack-encoded (for tests that check a call changed nothing)."""
         with self._cond:

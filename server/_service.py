@@ -29,6 +29,7 @@ from croupier.core.wire import (
     spec_to_proto,
 )
 from croupier.server._coordinator import Coordinator
+from croupier.server._options import ServerOptions
 from croupier.server._store import Store, open_store
 from croupier.v1 import coordinator_pb2 as pb
 
@@ -57,7 +58,7 @@ def _join_response(r: JoinResult) -> pb.JoinResponse:
 
 
 #: The coordinator's RPCs, as the servicer names its methods.
-RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint")
+RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs")
 
 
 class CoordinatorServicer:
@@ -124,6 +125,11 @@ class CoordinatorServicer:
         return pb.GetCheckpointResponse(spec=spec_to_proto(spec), record=record_to_proto(record))
 
 
+    def ListJobs(self, raw: bytes, context: grpc.ServicerContext) -> pb.ListJobsResponse:
+        _parse(pb.ListJobsRequest, raw)
+        return pb.ListJobsResponse(jobs=self.core.jobs())
+
+
 def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
     return (m.progress.epoch, m.progress.batches) if m.HasField("progress") else None
 
@@ -143,7 +149,8 @@ def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMe
 class Server:
     """A running coordinator: gRPC server, health service, reflection, and its core."""
 
-    def __init__(self, store_url: str | Store, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128) -> None:
+    def __init__(self, store_url: str | Store, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128,
+                 options: ServerOptions | None = None) -> None:
         """Opens the store, recovers the coordinator from it and binds the port (``start`` serves).
 
         Args:
@@ -152,11 +159,16 @@ class Server:
             host: Interface to listen on.
             port: Port to listen on; 0 picks a free one (see :attr:`port`).
             max_workers: Threads serving calls.
+            options: TLS, credentials, limits, metrics and logs (default: none of them, no limits
+                beyond the defaults of :class:`ServerOptions`).
         """
+        self.options = options or ServerOptions()
         self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url)
         servicer = CoordinatorServicer(self.core)
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc")
-        self._grpc = grpc.server(self._pool, options=SERVER_OPTIONS)
+        # Every call passes these in order: the first sees it first (and its outcome last).
+        interceptors: list[grpc.ServerInterceptor] = []
+        self._grpc = grpc.server(self._pool, options=SERVER_OPTIONS, interceptors=interceptors)
         handlers = {name: _handler(getattr(servicer, name)) for name in RPCS}
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
@@ -203,9 +215,9 @@ class Server:
         self.stop(grace=1.0)
 
 
-def serve(host: str, port: int, store: str, grace: float = 5.0) -> int:
+def serve(host: str, port: int, store: str, grace: float = 5.0, options: ServerOptions | None = None) -> int:
     """`croupier serve`: runs a coordinator until SIGTERM or SIGINT; returns the exit code."""
-    server = Server(store, host, port).start()
+    server = Server(store, host, port, options=options).start()
     print(f"listening on {server.address}", flush=True)
     done = threading.Event()
 

@@ -41,7 +41,19 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return serve(args.host, args.port, args.store, grace=args.grace)
+    from croupier.server._options import ServerOptions
+
+    try:
+        options = ServerOptions(
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_file=args.auth_file,
+            max_jobs=args.max_jobs, max_world=args.max_world, max_request_bytes=args.max_request_bytes,
+            max_concurrent_joins=args.max_concurrent_joins, metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host, log_format=args.log_format,
+        )
+    except ValueError as e:
+        print(f"croupier serve: error: {e}", file=sys.stderr)
+        return 2
+    return serve(args.host, args.port, args.store, grace=args.grace, options=options)
 
 
 def _audit_cmd(args: argparse.Namespace) -> int:
@@ -82,6 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory:// or sqlite:///relative.db or sqlite:////absolute.db (default sqlite:///croupier.db)")
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM (default 5)")
     s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
+    s.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="stderr log lines as text or as JSON objects carrying job, generation and rank (default text)")
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS only (with --tls-key)")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    s.add_argument("--auth-file", help="credentials file: every call needs a credential for its job and role "
+                                       "(reloaded on SIGHUP and on change)")
+    s.add_argument("--max-jobs", type=int, default=10_000, help="jobs held at most (default 10000)")
+    s.add_argument("--max-world", type=int, default=1 << 20, help="largest world size a join may name (default 2**20)")
+    s.add_argument("--max-request-bytes", type=int, default=64 << 20, help="largest request accepted (default 64 MiB)")
+    s.add_argument("--max-concurrent-joins", type=int, default=1024, help="joins in progress at once (default 1024)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics (Prometheus) and the status page over HTTP on this port (default: off)")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics port (default 127.0.0.1)")
     s.set_defaults(func=_serve_cmd)
 
     d = sub.add_parser("demo", help="the main job: an elastic job on several torchrun nodes, resized in place and preempted, "

@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
                 response_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointResponse.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/croupier.v1.Coordinator/ListJobs',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -121,6 +126,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """The jobs the coordinator holds (those the caller may read), by name (read-only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +165,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetCheckpoint,
                     request_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.FromString,
                     response_serializer=croupier_dot_v1_dot_coordinator__pb2.GetCheckpointResponse.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +334,33 @@ class Coordinator:
             '/croupier.v1.Coordinator/GetCheckpoint',
             croupier_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
             croupier_dot_v1_dot_coordinator__pb2.GetCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/ListJobs',
+            croupier_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -63,6 +63,8 @@ class CoordinatorStub:
     """
     GetCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.GetCheckpointResponse]
     """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
+    ListJobs: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]
+    """The jobs the coordinator holds (those the caller may read), by name (read-only)."""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -94,6 +96,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """
     GetCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetCheckpointRequest, _coordinator_pb2.GetCheckpointResponse]  # type: ignore[assignment]
     """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
+    ListJobs: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]  # type: ignore[assignment]
+    """The jobs the coordinator holds (those the caller may read), by name (read-only)."""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -158,5 +162,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.GetCheckpointResponse, _abc.Awaitable[_coordinator_pb2.GetCheckpointResponse]]:
         """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
+
+    @_abc_1.abstractmethod
+    def ListJobs(
+        self,
+        request: _coordinator_pb2.ListJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ListJobsResponse, _abc.Awaitable[_coordinator_pb2.ListJobsResponse]]:
+        """The jobs the coordinator holds (those the caller may read), by name (read-only)."""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

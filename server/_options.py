@@ -1,0 +1,61 @@
+"""A coordinator server's settings beyond its address and store: ``croupier serve``'s flags."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from croupier.core.api import MAX_WORLD
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    """Transport security, credentials, limits and observability of one server.
+
+    Attributes:
+        tls_cert: PEM certificate chain the server presents; with `tls_key`, the port speaks TLS only.
+        tls_key: PEM private key of `tls_cert`.
+        tls_client_ca: PEM CA bundle; when given, a client must present a certificate it signed
+            (mutual TLS), or the handshake fails.
+        auth_file: Credentials file (see ``croupier.server._auth``); when given, every call must
+            carry a credential that grants its job and role. Reloaded on SIGHUP and on change.
+        max_jobs: Jobs the coordinator holds at most; a join that would register one more is
+            RESOURCE_EXHAUSTED.
+        max_world: Largest world size a join may name.
+        max_request_bytes: Largest request message the server accepts.
+        max_concurrent_joins: Joins in progress at once (a join waits for its generation to
+            start); one more is RESOURCE_EXHAUSTED at once, so that a flood of joins cannot take
+            every serving thread from the jobs that train.
+        metrics_port: Port of the HTTP endpoint with ``/metrics`` (Prometheus) and the status
+            page; None serves neither, 0 picks a free port.
+        metrics_host: Interface of that endpoint.
+        log_format: ``"text"`` or ``"json"`` (one object per line, with job, generation and rank
+            when the record is about one).
+    """
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_file: str | None = None
+    max_jobs: int = 10_000
+    max_world: int = MAX_WORLD
+    max_request_bytes: int = 64 << 20
+    max_concurrent_joins: int = 1024
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(f"tls_cert and tls_key go together (got tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError(f"tls_client_ca={self.tls_client_ca!r} needs tls_cert and tls_key (mutual TLS is TLS first)")
+        for name in ("max_jobs", "max_world", "max_request_bytes", "max_concurrent_joins"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int (got {name}={value!r})")
+        if self.max_world > MAX_WORLD:
+            raise ValueError(f"max_world must be at most {MAX_WORLD} (got max_world={self.max_world})")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65536) (got metrics_port={self.metrics_port})")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be 'text' or 'json' (got log_format={self.log_format!r})")
