@@ -41,7 +41,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from croupier.server._options import ServerOptions
+    from croupier.server import ServerOptions
 
     try:
         options = ServerOptions(
