@@ -13,6 +13,7 @@ import concurrent.futures.thread  # noqa: F401  (its exit hook must be registere
 import ipaddress
 import os
 import pathlib
+import secrets
 import socket
 import tempfile
 import threading
@@ -50,7 +51,7 @@ def _shutdown() -> None:
     with _embedded_lock:
         servers = list(_embedded.values())
         _embedded.clear()
-    for server in servers:
+    for server, _ in servers:
         server.stop(0.5)
 
 
@@ -184,14 +185,20 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-def agree(token: str | None, address: str | None, job: str, num_replicas: int) -> tuple[str, str]:
-    """The incarnation token and the coordinator address, the same on every rank of this world.
+def agree(token: str | None, address: str | None, job: str, num_replicas: int) -> tuple[str, str, str | None]:
+    """The incarnation token, the coordinator address and the embedded coordinator's secret (or
+    None), the same on every rank of this world.
 
     Each is: given; else ``CROUPIER_TOKEN`` / ``CROUPIER_ADDRESS``; else decided by global rank 0
     and broadcast over the default process group (a fresh random token; an embedded
     coordinator that rank 0 hosts, its store a SQLite file under ``CROUPIER_STATE_DIR``, default
     ``$TMPDIR/croupier``). A process alone in its job decides both itself (the embedded
     coordinator then keeps its store in memory: the checkpoint state is enough to resume).
+
+    The embedded coordinator of a job of several processes takes calls only with a random secret
+    that rank 0 makes when it starts it, and hands to the other ranks in the same broadcast (over
+    the job's own process group): the port may be reachable from other hosts, and nobody else
+    can join the job or fence it. A job of one process binds loopback and needs none.
 
     NOTE: the broadcast is a collective: every process of the job must reach its sampler's first
     batch, as a data-parallel loop does. It runs once per sampler, at the first batch.
@@ -202,7 +209,7 @@ def agree(token: str | None, address: str | None, job: str, num_replicas: int) -
     token = token or os.environ.get("CROUPIER_TOKEN") or None
     address = address or os.environ.get("CROUPIER_ADDRESS") or None
     if token and address:
-        return token, address
+        return token, address, None
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         if num_replicas > 1:
@@ -211,15 +218,15 @@ def agree(token: str | None, address: str | None, job: str, num_replicas: int) -
                 "incarnation: call init_process_group before the first batch, or set CROUPIER_TOKEN (the same on every "
                 "rank, new at every restart) and CROUPIER_ADDRESS"
             )
-        return token or uuid.uuid4().hex, address or _start_embedded("memory://", "127.0.0.1")
-    decided: list[Any] = [None, None]
+        return token or uuid.uuid4().hex, address or _start_embedded("memory://", "127.0.0.1")[0], None
+    decided: list[Any] = [None, None, None]
     if dist.get_rank() == 0:
-        decided = [token or uuid.uuid4().hex, address]
+        decided = [token or uuid.uuid4().hex, address, None]
         if address is None:
             db = _store_dir() / f"{_safe(job)}.db"
-            decided[1] = _start_embedded(f"sqlite:///{db}", _reachable_host())
+            decided[1], decided[2] = _start_embedded(f"sqlite:///{db}", _reachable_host(), job)
     dist.broadcast_object_list(decided, src=0)
-    return str(decided[0]), str(decided[1])
+    return str(decided[0]), str(decided[1]), decided[2]
 
 
 def _safe(name: str) -> str:
@@ -229,16 +236,19 @@ def _safe(name: str) -> str:
 def embedded_here(address: str) -> bool:
     """Whether `address` is a coordinator embedded in this process."""
     with _embedded_lock:
-        return any(str(server.address) == address for server in _embedded.values())
+        return any(str(server.address) == address for server, _ in _embedded.values())
 
 
-def _start_embedded(store_url: str, host: str) -> str:
-    """Starts (once per process and store) a coordinator in this process; returns its address."""
+def _start_embedded(store_url: str, host: str, job: str | None = None) -> tuple[str, str | None]:
+    """Starts (once per process and store) a coordinator in this process; returns its address and,
+    for a job's coordinator (`job` given), the secret that the job's ranks call it with."""
     with _embedded_lock:
-        server = _embedded.get(store_url)
-        if server is None:
-            from croupier.server import Server
+        entry = _embedded.get(store_url)
+        if entry is None:
+            from croupier.server import Authorizer, Server
 
-            server = Server(store_url, host=host, port=0).start()
-            _embedded[store_url] = server
-        return str(server.address)
+            secret = secrets.token_urlsafe(32) if job is not None else None
+            auth = Authorizer.of_secret(f"job {job}", secret) if secret else None
+            entry = (Server(store_url, host=host, port=0, auth=auth).start(), secret)
+            _embedded[store_url] = entry
+        return str(entry[0].address), entry[1]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -67,6 +69,95 @@ class LeaseReply:
         return np.split(self.indices, np.cumsum(self.sizes)[:-1]) if self.sizes else []
 
 
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """How a client reaches a coordinator that speaks TLS or wants a credential.
+
+    :meth:`from_env` reads the environment, which is what every croupier client uses unless given
+    one: ``CROUPIER_TLS_CA`` (PEM roots that sign the server's certificate; its presence turns TLS
+    on), ``CROUPIER_TLS=1`` (TLS with the system's roots), ``CROUPIER_TLS_CERT`` and
+    ``CROUPIER_TLS_KEY`` (this client's certificate, for mutual TLS), ``CROUPIER_TLS_SERVER_NAME``
+    (the name the server's certificate carries, when the address names it otherwise) and
+    ``CROUPIER_CREDENTIAL`` (the secret sent with every call; ``CROUPIER_TOKEN`` is the
+    incarnation token, something else).
+
+    Attributes:
+        tls: Speak TLS.
+        ca: Path of the PEM roots that verify the server (None: the system's).
+        cert: Path of this client's PEM certificate chain (mutual TLS); with `key`.
+        key: Path of its private key.
+        server_name: The name to verify the server's certificate against.
+        credential: The secret sent as ``authorization: Bearer <secret>`` with every call.
+    """
+
+    tls: bool = False
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+    credential: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError(f"a client certificate needs its key and the other way round (got cert={self.cert!r}, "
+                             f"key={self.key!r})")
+        if (self.ca or self.cert or self.server_name) and not self.tls:
+            raise ValueError("ca, cert and server_name are TLS settings: set tls=True")
+
+    @classmethod
+    def from_env(cls) -> Security:
+        env = os.environ
+        ca, cert = env.get("CROUPIER_TLS_CA") or None, env.get("CROUPIER_TLS_CERT") or None
+        key = env.get("CROUPIER_TLS_KEY") or None
+        name = env.get("CROUPIER_TLS_SERVER_NAME") or None
+        tls = bool(ca or cert or name) or env.get("CROUPIER_TLS", "").lower() in ("1", "true", "yes")
+        return cls(tls, ca, cert, key, name, env.get("CROUPIER_CREDENTIAL") or None)
+
+    def __repr__(self) -> str:  # never show the secret
+        shown = "set" if self.credential else None
+        return (f"Security(tls={self.tls}, ca={self.ca!r}, cert={self.cert!r}, key={self.key!r}, "
+                f"server_name={self.server_name!r}, credential={shown})")
+
+    def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.Channel:
+        """A channel to `address` with these settings."""
+        if self.tls:
+            def read(path: str | None) -> bytes | None:
+                if path is None:
+                    return None
+                with open(path, "rb") as f:
+                    return f.read()
+
+            creds = grpc.ssl_channel_credentials(root_certificates=read(self.ca), private_key=read(self.key),
+                                                 certificate_chain=read(self.cert))
+            if self.server_name:
+                options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
+            channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        if self.credential:
+            return grpc.intercept_channel(channel, _Credential(self.credential))
+        return channel
+
+
+class _Credential(grpc.UnaryUnaryClientInterceptor):
+    """Adds the credential to every call's metadata."""
+
+    def __init__(self, secret: str) -> None:
+        self._md = ("authorization", f"Bearer {secret}")
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        md = [*(details.metadata or ()), self._md]
+        return continuation(_Details(details.method, details.timeout, md, details.credentials,
+                                     details.wait_for_ready, details.compression), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any, wait_for_ready: Any,
+                 compression: Any) -> None:
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
 class CoordinatorClient:
     """Calls one coordinator. Retries UNAVAILABLE (e.g. while it restarts) with jittered backoff.
 
@@ -74,13 +165,16 @@ class CoordinatorClient:
         address: HOST:PORT of the coordinator.
         retry_for: Seconds to keep retrying an unavailable coordinator before giving up.
         call_timeout: Deadline of one attempt, in seconds.
+        security: TLS and credential settings (default: :meth:`Security.from_env`).
     """
 
-    def __init__(self, address: str, retry_for: float = 120.0, call_timeout: float = 30.0) -> None:
+    def __init__(self, address: str, retry_for: float = 120.0, call_timeout: float = 30.0,
+                 security: Security | None = None) -> None:
         self.address = address
         self.retry_for = retry_for
         self.call_timeout = call_timeout
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.security = security if security is not None else Security.from_env()
+        self.channel = self.security.channel(address, CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.retries = 0
         self.closed = False
@@ -126,8 +220,17 @@ class CoordinatorClient:
         request_id = uuid.uuid4().hex
         began = time.monotonic()
         end, say = began + timeout, began + min(10.0, timeout / 2)
+        busy = 0.05
         while True:
-            r = self.join(req, wait_s=min(poll_s, max(0.0, end - time.monotonic())), request_id=request_id)
+            try:
+                r = self.join(req, wait_s=min(poll_s, max(0.0, end - time.monotonic())), request_id=request_id)
+            except E.ResourceExhausted as e:
+                # Only the limit of joins in progress passes: the others (jobs, world) stay.
+                if "--max-concurrent-joins" not in str(e) or time.monotonic() >= end:
+                    raise
+                time.sleep(busy * (0.5 + random.random()))  # backoff, not synchronisation
+                busy = min(busy * 2, 2.0)
+                continue
             if r.start is not None:
                 return r
             now = time.monotonic()

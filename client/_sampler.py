@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import operator
@@ -17,8 +18,8 @@ from torch.utils.data.distributed import DistributedSampler as _TorchDistributed
 
 from croupier.client import _expander
 from croupier.client._audit_log import AuditLog
-from croupier.client._resolve import agree, dist_ready, embedded_here, resolve_job, resolve_world, track
-from croupier.client._rpc import CoordinatorClient, LeaseReply, Unreachable
+from croupier.client._resolve import agree, dist_ready, resolve_job, resolve_world, track
+from croupier.client._rpc import CoordinatorClient, LeaseReply, Security, Unreachable
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, Grant, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
@@ -59,12 +60,13 @@ def _dataset_size(dataset: Sized | int) -> int:
 class _Prefetcher:
     """Prepares batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead.
 
-    Every lease is asked of the coordinator, which fences replaced generations. A coordinator in
-    another process computes the lease's indices (on another core); one embedded in this process
-    grants positions and the indices are computed from the generation's plan, without the
-    round trip of the indices through gRPC, by this process's lease helper process
-    (`croupier.client._expander`: the computation would contend for the GIL with the training
-    loop; ``CROUPIER_EXPANDER=0`` computes here instead). When the coordinator does not answer within 1 s,
+    Every lease is asked of the coordinator, which fences replaced generations, as a grant: which
+    batches of the generation's plan the rank takes (a few bytes), not their indices. The
+    indices are computed from the plan by this process's lease helper process
+    (`croupier.client._expander`: in a thread here the computation would contend for the GIL
+    with the training loop; ``CROUPIER_EXPANDER=0`` computes here instead). With ``local=False``
+    the coordinator computes the indices (the Lease RPC, for comparison). When the coordinator
+    does not answer within 1 s (0.25 s while it keeps not answering),
     the rank computes the lease from its plan, the same code the coordinator runs (its data
     cannot have changed: only a join changes it, and a join needs the coordinator), and asks
     again at the next lease; a lease refused as fenced stops it.
@@ -199,7 +201,8 @@ class _Base(Sampler[Any]):
     def __init__(self, spec: Spec, empty: bool, num_replicas: int | None, rank: int | None, address: str | None,
                  job: str | None, token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
-                 mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
+                 mesh_dim: str | int | None = None, join_timeout: float | None = None,
+                 security: Security | None = None) -> None:
         self.spec = spec
         self._empty = empty  # N = 0: nothing to deal, no coordinator needed
         self._group = _data_parallel_group(process_group, device_mesh, mesh_dim)
@@ -227,7 +230,9 @@ class _Base(Sampler[Any]):
             raise ValueError(f"join_timeout must be > 0 seconds (got {join_timeout!r})")
         self._join_timeout = join_timeout
         self._lease_ahead = lease_ahead
-        self._agreed: tuple[str, str] | None = None  # (token, address) agreed before the join (resume_from_step)
+        self._agreed: tuple[str, str, str | None] | None = None  # (token, address, secret) agreed before the join
+        self._security = security
+        self._security_used: Security | None = None
         self._prefetch = prefetch
         self._client: CoordinatorClient | None = None
         self._address_used = ""  # the coordinator this sampler joined, to reconnect after a copy
@@ -308,15 +313,16 @@ class _Base(Sampler[Any]):
     def _join(self) -> None:
         if self._start is not None:
             if self._client is None:  # a copy (pickle, deepcopy) of a joined sampler reconnects here
-                self._client = CoordinatorClient(self._address_used)
+                self._client = CoordinatorClient(self._address_used, security=self._security_used)
                 track(self)
                 if self._audit_path is not None:
                     self._audit = AuditLog(*self._audit_path)
             return
         num_replicas, rank = self._resolve_world()
         self._check_world_still()
-        token, address = self._agreed or agree(self._token, self._address, self.job, num_replicas)
-        self._client = CoordinatorClient(address)
+        token, address, secret = self._agreed or agree(self._token, self._address, self.job, num_replicas)
+        self._security_used = self._with_secret(secret)
+        self._client = CoordinatorClient(address, security=self._security_used)
         self._address_used = address
         track(self)
         req = JoinRequest(self.job, self.spec, token, num_replicas, rank, self._resume, self._hint)
@@ -531,7 +537,7 @@ class _Base(Sampler[Any]):
         # sampler's unit is its batch_size.
         first_batch = self._yielded * self._unit // self.spec.batch_size
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p, embedded_here(self._address_used))
+                         self._lease_ahead, self._prefetch, p, True)
         self._prefetcher = pf
         before = self._before
         try:
@@ -629,6 +635,11 @@ class _Base(Sampler[Any]):
                             "" if step is None else f" of step {step}", e)
         return state
 
+    def _with_secret(self, secret: str | None) -> Security:
+        """This sampler's TLS and credential settings; the embedded coordinator's secret as the credential."""
+        base = self._security if self._security is not None else Security.from_env()
+        return dataclasses.replace(base, credential=secret) if secret else base
+
     def resume_from_step(self, step: int) -> None:
         """Resumes from the checkpoint the job recorded at training step `step` (any world size).
 
@@ -661,7 +672,7 @@ class _Base(Sampler[Any]):
             return
         num_replicas, _ = self._resolve_world()
         self._agreed = agree(self._token, self._address, self.job, num_replicas)
-        with CoordinatorClient(self._agreed[1]) as c:
+        with CoordinatorClient(self._agreed[1], security=self._with_secret(self._agreed[2])) as c:
             try:
                 spec, record = c.checkpoint(self.job, step)
             except NotFound as e:
@@ -817,6 +828,9 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         join_timeout: Seconds the first batch waits for the other ranks of its generation before
             raising ``TimeoutError`` naming them (default ``CROUPIER_JOIN_TIMEOUT``, else 600);
             while waiting, the ranks still missing are logged every 30 s.
+        security: TLS and credential settings to reach the coordinator (:class:`Security`;
+            default from ``CROUPIER_TLS_*`` and ``CROUPIER_CREDENTIAL``). A copy of the sampler
+            (pickle, a DataLoader worker) carries them, secret included.
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -834,12 +848,13 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
                  token: str | None = None, lease_ahead: int = 65536, prefetch: int = 2,
                  audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
-                 mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
+                 mesh_dim: str | int | None = None, join_timeout: float | None = None,
+                 security: Security | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths)
         super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
-                         process_group, device_mesh, mesh_dim, join_timeout)
+                         process_group, device_mesh, mesh_dim, join_timeout, security)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.dataset = dataset  # type: ignore[assignment]  # torch's attribute; an int N is allowed here
 
@@ -915,13 +930,14 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
                  lease_ahead: int = 256, prefetch: int = 2, audit_dir: str | None = None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
-                 mesh_dim: str | int | None = None, join_timeout: float | None = None) -> None:
+                 mesh_dim: str | int | None = None, join_timeout: float | None = None,
+                 security: Security | None = None) -> None:
         n = _dataset_size(dataset)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size, drop_last, even_batches, scope,
                           buffer_size, pack_size, lengths)
         self._unit = batch_size
         super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
-                         process_group, device_mesh, mesh_dim, join_timeout)
+                         process_group, device_mesh, mesh_dim, join_timeout, security)
         self.batch_size, self.drop_last = batch_size, drop_last
         self.sampler = _IndexView(self)
 

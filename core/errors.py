@@ -56,8 +56,21 @@ class Unavailable(CroupierError, RuntimeError):
     code = "UNAVAILABLE"
 
 
+class Unauthenticated(CroupierError, PermissionError):
+    """The call carries no credential, or one the coordinator does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(CroupierError, PermissionError):
+    """The caller's credential does not allow this call for this job."""
+
+    code = "PERMISSION_DENIED"
+
+
 #: Status name -> domain error: the one table, read by the server (class -> code) and the client (code -> class).
 BY_CODE: dict[str, type[CroupierError]] = {
     cls.code: cls
-    for cls in (InvalidArgument, NotFound, FailedPrecondition, Aborted, OutOfRange, ResourceExhausted, Unavailable)
+    for cls in (InvalidArgument, NotFound, FailedPrecondition, Aborted, OutOfRange, ResourceExhausted, Unavailable,
+                Unauthenticated, PermissionDenied)
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from croupier.core.order import Cursor, Plan, plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._journal import pack_event, pack_snapshot, recover
-from croupier.server._state import Event
+from croupier.server._state import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._store import Store, StoreError
 
 log = logging.getLogger("croupier.server")
@@ -45,13 +46,14 @@ class Coordinator:
     until the process is restarted and recovers from what the store made durable.
     """
 
-    def __init__(self, store: Store, snapshot_every: int = 1000) -> None:
+    def __init__(self, store: Store, snapshot_every: int = 1000, max_jobs: int | None = None) -> None:
         """Recovers the state the store holds and starts the writer thread.
 
         Args:
             store: An open store; the coordinator owns it from now on (and closes it, also when
                 recovery fails).
             snapshot_every: Events between two snapshots.
+            max_jobs: Jobs held at most: a join that would register one more is RESOURCE_EXHAUSTED.
 
         Raises:
             StoreCorrupt: If the store's contents could not be verified, or a record or the
@@ -60,6 +62,7 @@ class Coordinator:
         """
         self.store = store
         self.snapshot_every = snapshot_every
+        self.max_jobs = max_jobs
         try:
             self._state, rec = recover(store)
         except BaseException:
@@ -77,6 +80,9 @@ class Coordinator:
         # server's threads stop trading the GIL back and forth (measured: 260 -> 1,039 leases/s
         # with 64 threads) and each lease finishes sooner.
         self._compute = threading.Lock()
+        #: Called by the writer thread after each journal append with (seconds it took, records);
+        #: it MUST be quick and MUST NOT raise (the metrics set it).
+        self.on_commit: Callable[[float, int], None] | None = None
         self._writer = threading.Thread(target=self._write_loop, name="croupier-journal", daemon=True)
         self._writer.start()
         log.info("recovered %d jobs from %s (snapshot at %d, %d journal records)",
@@ -90,11 +96,17 @@ class Coordinator:
             raise InvalidArgument(f"join wait must be in [0, {MAX_JOIN_WAIT_S}] s (got {wait_s})")
         with self._cond:
             self._check_ok()
+            if self.max_jobs is not None and req.job not in self._state.jobs and len(self._state.jobs) >= self.max_jobs:
+                raise ResourceExhausted(f"this coordinator holds {len(self._state.jobs)} jobs, its limit (croupier serve "
+                                        f"--max-jobs {self.max_jobs}); job {req.job!r} is not one of them")
             events = self._state.decide_join(req)
             self._journal(events)
             target = self._seq
             while self._durable < target and self._failed is None:
                 self._cond.wait()
+            self._check_ok()
+        _log_join(req, events)  # durable now; written outside the lock, as a wait would release it
+        with self._cond:
             self._check_ok()
             deadline = time.monotonic() + wait_s
             result = self._state.join_result(req.job, req.rank)
@@ -165,7 +177,9 @@ class Coordinator:
                 batch, self._pending = self._pending, []
                 snaps, self._snapshots = self._snapshots, []
             try:
+                t0 = time.perf_counter()
                 last = self.store.append(batch) if batch else self._durable
+                took = time.perf_counter() - t0
                 for seq, blob in snaps:
                     self.store.write_snapshot(seq, blob)
             except StoreError as e:
@@ -174,6 +188,8 @@ class Coordinator:
                     self._failed = f"the coordinator's store {self.store.url} failed: {e}"
                     self._cond.notify_all()
                 return
+            if batch and self.on_commit is not None:  # before anyone is answered: an acknowledged event is counted
+                self.on_commit(took, len(batch))
             with self._cond:
                 self._durable = last
                 self._cond.notify_all()
@@ -270,6 +286,19 @@ class Coordinator:
             self._cond.notify_all()
         self._writer.join()
         self.store.close()
+
+
+def _log_join(req: JoinRequest, events: list[Event]) -> None:
+    """INFO lines for what a join changed: a job registered, a generation opened or started."""
+    for ev in events:
+        if isinstance(ev, JobRegistered):
+            log.info("job %r registered: %s", ev.job, ev.spec.describe(), extra={"job": ev.job, "rank": req.rank})
+        elif isinstance(ev, GenerationOpened):
+            log.info("generation %d of job %r opened: world %d, token %r", ev.generation, ev.job, ev.world, ev.token,
+                     extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
+        elif isinstance(ev, GenerationStarted):
+            log.info("generation %d of job %r started: all %d ranks joined, epoch %d", ev.generation, ev.job, req.world,
+                     ev.start.epoch, extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
 
 
 def _now_ms() -> int:

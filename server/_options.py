@@ -39,7 +39,7 @@ class ServerOptions:
     max_jobs: int = 10_000
     max_world: int = MAX_WORLD
     max_request_bytes: int = 64 << 20
-    max_concurrent_joins: int = 1024
+    max_concurrent_joins: int = 96
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"

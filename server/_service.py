@@ -28,7 +28,9 @@ from croupier.core.wire import (
     spec_from_proto,
     spec_to_proto,
 )
+from croupier.server._auth import Authorizer, Credential, allow
 from croupier.server._coordinator import Coordinator
+from croupier.server._metrics import Metrics
 from croupier.server._options import ServerOptions
 from croupier.server._store import Store, open_store
 from croupier.v1 import coordinator_pb2 as pb
@@ -57,6 +59,8 @@ def _join_response(r: JoinResult) -> pb.JoinResponse:
     return m
 
 
+#: A join refused for a limit is answered after this long, up to _HELD_REFUSALS at a time.
+_HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
 #: The coordinator's RPCs, as the servicer names its methods.
 RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs")
 
@@ -64,11 +68,36 @@ RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs
 class CoordinatorServicer:
     """Each RPC converts the message, calls the core, converts back."""
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: Coordinator, auth: Authorizer | None = None, options: ServerOptions | None = None) -> None:
         self.core = core
+        self.auth = auth
+        self.options = options or ServerOptions()
+        self._joins = threading.BoundedSemaphore(self.options.max_concurrent_joins)
+        self._held = threading.BoundedSemaphore(_HELD_REFUSALS)
+        self.closing = threading.Event()
+
+    def _caller(self, context: grpc.ServicerContext) -> Credential | None:
+        """The caller's credential (None when this server takes calls without one); before any parsing."""
+        return None if self.auth is None else self.auth.identify(context)
 
     def Join(self, raw: bytes, context: grpc.ServicerContext) -> pb.JoinResponse:
+        try:
+            return self._join(raw, context)
+        except E.ResourceExhausted:
+            # NOTE: a caller past a limit usually asks again at once; holding its answer back a
+            # little (a few at a time, so that the held ones never take the serving threads)
+            # keeps a flood of them from taking the CPU from the jobs that train.
+            if self._held.acquire(blocking=False):
+                try:
+                    self.closing.wait(_HOLD_REFUSAL_S)
+                finally:
+                    self._held.release()
+            raise
+
+    def _join(self, raw: bytes, context: grpc.ServicerContext) -> pb.JoinResponse:
+        who = self._caller(context)
         m = _parse(pb.JoinRequest, raw)
+        _allow(who, "Join", m.job)
         if not m.request_id or len(m.request_id) > 128:
             raise E.InvalidArgument(f"request_id must be a non-empty string of at most 128 characters (got {m.request_id!r})")
         if not m.HasField("spec"):
@@ -78,24 +107,46 @@ class CoordinatorServicer:
             resume=cursor_from_proto(m.resume) if m.HasField("resume") else None,
             epoch=m.epoch if m.HasField("epoch") else None,
         )
-        log.debug("join %s: job=%s token=%s rank=%d/%d", m.request_id, m.job, m.token, m.rank, m.world)
-        return _join_response(self.core.join(req, m.wait_ms / 1000.0))
+        if m.world > self.options.max_world:
+            raise E.ResourceExhausted(f"world {m.world} is more than this coordinator's limit of {self.options.max_world} "
+                                      "ranks (croupier serve --max-world)")
+        log.debug("join %s: job=%s token=%s rank=%d/%d", m.request_id, m.job, m.token, m.rank, m.world,
+                  extra={"job": m.job, "rank": m.rank})
+        # NOTE: the limit is on joins that wait (each holds a serving thread): the join itself is
+        # decided and journaled first, so a rank refused here has joined all the same, and the
+        # generation starts once the last rank has, whoever holds the waiting places.
+        result = self.core.join(req, 0.0)
+        if result.start is not None or m.wait_ms == 0:
+            return _join_response(result)
+        if not self._joins.acquire(blocking=False):
+            raise E.ResourceExhausted(f"rank {m.rank} joined, but {self.options.max_concurrent_joins} joins are waiting, "
+                                      "this coordinator's limit (croupier serve --max-concurrent-joins); ask again")
+        try:
+            return _join_response(self.core.join(req, m.wait_ms / 1000.0))
+        finally:
+            self._joins.release()
 
     def Lease(self, raw: bytes, context: grpc.ServicerContext) -> pb.LeaseResponse:
+        who = self._caller(context)
         m = _parse(pb.LeaseRequest, raw)
+        _allow(who, "Lease", m.job)
         lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
         data, itemsize = pack_indices(lease.indices, lease.n)
         return pb.LeaseResponse(indices=data, sizes=lease.sizes, itemsize=itemsize,
                                 end_of_epoch=lease.end_of_epoch, epoch_samples=lease.epoch_samples)
 
     def Grant(self, raw: bytes, context: grpc.ServicerContext) -> pb.GrantResponse:
+        who = self._caller(context)
         m = _parse(pb.GrantRequest, raw)
+        _allow(who, "Grant", m.job)
         g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
         return pb.GrantResponse(batches=g.batches, last_size=g.last_size, end_of_epoch=g.end_of_epoch,
                                 epoch_samples=g.epoch_samples)
 
     def GetJob(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetJobResponse:
+        who = self._caller(context)
         m = _parse(pb.GetJobRequest, raw)
+        _allow(who, "GetJob", m.job)
         st = self.core.job(m.job)
         j = _join_response(st.result)
         out = pb.GetJobResponse(spec=spec_to_proto(st.spec), generation=j.generation, world=j.world,
@@ -108,7 +159,9 @@ class CoordinatorServicer:
         return out
 
     def Report(self, raw: bytes, context: grpc.ServicerContext) -> pb.ReportResponse:
+        who = self._caller(context)
         m = _parse(pb.ReportRequest, raw)
+        _allow(who, "Report", m.job)
         if not m.HasField("progress"):
             raise E.InvalidArgument("a report needs the rank's progress")
         checkpoint = None
@@ -120,14 +173,23 @@ class CoordinatorServicer:
         return pb.ReportResponse()
 
     def GetCheckpoint(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetCheckpointResponse:
+        who = self._caller(context)
         m = _parse(pb.GetCheckpointRequest, raw)
+        _allow(who, "GetCheckpoint", m.job)
         spec, record = self.core.checkpoint(m.job, m.step)
         return pb.GetCheckpointResponse(spec=spec_to_proto(spec), record=record_to_proto(record))
 
 
     def ListJobs(self, raw: bytes, context: grpc.ServicerContext) -> pb.ListJobsResponse:
+        who = self._caller(context)
         _parse(pb.ListJobsRequest, raw)
-        return pb.ListJobsResponse(jobs=self.core.jobs())
+        _allow(who, "ListJobs", None)
+        return pb.ListJobsResponse(jobs=[j for j in self.core.jobs() if who is None or who.reads(j)])
+
+
+def _allow(who: Credential | None, method: str, job: str | None) -> None:
+    if who is not None:
+        allow(who, method, job)
 
 
 def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
@@ -150,7 +212,7 @@ class Server:
     """A running coordinator: gRPC server, health service, reflection, and its core."""
 
     def __init__(self, store_url: str | Store, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128,
-                 options: ServerOptions | None = None) -> None:
+                 options: ServerOptions | None = None, auth: Authorizer | None = None) -> None:
         """Opens the store, recovers the coordinator from it and binds the port (``start`` serves).
 
         Args:
@@ -161,14 +223,27 @@ class Server:
             max_workers: Threads serving calls.
             options: TLS, credentials, limits, metrics and logs (default: none of them, no limits
                 beyond the defaults of :class:`ServerOptions`).
+            auth: Credentials in force, for a server that has no credentials file (the embedded
+                coordinator of a job on several hosts); ``options.auth_file`` otherwise.
+
+        Raises:
+            ValueError: a credentials file that does not parse.
+            OSError: a TLS or credentials file that cannot be read; a port that cannot be bound.
         """
-        self.options = options or ServerOptions()
-        self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url)
-        servicer = CoordinatorServicer(self.core)
+        self.options = o = options or ServerOptions()
+        self.auth = auth if auth is not None else Authorizer(path=o.auth_file) if o.auth_file else None
+        tls = _tls_credentials(o)  # read before anything starts: a bad file fails here
+        self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url, max_jobs=o.max_jobs)
+        self._servicer = servicer = CoordinatorServicer(self.core, self.auth, o)
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc")
         # Every call passes these in order: the first sees it first (and its outcome last).
         interceptors: list[grpc.ServerInterceptor] = []
-        self._grpc = grpc.server(self._pool, options=SERVER_OPTIONS, interceptors=interceptors)
+        self.metrics = Metrics(self.core, RPCS, o.metrics_host, o.metrics_port) if o.metrics_port is not None else None
+        if self.metrics is not None:  # first: it times and counts every call, however it ends
+            interceptors.append(self.metrics.interceptor)
+        grpc_options = [kv for kv in SERVER_OPTIONS if kv[0] != "grpc.max_receive_message_length"]
+        grpc_options.append(("grpc.max_receive_message_length", o.max_request_bytes))
+        self._grpc = grpc.server(self._pool, options=grpc_options, interceptors=interceptors)
         handlers = {name: _handler(getattr(servicer, name)) for name in RPCS}
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
@@ -176,7 +251,8 @@ class Server:
         reflection.enable_server_reflection(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self._grpc
         )
-        bound = self._grpc.add_insecure_port(f"{host}:{port}")
+        where = f"{host}:{port}"
+        bound = self._grpc.add_insecure_port(where) if tls is None else self._grpc.add_secure_port(where, tls)
         if bound == 0:
             self.core.close()
             raise OSError(f"could not bind {host}:{port}")
@@ -189,7 +265,14 @@ class Server:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
+    @property
+    def metrics_address(self) -> str | None:
+        """HOST:PORT of the HTTP endpoint (``/metrics``, the status page) while it serves; None without one."""
+        return None if self.metrics is None else self.metrics.address
+
     def start(self) -> Server:
+        if self.metrics is not None:
+            self.metrics.start()
         self._grpc.start()
         for name in ("", SERVICE):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -200,9 +283,12 @@ class Server:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self._servicer.closing.set()
         self.health.enter_graceful_shutdown()
         self._grpc.stop(grace).wait(grace + 5.0)  # bounded: a server whose serving thread died never signals
         self._pool.shutdown(wait=False)
+        if self.metrics is not None:
+            self.metrics.stop()
         self.core.close()
 
     def wait(self) -> None:
@@ -215,10 +301,26 @@ class Server:
         self.stop(grace=1.0)
 
 
+def _tls_credentials(o: ServerOptions) -> grpc.ServerCredentials | None:
+    """The server's TLS settings from its PEM files, or None for plaintext."""
+    if o.tls_cert is None or o.tls_key is None:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(o.tls_client_ca) if o.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(o.tls_key), read(o.tls_cert))], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 def serve(host: str, port: int, store: str, grace: float = 5.0, options: ServerOptions | None = None) -> int:
     """`croupier serve`: runs a coordinator until SIGTERM or SIGINT; returns the exit code."""
     server = Server(store, host, port, options=options).start()
     print(f"listening on {server.address}", flush=True)
+    if server.metrics_address is not None:
+        print(f"metrics and status page on http://{server.metrics_address}/", flush=True)
     done = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -226,6 +328,8 @@ def serve(host: str, port: int, store: str, grace: float = 5.0, options: ServerO
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
+    if server.auth is not None:
+        signal.signal(signal.SIGHUP, lambda signum, frame: server.auth.reload() if server.auth else None)
     signal.signal(signal.SIGINT, on_signal)
     while not done.wait(timeout=1.0):
         if server.core.failed:

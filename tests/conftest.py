@@ -44,10 +44,11 @@ def client(server: Server) -> Iterator[CoordinatorClient]:
 class ServeProcess:
     """`croupier serve` in a child process; the first stdout line gives its address."""
 
-    def __init__(self, store: str, port: int = 0, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, store: str, port: int = 0, extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
         env = {**os.environ, **(extra_env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--store", store],
+            [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--store", store,
+             *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         assert self.proc.stdout is not None

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from croupier.client import DistributedBatchSampler, DistributedSampler, _sampler
+from croupier.client import DistributedBatchSampler, DistributedSampler
 from croupier.server._service import Server
 
 
@@ -190,16 +190,10 @@ def test_batch_sampler_with_bucketing(server: Server) -> None:
     assert max(spreads) < 25
 
 
-@pytest.mark.parametrize("asks", ["lease", "grant"])
-def test_trains_on_while_the_coordinator_is_down(tmp_path: pathlib.Path, serve_process: type[ServeProcess],
-                                                 monkeypatch: pytest.MonkeyPatch, asks: str) -> None:
+def test_trains_on_while_the_coordinator_is_down(tmp_path: pathlib.Path, serve_process: type[ServeProcess]) -> None:
     """Only joins need the coordinator: a rank of a started generation finishes its epoch and starts the
-    next one from its plan while the coordinator is dead, and is fenced at its first lease once it is back.
-
-    A sampler leases indices from a coordinator in another process and asks one embedded in its
-    own process for grants (positions it computes itself): both, here against a real process.
+    next one from its plan while the coordinator is dead, and is fenced at its first grant once it is back.
     """
-    monkeypatch.setattr(_sampler, "embedded_here", lambda address: asks == "grant")
     store = f"sqlite:///{tmp_path}/c.db"
     p = serve_process(store)
     n, job = 3000, "outage"

@@ -6,12 +6,14 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from croupier.core.order import fresh, plan
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
 from croupier.server import StoreError
+from croupier.tools.status import DEFAULT_WATCH_S, watch_seconds
 
 
 def _order_cmd(args: argparse.Namespace) -> int:
@@ -37,11 +39,9 @@ def _order_cmd(args: argparse.Namespace) -> int:
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
-    from croupier.server import serve
+    from croupier.server import ServerOptions, configure_logging, serve
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from croupier.server import ServerOptions
+    configure_logging(args.log_format, logging.INFO if args.verbose else logging.WARNING)
 
     try:
         options = ServerOptions(
@@ -82,6 +82,36 @@ def _chaos_cmd(args: argparse.Namespace) -> int:
     return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed)
 
 
+def _status_cmd(args: argparse.Namespace) -> int:
+    from croupier.tools.status import main as status
+
+    return status(args.address, args.job, args.watch)
+
+
+def _health_cmd(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from croupier.client import Security
+    from croupier.core.wire import CHANNEL_OPTIONS
+
+    try:
+        channel = Security.from_env().channel(args.address, CHANNEL_OPTIONS)
+    except (OSError, ValueError) as e:
+        print(f"croupier health: error: {e}", file=sys.stderr)
+        return 2
+    with channel:
+        try:
+            stub: Any = health_pb2_grpc.HealthStub(channel)  # the stub's methods are set at run time
+            r = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"croupier health: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    print(status)
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `croupier` command."""
     parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
@@ -104,11 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-jobs", type=int, default=10_000, help="jobs held at most (default 10000)")
     s.add_argument("--max-world", type=int, default=1 << 20, help="largest world size a join may name (default 2**20)")
     s.add_argument("--max-request-bytes", type=int, default=64 << 20, help="largest request accepted (default 64 MiB)")
-    s.add_argument("--max-concurrent-joins", type=int, default=1024, help="joins in progress at once (default 1024)")
+    s.add_argument("--max-concurrent-joins", type=int, default=96,
+                   help="joins in progress at once (default 96, of the 128 serving threads)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (Prometheus) and the status page over HTTP on this port (default: off)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics port (default 127.0.0.1)")
     s.set_defaults(func=_serve_cmd)
+
+    h = sub.add_parser("health", help="check a coordinator's health service (for probes); TLS settings from "
+                                      "CROUPIER_TLS_CA, CROUPIER_TLS_CERT, CROUPIER_TLS_KEY; exit 0 when SERVING")
+    h.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT (default 127.0.0.1:50051)")
+    h.add_argument("--service", default="croupier.v1.Coordinator", help="service to check ('' for the server)")
+    h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+    h.set_defaults(func=_health_cmd)
 
     d = sub.add_parser("demo", help="the main job: an elastic job on several torchrun nodes, resized in place and preempted, "
                                    "then audited")
@@ -128,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--n", type=int, default=3600, help="samples, best a multiple of 12 (default 3600)")
     c.add_argument("--seed", type=int, default=None, help="seed of the random choices (default: random, printed)")
     c.set_defaults(func=_chaos_cmd)
+
+    t = sub.add_parser("status", help="every job a coordinator holds (progress, slowest rank), or one job's ranks "
+                                      "and checkpoints")
+    t.add_argument("job", nargs="?", metavar="JOB", help="show this job's ranks and checkpoints")
+    t.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
+    t.add_argument("--watch", nargs="?", type=watch_seconds, const=DEFAULT_WATCH_S, metavar="SECONDS",
+                   help=f"redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C; put it after JOB")
+    t.set_defaults(func=_status_cmd)
 
     a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing")
     a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")

@@ -1,0 +1,112 @@
+"""Limits: a flood of joins for new jobs is refused (RESOURCE_EXHAUSTED) while a real job's leases stay fast."""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from _ranks import on_ranks
+
+from croupier.client._rpc import CoordinatorClient
+from croupier.core.api import JoinRequest
+from croupier.core.spec import Spec
+from croupier.core.wire import SERVICE, spec_to_proto
+from croupier.v1 import coordinator_pb2 as pb
+
+SPEC = Spec(n=100_000, seed=1)
+FLOOD = """
+import sys, threading, time, uuid, grpc
+sys.path[:0] = []
+from croupier.core.spec import Spec
+from croupier.core.wire import spec_to_proto
+from croupier.v1 import coordinator_pb2 as pb
+address, seconds = sys.argv[1], float(sys.argv[2])
+spec = spec_to_proto(Spec(n=1000))
+counts = {}
+lock = threading.Lock()
+def flood(k):
+    with grpc.insecure_channel(address) as ch:
+        join = ch.unary_unary("/croupier.v1.Coordinator/Join")
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            m = pb.JoinRequest(request_id=uuid.uuid4().hex, job=f"flood-{uuid.uuid4().hex[:8]}", spec=spec, token="t",
+                               world=2, rank=0, wait_ms=500 if k % 2 else 0)
+            try:
+                join(m.SerializeToString(), timeout=10)
+                code = "OK"
+            except grpc.RpcError as e:
+                code = e.code().name
+            with lock:
+                counts[code] = counts.get(code, 0) + 1
+print("ready", flush=True)
+threads = [threading.Thread(target=flood, args=(k,)) for k in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+"""
+
+
+def _latencies(c: CoordinatorClient, gen: int, seconds: float) -> list[float]:
+    """Lease round trips of the job's rank 0, back to back, for `seconds`."""
+    out, first = [], 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t = time.perf_counter()
+        lease = c.lease("real", gen, 0, 0, first, 64)
+        out.append(time.perf_counter() - t)
+        first = 0 if lease.end_of_epoch else first + len(lease.sizes)
+    return out
+
+
+def _p99(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=100)[98]
+
+
+@pytest.mark.e2e
+def test_a_join_flood_is_refused_while_a_job_trains(tmp_path: pathlib.Path, serve_process: type) -> None:
+    p = serve_process(f"sqlite:///{tmp_path}/c.db", args=("--max-jobs", "8", "--max-concurrent-joins", "4",
+                                                           "--max-world", "64"))
+    with CoordinatorClient(p.address, retry_for=10.0) as c:
+        gen = on_ranks(2, lambda r: c.join_started(JoinRequest("real", SPEC, "t", 2, r), timeout=20))[0].generation
+        _latencies(c, gen, 0.5)  # warm
+        quiet = _latencies(c, gen, 3.0)
+        flood = subprocess.Popen([sys.executable, "-c", FLOOD, p.address, "4"], stdout=subprocess.PIPE, text=True)
+        assert flood.stdout is not None and flood.stdout.readline() == "ready\n"
+        loaded = _latencies(c, gen, 3.0)
+        out, _ = flood.communicate(timeout=60)
+        counts = dict(kv.split("=") for kv in out.split())
+        print(f"leases: unloaded p99 {_p99(quiet) * 1e3:.2f} ms ({len(quiet)}), under the flood p99 "
+              f"{_p99(loaded) * 1e3:.2f} ms ({len(loaded)}); flood: {counts}")
+        assert int(counts.get("RESOURCE_EXHAUSTED", 0)) > 0, counts
+        assert int(counts.get("OK", 0)) <= 7, counts  # 7 new jobs fit beside "real"
+        assert _p99(loaded) <= 2 * _p99(quiet), (_p99(loaded), _p99(quiet))
+        assert len(c.jobs()) == 8
+        # The limits name themselves, and a refused join changes nothing.
+        with grpc.insecure_channel(p.address) as ch:
+            join = ch.unary_unary(f"/{SERVICE}/Join")
+            m = pb.JoinRequest(request_id="x", job="real", spec=spec_to_proto(SPEC), token="t2", world=65, rank=0)
+            with pytest.raises(grpc.RpcError) as e:
+                join(m.SerializeToString(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 64 ranks" in e.value.details()
+            m = pb.JoinRequest(request_id="y", job="one-more", spec=spec_to_proto(SPEC), token="t", world=1, rank=0)
+            with pytest.raises(grpc.RpcError) as e:
+                join(m.SerializeToString(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-jobs 8" in e.value.details()
+        assert c.status("real").result.generation == gen
+
+
+def test_a_job_larger_than_the_join_limit_still_starts(tmp_path: pathlib.Path) -> None:
+    """Ranks refused for the joins in progress wait and join again; every other limit is final."""
+    from croupier.server import Server, ServerOptions
+
+    with Server(f"sqlite:///{tmp_path}/c.db", options=ServerOptions(max_concurrent_joins=1, max_jobs=1)) as server:
+        with CoordinatorClient(server.address, retry_for=5.0) as c:
+            out = on_ranks(4, lambda r: c.join_started(JoinRequest("big", SPEC, "t", 4, r), timeout=60))
+            assert {r.generation for r in out} == {1} and all(r.start is not None for r in out)
+            with pytest.raises(ValueError, match="--max-jobs 1"):
+                c.join_started(JoinRequest("second", SPEC, "t", 1, 0), timeout=60)
