@@ -13,8 +13,11 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -512,3 +515,457 @@ def test_what_the_image_copies_builds_the_package(name: str, tmp_path: pathlib.P
     names = set(zipfile.ZipFile(wheel).namelist())
     for pkg in ("core", "server", "client", "tools", "integrations", "v1"):
         assert f"croupier/{pkg}/__init__.py" in names, f"the image's package lacks croupier.{pkg}"
+
+
+# --- the secure overlays: deploy/kubernetes-secure and deploy/compose.secure.yml -------------------
+
+SECURE = ROOT / "deploy" / "kubernetes-secure"
+COMPOSE_SECURE = ROOT / "deploy" / "compose.secure.yml"
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+#: What `croupier serve` needs for TLS and credentials: each names a file of a mounted Secret.
+SECRET_OPTIONS = ("--tls-cert", "--tls-key", "--tls-client-ca", "--auth-file")
+#: What every croupier client reads: each names a file of a mounted Secret.
+CLIENT_FILES = ("CROUPIER_TLS_CA", "CROUPIER_TLS_CERT", "CROUPIER_TLS_KEY")
+
+
+def kustomization_dirs() -> list[pathlib.Path]:
+    return sorted(k.parent for base in (KUBE, SECURE) for k in base.rglob("kustomization.yaml"))
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.skip("kubectl is not installed: the overlays are built, and the Secrets made, by kubectl (offline)")
+    return path
+
+
+def kustomize(folder: pathlib.Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize` makes of a folder: the overlays are checked as kubectl applies them (offline)."""
+    r = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "KUBECONFIG": os.devnull})
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def built(folder: pathlib.Path, kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in kustomize(folder) if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name} in {folder}: {len(found)} manifests"
+    return found[0]
+
+
+def example_secrets() -> dict[str, dict[str, Any]]:
+    """The Secrets the *.example.yaml files show, by name: what the overlays may mount."""
+    return {d["metadata"]["name"]: d for p in sorted(SECURE.rglob("*.example.yaml")) for d in kube_docs(p)}
+
+
+def secret_keys(secret: dict[str, Any]) -> set[str]:
+    return set(secret.get("data", {})) | set(secret.get("stringData", {}))
+
+
+def pod_volumes(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The volumes a workload's pods declare, by name: the pod's own and a StatefulSet's claims."""
+    claims = {t["metadata"]["name"]: {"persistentVolumeClaim": t} for t in workload["spec"].get("volumeClaimTemplates", [])}
+    return claims | {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+
+
+def secret_files(workload: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Path in the container -> (Secret, key), for every key of every Secret volume the container mounts."""
+    volumes, container = pod_volumes(workload), pod_container(workload)
+    secrets = example_secrets()
+    files = {}
+    for m in container["volumeMounts"]:
+        source = volumes[m["name"]].get("secret")
+        if source is not None:
+            assert source["secretName"] in secrets, f"{source['secretName']} is not in a secrets.example.yaml"
+            for key in secret_keys(secrets[source["secretName"]]):
+                files[f"{m['mountPath']}/{key}"] = (source["secretName"], key)
+    return files
+
+
+def write_secret_volume(folder: pathlib.Path, files: dict[str, bytes], version: str) -> None:
+    """A Secret volume as the kubelet writes it: each key a link through ..data into a folder per version; an
+    update writes a new folder and swaps ..data at once."""
+    data = folder / f"..{version}"
+    data.mkdir(parents=True)
+    for key, value in files.items():
+        (data / key).write_bytes(value)
+        if not (folder / key).is_symlink():
+            (folder / key).symlink_to(f"..data/{key}")
+    (folder / "..data_tmp").symlink_to(data.name)
+    os.replace(folder / "..data_tmp", folder / "..data")
+
+
+def mount_secrets(root: pathlib.Path, workload: dict[str, Any], contents: dict[tuple[str, str], bytes]) -> dict[str, str]:
+    """Writes the container's Secret volumes under `root`, at their paths in the container; returns path -> host path."""
+    files = secret_files(workload)
+    for mount in {path.rsplit("/", 1)[0] for path in files}:
+        write_secret_volume(root / mount.lstrip("/"), {key: contents[(secret, key)] for path, (secret, key) in files.items()
+                                                      if path.startswith(mount + "/")}, "v1")
+    return {path: str(root / path.lstrip("/")) for path in files}
+
+
+def container_env(container: dict[str, Any], contents: dict[tuple[str, str], bytes]) -> dict[str, str]:
+    """The container's environment, its Secret references resolved."""
+    env = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        env[e["name"]] = contents[(ref["name"], ref["key"])].decode() if ref else e["value"]
+    return env
+
+
+def croupier_args(argv: list[str], command: str) -> Any:
+    """croupier's own parser over a `croupier ...` command line: unknown or misspelt options fail here."""
+    from croupier.tools.cli import build_parser
+
+    assert pathlib.Path(argv[0]).name == "croupier", argv
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == command, argv
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def secure_compose() -> dict[str, Any]:
+    with open(COMPOSE_SECURE) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("folder", kustomization_dirs(), ids=lambda p: str(p.relative_to(ROOT / "deploy")))
+def test_every_kustomization_builds_and_validates(folder: pathlib.Path, version: str) -> None:
+    docs = kustomize(folder)
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_secure_folder_holds_kustomizations_their_patches_and_examples() -> None:
+    patches, examples = set(), set(SECURE.rglob("*.example.yaml"))
+    for k in SECURE.rglob("kustomization.yaml"):
+        spec = yaml.safe_load(k.read_text())
+        assert all((k.parent / r / "kustomization.yaml").is_file() for r in spec["resources"]), "overlays of a base"
+        patches |= {k.parent / p["path"] for p in spec["patches"] if "path" in p}
+        assert not any(d["kind"] == "Secret" for d in kustomize(k.parent)), "Secrets are the operator's, not applied"
+    assert sorted(p for p in SECURE.rglob("*.yaml") if p.name != "kustomization.yaml") == sorted(patches | examples)
+    for name, secret in example_secrets().items():
+        assert secret["kind"] == "Secret", name
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(secret, version, strict=True)
+    assert example_secrets()["croupier-tls"]["type"] == "kubernetes.io/tls"
+
+
+def test_example_secrets_are_what_their_kubectl_commands_create(tmp_path: pathlib.Path) -> None:
+    """The `kubectl create secret` commands in the examples' comments, run with --dry-run=client (no cluster)."""
+    secrets = example_secrets()
+    made = set()
+    for path in SECURE.rglob("*.example.yaml"):
+        lines = [line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")]
+        commands = []
+        for i, line in enumerate(lines):
+            while line.startswith("kubectl create secret") and line.endswith("\\"):
+                i += 1
+                line = line[:-1] + lines[i]
+            if line.startswith("kubectl create secret"):
+                commands.append(line)
+        assert commands, path
+        for command in commands:
+            argv = shlex.split(command)
+            for i, arg in enumerate(argv):  # every file they read, made here
+                if arg.startswith("--from-file="):
+                    key, _, source = arg.removeprefix("--from-file=").partition("=")
+                    (tmp_path / source).write_text(key)
+                    argv[i] = f"--from-file={key}={tmp_path / source}"
+            assert argv[0] == "kubectl", command
+            r = subprocess.run([kubectl(), *argv[1:], "--dry-run=client", "-o", "json"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "KUBECONFIG": os.devnull})
+            assert r.returncode == 0, f"{command}: {r.stderr}"
+            out = json.loads(r.stdout)
+            name = out["metadata"]["name"]
+            want = secrets[name]
+            assert (out.get("type", "Opaque"), set(out["data"])) == (want.get("type", "Opaque"), secret_keys(want)), command
+            made.add(name)
+    assert made == set(secrets), "a command for every Secret"
+
+
+def test_secure_overlay_changes_only_tls_credentials_probes_and_metrics() -> None:
+    base, sts = kube("StatefulSet", "croupier"), built(SECURE, "StatefulSet", "croupier")
+    c, base_c = pod_container(sts), pod_container(base)
+    argv = c["command"] + c["args"]
+    base_argv = base_c["command"] + base_c["args"]
+    assert argv[:len(base_argv)] == base_argv, "the base's command, then the overlay's options"
+    args = croupier_args(argv, "serve")
+    assert args.tls_cert and args.tls_key and args.tls_client_ca and args.auth_file, "TLS, mutual TLS and credentials"
+    assert args.log_format == "json"
+
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"grpc": args.port, "metrics": args.metrics_port} and args.metrics_host == "0.0.0.0"
+    scrape = sts["spec"]["template"]["metadata"]["annotations"]
+    assert scrape == {"prometheus.io/scrape": "true", "prometheus.io/port": str(args.metrics_port),
+                      "prometheus.io/path": "/metrics"}
+
+    env = env_of(c)
+    assert env["CROUPIER_TLS_SERVER_NAME"] == kube("Service", "croupier")["metadata"]["name"], "the name trainers dial"
+    for probe in PROBES:
+        handlers = set(c[probe]) & {"exec", "grpc", "httpGet", "tcpSocket"}
+        assert handlers == {"exec"}, f"{probe}: one handler, exec (got {handlers})"
+        health_args = croupier_args(c[probe]["exec"]["command"], "health")
+        assert health_args.address == f"127.0.0.1:{args.port}"
+        assert health_args.service == base_c[probe]["grpc"].get("service", ""), "what the base's probe asks"
+        assert c[probe]["timeoutSeconds"] >= 5, "croupier health imports torch: give it time"
+
+    # Everything else is the base's; the Services lose only appProtocol (h2c: HTTP/2 in the clear).
+    mounts_, volumes = c["volumeMounts"], sts["spec"]["template"]["spec"]["volumes"]
+    assert all(m in mounts_ for m in base_c["volumeMounts"]) and all(v in volumes for v in base["spec"]["template"]["spec"]["volumes"])
+    for doc in (sts, base):
+        pod = doc["spec"]["template"]
+        pod["metadata"].pop("annotations", None)
+        pod["spec"].pop("volumes")
+        for key in ("args", "env", "ports", "volumeMounts", *PROBES):
+            pod_container(doc).pop(key, None)
+    assert sts == base
+    for name in ("croupier", "croupier-headless"):
+        service = built(SECURE, "Service", name)
+        assert all("appProtocol" not in p for p in service["spec"]["ports"])
+        assert [{**p, "appProtocol": "kubernetes.io/h2c"} for p in service["spec"]["ports"]] == kube("Service", name)["spec"]["ports"]
+
+
+@pytest.mark.parametrize("folder, kind, name", [(SECURE, "StatefulSet", "croupier"), (SECURE / "demo", "Job", "croupier-demo")],
+                         ids=["coordinator", "demo-trainer"])
+def test_secure_pods_mount_the_secrets_they_name(folder: pathlib.Path, kind: str, name: str) -> None:
+    workload = built(folder, kind, name)
+    c, volumes = pod_container(workload), pod_volumes(workload)
+    assert all(m["name"] in volumes for m in c["volumeMounts"]), "every mount, of a declared volume"
+    secret_mounts = [m for m in c["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert secret_mounts
+    for m in secret_mounts:
+        assert m.get("readOnly") is True and "subPath" not in m, "read-only, and a whole volume: updates reach the pod"
+        assert "items" not in volumes[m["name"]]["secret"]
+    files = secret_files(workload)
+    named = [option(c["command"] + c.get("args", []), o) for o in SECRET_OPTIONS] if kind == "StatefulSet" else []
+    env = {e["name"]: e for e in c["env"]}
+    named += [env[v]["value"] for v in CLIENT_FILES]
+    for path in named:
+        assert path in files, f"{path} is no key of a mounted Secret: {sorted(files)}"
+    for path in c["command"] + c.get("args", []) + [e.get("value", "") for e in c["env"]]:
+        if any(path.startswith(m["mountPath"] + "/") for m in secret_mounts):
+            assert path in files, f"{path} is no key of a mounted Secret"
+    if kind == "Job":
+        ref = env["CROUPIER_CREDENTIAL"]["valueFrom"]["secretKeyRef"]
+        assert ref["key"] in secret_keys(example_secrets()[ref["name"]])
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A CA (EC P-256); the coordinator's certificate as secrets.example.yaml asks (the names clients dial in
+    Kubernetes and in compose, serverAuth and clientAuth); a trainer's (clientAuth); one without clientAuth."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=croupier test CA")
+    extensions = {
+        "coordinator": "subjectAltName=DNS:croupier,DNS:croupier.croupier.svc,DNS:coordinator\n"
+                       "extendedKeyUsage=serverAuth,clientAuth\n",
+        "trainer": "extendedKeyUsage=clientAuth\n",
+        "server-only": "subjectAltName=DNS:croupier\nextendedKeyUsage=serverAuth\n",
+    }
+    for who, ext in extensions.items():
+        (d / f"{who}.ext").write_text(ext)
+        openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}")
+        openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext")
+    return d
+
+
+def secret_contents(pki: pathlib.Path) -> dict[tuple[str, str], bytes]:
+    """What the Secrets hold here: certificates made by `pki`, and the examples' own credentials."""
+    examples = example_secrets()
+    pem = {name: (pki / name).read_bytes() for name in ("ca.pem", "coordinator.pem", "coordinator.key", "trainer.pem", "trainer.key")}
+    return {
+        ("croupier-tls", "tls.crt"): pem["coordinator.pem"], ("croupier-tls", "tls.key"): pem["coordinator.key"],
+        ("croupier-tls", "ca.crt"): pem["ca.pem"],
+        ("croupier-credentials", "credentials.json"): examples["croupier-credentials"]["stringData"]["credentials.json"].encode(),
+        ("croupier-demo-tls", "tls.crt"): pem["trainer.pem"], ("croupier-demo-tls", "tls.key"): pem["trainer.key"],
+        ("croupier-demo-tls", "ca.crt"): pem["ca.pem"],
+        ("croupier-demo-credential", "credential"): examples["croupier-demo-credential"]["stringData"]["credential"].encode(),
+    }
+
+
+@dataclasses.dataclass
+class SecurePod:
+    proc: subprocess.Popen[str]
+    port: int
+    metrics_port: int
+    host_paths: dict[str, str]  # a file of a mounted Secret, as the container names it -> where it is here
+    env: dict[str, str]  # the container's environment, its paths replaced by host_paths
+
+
+def run_health(command: list[str], env: dict[str, str], port: int) -> subprocess.CompletedProcess[str]:
+    """A probe's command against `port`, with `env` for the environment's CROUPIER_* variables."""
+    argv = replace_option(command, "--address", f"127.0.0.1:{port}")
+    argv[0] = str(BIN / argv[0])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CROUPIER_")}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**clean, **env})
+
+
+@pytest.fixture
+def secure_coordinator(pki: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[SecurePod]:
+    """The secure overlay's coordinator command, run here: its Secret volumes written under tmp_path as the kubelet
+    writes them, and only those paths, the store's, the ports and the interfaces (loopback) replaced.
+
+    NOTE: `croupier serve` prints only the gRPC address, so the metrics port is one found free here.
+    """
+    sts = built(SECURE, "StatefulSet", "croupier")
+    c = pod_container(sts)
+    host_paths = mount_secrets(tmp_path / "pod", sts, secret_contents(pki))
+    argv = [host_paths.get(a, a) for a in c["command"] + c["args"]]
+    for name, value in {"--store": f"sqlite:///{tmp_path}/croupier.db", "--port": "0", "--host": "127.0.0.1",
+                        "--metrics-port": str(free_port()), "--metrics-host": "127.0.0.1"}.items():
+        argv = replace_option(argv, name, value)
+    argv[0] = str(BIN / argv[0])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("listening on "):
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"croupier serve did not start: {line!r} {err}")
+        env = {k: host_paths.get(v, v) for k, v in env_of(c).items()}
+        yield SecurePod(proc, int(line.rsplit(":", 1)[1]), int(option(argv, "--metrics-port")), host_paths, env)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_secure_coordinator_answers_its_probes(secure_coordinator: SecurePod, pki: pathlib.Path) -> None:
+    pod = secure_coordinator
+    c = pod_container(built(SECURE, "StatefulSet", "croupier"))
+    for probe in PROBES:
+        r = run_health(c[probe]["exec"]["command"], pod.env, pod.port)
+        assert (r.returncode, r.stdout) == (0, "SERVING\n"), f"{probe}: {r.stderr}"
+
+    # Mutual TLS: without a client certificate, or with one not meant for clients, the probe fails.
+    command = c["readinessProbe"]["exec"]["command"] + ["--timeout", "3"]
+    no_cert = {k: v for k, v in pod.env.items() if k not in ("CROUPIER_TLS_CERT", "CROUPIER_TLS_KEY")}
+    r = run_health(command, no_cert, pod.port)
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r.stdout + r.stderr
+    server_only = {**pod.env, "CROUPIER_TLS_CERT": str(pki / "server-only.pem"), "CROUPIER_TLS_KEY": str(pki / "server-only.key")}
+    assert run_health(command, server_only, pod.port).returncode == 1, "a certificate without clientAuth"
+
+    # The compose override's health check, against the same command line (its paths are the overlay's).
+    coordinator = secure_compose()["services"]["coordinator"]
+    env = {k: pod.host_paths.get(v, v) for k, v in coordinator["environment"].items()}
+    r = run_health(coordinator["healthcheck"]["test"][1:], env, pod.port)
+    assert (r.returncode, r.stdout) == (0, "SERVING\n"), r.stderr
+
+    # What Prometheus scrapes, where the pod's annotations say (plain HTTP).
+    path = built(SECURE, "StatefulSet", "croupier")["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}{path}", timeout=10) as reply:
+        assert reply.status == 200 and b"# TYPE " in reply.read()
+
+    pod.proc.send_signal(signal.SIGTERM)
+    assert pod.proc.wait(timeout=30) == 0
+
+
+def test_demo_trainer_reaches_the_secure_coordinator(secure_coordinator: SecurePod, pki: pathlib.Path,
+                                                     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo overlay's trainer environment, its Secrets the examples' (credential) and `pki`'s (certificate)."""
+    from croupier.client._rpc import CoordinatorClient
+    from croupier.core.api import JoinRequest
+    from croupier.core.spec import Spec
+
+    job = built(SECURE / "demo", "Job", "croupier-demo")
+    c = pod_container(job)
+    contents = secret_contents(pki)
+    host_paths = mount_secrets(tmp_path / "trainer", job, contents)
+    env = {k: host_paths.get(v, v) for k, v in container_env(c, contents).items()}
+    for k in [k for k in os.environ if k.startswith("CROUPIER_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    # In the cluster it dials CROUPIER_ADDRESS, and the certificate must carry that name; here it dials 127.0.0.1.
+    monkeypatch.setenv("CROUPIER_TLS_SERVER_NAME", env["CROUPIER_ADDRESS"].rsplit(":", 1)[0])
+    address, spec = f"127.0.0.1:{secure_coordinator.port}", Spec(n=100, seed=0)
+    with CoordinatorClient(address, retry_for=10.0) as client:
+        assert client.join(JoinRequest(env["CROUPIER_JOB"], spec, "t1", 1, 0), wait_s=5.0).start is not None
+        with pytest.raises(PermissionError, match="may not call Join for job 'another-job'"):
+            client.join(JoinRequest("another-job", spec, "t1", 1, 0), wait_s=0)
+    monkeypatch.delenv("CROUPIER_CREDENTIAL")
+    with CoordinatorClient(address, retry_for=10.0) as client:
+        with pytest.raises(PermissionError, match="needs a credential"):
+            client.jobs()
+
+
+def test_secure_coordinator_takes_an_updated_credentials_secret(secure_coordinator: SecurePod, pki: pathlib.Path) -> None:
+    """Rotation: the kubelet swaps in the edited Secret (..data), and the next calls see the new credentials."""
+    from croupier.client import Security
+    from croupier.client._rpc import CoordinatorClient
+    from croupier.server._auth import digest
+
+    pod = secure_coordinator
+    path = pod.host_paths["/etc/croupier/auth/credentials.json"]
+    old = example_secrets()["croupier-demo-credential"]["stringData"]["credential"]
+    new = "the-rotated-secret-0123456789"
+    tls = {"tls": True, "ca": pod.env["CROUPIER_TLS_CA"], "cert": str(pki / "trainer.pem"), "key": str(pki / "trainer.key"),
+           "server_name": pod.env["CROUPIER_TLS_SERVER_NAME"]}
+
+    def accepted(secret: str) -> bool:
+        with CoordinatorClient(f"127.0.0.1:{pod.port}", retry_for=5.0, security=Security(**tls, credential=secret)) as c:
+            try:
+                c.jobs()
+            except PermissionError:
+                return False
+            return True
+
+    assert accepted(old) and not accepted(new)
+    doc = json.loads(pathlib.Path(path).read_text())
+    doc["credentials"][0]["sha256"] = digest(new).hex()
+    write_secret_volume(pathlib.Path(path).parent, {"credentials.json": json.dumps(doc).encode()}, "v2")
+    deadline = time.monotonic() + 20  # the coordinator looks at the file at most once a second
+    while accepted(old) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert accepted(new) and not accepted(old)
+
+
+def test_compose_secure_override_is_the_overlay_for_one_host() -> None:
+    r = subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(COMPOSE_SECURE)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    base, services = compose()["services"], secure_compose()["services"]
+    assert set(services) <= set(base)
+    coord = services["coordinator"]
+    sts = built(SECURE, "StatefulSet", "croupier")
+    c = pod_container(sts)
+    argv = service_argv({**base["coordinator"], "command": coord["command"]})
+    assert argv == c["command"] + c["args"], "compose runs what the Kubernetes overlay runs"
+    files = secret_files(sts)
+    env = coord["environment"]
+    k8s_env = env_of(c)
+    assert env.keys() == k8s_env.keys() and all(env[v] == k8s_env[v] for v in CLIENT_FILES), "the probes' settings"
+    host = base["trainer"]["environment"]["CROUPIER_ADDRESS"].rsplit(":", 1)[0]
+    assert env["CROUPIER_TLS_SERVER_NAME"] == host, "the name the trainers dial"
+
+    def mounted(service: dict[str, Any]) -> dict[str, str]:
+        """Folder in the container -> folder on the host, for the bind mounts of deploy/secrets/."""
+        binds = [v.split(":") for v in service["volumes"]]
+        assert all(source.startswith("./deploy/secrets/") and mode == "ro" for source, _, mode in binds)
+        return {target: source for source, target, _ in binds}
+
+    folders = mounted(coord)
+    assert {path.rsplit("/", 1)[0] for path in files} == set(folders), "the overlay's Secret volumes, at their paths"
+    check = croupier_args(coord["healthcheck"]["test"][1:], "health")
+    assert coord["healthcheck"]["test"][0] == "CMD" and check.address == f"127.0.0.1:{option(argv, '--port')}"
+    for name in ("trainer-head", "trainer"):
+        trainer = services[name]
+        trainer_folders = mounted(trainer)
+        assert all(trainer["environment"][v].rsplit("/", 1)[0] in trainer_folders for v in CLIENT_FILES)
+        assert trainer["env_file"].startswith("deploy/secrets/"), "CROUPIER_CREDENTIAL, kept out of the file"
+        assert not set(trainer_folders.values()) & set(folders.values()), "the trainers see none of the coordinator's keys"
