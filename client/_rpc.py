@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -174,10 +175,29 @@ class CoordinatorClient:
         self.retry_for = retry_for
         self.call_timeout = call_timeout
         self.security = security if security is not None else Security.from_env()
-        self.channel = self.security.channel(address, CHANNEL_OPTIONS)
+        # NOTE: "host1:port,host2:port" names replicas of one coordinator (on one shared store):
+        # a call that finds one unavailable is retried on the next. A DNS name with several
+        # addresses is one endpoint: gRPC itself moves to another address when one fails.
+        self.endpoints = [a.strip() for a in address.split(",") if a.strip()]
+        if not self.endpoints:
+            raise ValueError(f"address names no coordinator (got {address!r})")
+        self._at = 0
+        self.channel = self.security.channel(self.endpoints[0], CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self._old: list[grpc.Channel] = []
+        self._switch = threading.Lock()
         self.retries = 0
         self.closed = False
+
+    def _next_endpoint(self) -> None:
+        """Moves to the next replica (no-op with one endpoint); the old channel closes with the client."""
+        if len(self.endpoints) < 2 or self.closed:
+            return
+        with self._switch:
+            self._at = (self._at + 1) % len(self.endpoints)
+            self._old.append(self.channel)
+            self.channel = self.security.channel(self.endpoints[self._at], CHANNEL_OPTIONS)
+            self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def _call(self, what: str, fn: Callable[[], T], retry_for: float | None = None) -> T:
         deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
@@ -187,6 +207,8 @@ class CoordinatorClient:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code()
+                if code in RETRYABLE:
+                    self._next_endpoint()
                 if code in RETRYABLE and retry_for == 0.0:
                     raise Unreachable(f"coordinator at {self.address}: {what} failed with {code.name}") from None
                 if code in RETRYABLE and time.monotonic() < deadline and not self.closed:
@@ -316,6 +338,8 @@ class CoordinatorClient:
         """Closes the channel: calls in flight end, and no call retries any more."""
         self.closed = True
         self.channel.close()
+        for old in self._old:
+            old.close()
 
     def __enter__(self) -> CoordinatorClient:
         return self

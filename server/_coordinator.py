@@ -23,12 +23,12 @@ from croupier.core.api import (
     RankCursor,
 )
 from croupier.core.checks import check_int
-from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from croupier.core.errors import CroupierError, InvalidArgument, ResourceExhausted, Unavailable
 from croupier.core.order import Cursor, Plan, plan_epoch
 from croupier.core.spec import Spec
-from croupier.server._journal import pack_event, pack_snapshot, recover
+from croupier.server._journal import pack_event, pack_snapshot, recover, replay
 from croupier.server._state import Event, GenerationOpened, GenerationStarted, JobRegistered
-from croupier.server._store import Store, StoreError
+from croupier.server._store import Store, StoreConflict, StoreError, StoreUnavailable
 
 log = logging.getLogger("croupier.server")
 
@@ -61,6 +61,9 @@ class Coordinator:
             StoreUnavailable: If the store could not be read.
         """
         self.store = store
+        #: Several coordinators (replicas) share the store: decisions are appended at the seq
+        #: this one has read up to, and a conflict makes it read and decide again.
+        self._shared = bool(getattr(store, "shared", False))
         self.snapshot_every = snapshot_every
         self.max_jobs = max_jobs
         try:
@@ -83,7 +86,10 @@ class Coordinator:
         #: Called by the writer thread after each journal append with (seconds it took, records);
         #: it MUST be quick and MUST NOT raise (the metrics set it).
         self.on_commit: Callable[[float, int], None] | None = None
-        self._writer = threading.Thread(target=self._write_loop, name="croupier-journal", daemon=True)
+        #: progress reports not journaled yet (shared store): (job, generation, rank) -> (epoch, batches, ms)
+        self._reports: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+        loop = self._report_loop if self._shared else self._write_loop
+        self._writer = threading.Thread(target=loop, name="croupier-journal", daemon=True)
         self._writer.start()
         log.info("recovered %d jobs from %s (snapshot at %d, %d journal records)",
                  len(self._state.jobs), store.url, rec.snapshot_seq, len(rec.records))
@@ -94,28 +100,27 @@ class Coordinator:
         """Decides, journals and applies a join; answers once durable and the generation started or `wait_s` passed."""
         if not 0 <= wait_s <= MAX_JOIN_WAIT_S:
             raise InvalidArgument(f"join wait must be in [0, {MAX_JOIN_WAIT_S}] s (got {wait_s})")
-        with self._cond:
-            self._check_ok()
+        def decide() -> list[Event]:
             if self.max_jobs is not None and req.job not in self._state.jobs and len(self._state.jobs) >= self.max_jobs:
                 raise ResourceExhausted(f"this coordinator holds {len(self._state.jobs)} jobs, its limit (croupier serve "
                                         f"--max-jobs {self.max_jobs}); job {req.job!r} is not one of them")
-            events = self._state.decide_join(req)
-            self._journal(events)
-            target = self._seq
-            while self._durable < target and self._failed is None:
-                self._cond.wait()
-            self._check_ok()
+            return self._state.decide_join(req)
+
+        with self._cond:
+            events = self._commit(decide, durable=True)
         _log_join(req, events)  # durable now; written outside the lock, as a wait would release it
         with self._cond:
-            self._check_ok()
+            self._fresh()
             deadline = time.monotonic() + wait_s
             result = self._state.join_result(req.job, req.rank)
             while result.start is None and result.generation == self._generation_of(req.job):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
-                self._check_ok()
+                # NOTE: on a shared store the other ranks may join through other replicas, whose
+                # events this one reads from the database: it looks every 50 ms while it waits.
+                self._cond.wait(min(left, _SHARED_POLL_S) if self._shared else left)
+                self._fresh()
                 result = self._state.join_result(req.job, req.rank)
             if result.start is not None and self._durable < self._seq:
                 # The start we saw may be another rank's event still on its way to disk.
@@ -131,25 +136,101 @@ class Coordinator:
         checkpoint state it took; returns once the checkpoint is durable.
 
         A progress report alone is journaled without waiting: losing the last one in a crash
-        only makes the cursor older until the rank's next report.
+        only makes the cursor older until the rank's next report. On a shared store it is checked
+        here (fencing first) and journaled by a background thread, several in one append, so a
+        grant costs no commit.
         """
         with self._cond:
-            self._check_ok()
-            events = self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint)
-            self._journal(events)
-            if checkpoint is None:
+            if self._shared and checkpoint is None:
+                self._fresh()
+                self._state.decide_report(job, generation, rank, epoch, batches, 0)  # raises for a bad report
+                key = (job, generation, rank)
+                if self._reports.get(key, (-1, -1, 0))[:2] < (epoch, batches):
+                    self._reports[key] = (epoch, batches, _now_ms())
+                    self._cond.notify_all()
                 return
-            target = self._seq
-            while self._durable < target and self._failed is None:
-                self._cond.wait()
-            self._check_ok()
+            self._commit(lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint),
+                         durable=checkpoint is not None)
 
     def checkpoint(self, job: str, step: int) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step` (NotFound if none)."""
         with self._cond:
-            self._check_ok()
+            self._fresh()
             record = self._state.checkpoint(job, step)
             return self._state.jobs[job].spec, record
+
+    def _commit(self, decide: Callable[[], list[Event]], durable: bool) -> list[Event]:
+        """Under the lock: the events `decide` makes of the current state, journaled and applied;
+        returns once they are durable when `durable` (a shared store's are, always)."""
+        if not self._shared:
+            self._check_ok()
+            events = decide()
+            self._journal(events)
+            if durable:
+                target = self._seq
+                while self._durable < target and self._failed is None:
+                    self._cond.wait()
+                self._check_ok()
+            return events
+        for _ in range(_CONFLICTS):
+            self._fresh()
+            events = decide()
+            if not events:
+                return events
+            try:
+                last = self.store.append_at(self._seq, [pack_event(ev) for ev in events])
+            except StoreConflict:
+                continue  # another replica wrote first: read what it wrote and decide again
+            except StoreUnavailable as e:
+                # NOTE: nothing was applied here; whether the commit landed (a connection lost
+                # during it) the next read of the journal tells.
+                raise Unavailable(f"the coordinator's store {self.store.url} is unavailable: {e}") from None
+            except StoreError as e:
+                self._fail(e)
+                raise Unavailable(f"the coordinator's store {self.store.url} failed: {e}") from None
+            for ev in events:
+                self._state.apply(ev)
+            self._seq = self._durable = last
+            self._since_snapshot += len(events)
+            if self._since_snapshot >= self.snapshot_every:
+                self._since_snapshot = 0
+                try:
+                    self.store.write_snapshot(self._seq, pack_snapshot(self._state))
+                except StoreError as e:  # a snapshot only shortens recovery
+                    log.warning("store %s: snapshot at %d not written: %s", self.store.url, self._seq, e)
+            self._cond.notify_all()
+            return events
+        raise Unavailable(f"the coordinator's store {self.store.url} kept changing under this replica "
+                          f"({_CONFLICTS} conflicting writes in a row); retry")
+
+    def _fresh(self) -> None:
+        """Under the lock: Unavailable if the store failed; on a shared store, first reads what
+        other replicas journaled since this one last looked (fencing needs the latest generation)."""
+        self._check_ok()
+        if not self._shared:
+            return
+        try:
+            if self.store.last_seq() == self._seq:
+                return
+            rec = self.store.read_since(self._seq)
+        except StoreUnavailable as e:
+            raise Unavailable(f"the coordinator's store {self.store.url} is unavailable: {e}") from None
+        except StoreError as e:
+            self._fail(e)
+            raise Unavailable(f"the coordinator's store {self.store.url} failed: {e}") from None
+        try:
+            self._state = replay(self.store, rec, self._state)
+        except StoreError as e:
+            self._fail(e)
+            raise Unavailable(f"the coordinator's store {self.store.url} failed: {e}") from None
+        self._since_snapshot += len(rec.records)
+        self._seq = self._durable = rec.last_seq
+        self._cond.notify_all()
+
+    def _fail(self, e: StoreError) -> None:
+        log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
+        self._failed = f"the coordinator's store {self.store.url} failed: {e}"
+        self._cond.notify_all()
 
     def _generation_of(self, job: str) -> int:
         return self._state.current(job).number
@@ -194,6 +275,32 @@ class Coordinator:
                 self._durable = last
                 self._cond.notify_all()
 
+    def _report_loop(self) -> None:
+        """A shared store's writer of progress reports: whatever arrived, in one append, at most every 50 ms."""
+        while True:
+            with self._cond:
+                while not self._reports and not self._closing:
+                    self._cond.wait()
+                if self._closing and not self._reports:
+                    return
+                reports, self._reports = self._reports, {}
+
+                def decide(reports: dict[tuple[str, int, int], tuple[int, int, int]] = reports) -> list[Event]:
+                    events: list[Event] = []
+                    for (job, gen, rank), (epoch, batches, at) in reports.items():
+                        try:
+                            events += self._state.decide_report(job, gen, rank, epoch, batches, at)
+                        except CroupierError:  # fenced or gone meanwhile: nothing to report
+                            pass
+                    return events
+
+                try:
+                    self._commit(decide, durable=True)
+                except Unavailable as e:  # reports are advisory: the ranks' next ones come soon
+                    log.debug("progress reports not journaled: %s", e)
+                if not self._closing:
+                    self._cond.wait(_SHARED_POLL_S)  # the next reports gather meanwhile
+
     def _check_ok(self) -> None:
         if self._failed is not None:
             raise Unavailable(f"{self._failed}; restart the coordinator to recover from what it made durable")
@@ -207,7 +314,7 @@ class Coordinator:
         if count > MAX_LEASE_BATCHES:
             raise ResourceExhausted(f"{what} count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
         with self._cond:
-            self._check_ok()
+            self._fresh()
             gen = self._state.generation(job, generation)
             spec = self._state.jobs[job].spec
             start, world = gen.start, gen.world
@@ -251,7 +358,7 @@ class Coordinator:
     def job(self, job: str) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
         with self._cond:
-            self._check_ok()
+            self._fresh()
             gen = self._state.current(job)
             j = self._state.jobs[job]
             result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
@@ -266,7 +373,7 @@ class Coordinator:
     def jobs(self) -> list[str]:
         """The names of the jobs the coordinator holds, sorted."""
         with self._cond:
-            self._check_ok()
+            self._fresh()
             return sorted(self._state.jobs)
 
     def snapshot_state(self) -> bytes:
@@ -299,6 +406,11 @@ def _log_join(req: JoinRequest, events: list[Event]) -> None:
         elif isinstance(ev, GenerationStarted):
             log.info("generation %d of job %r started: all %d ranks joined, epoch %d", ev.generation, ev.job, req.world,
                      ev.start.epoch, extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
+
+
+#: How often a join waiting on a shared store reads the journal; and the conflicting appends in a
+#: row after which a decision gives up (UNAVAILABLE: the client retries).
+_SHARED_POLL_S, _CONFLICTS = 0.05, 100
 
 
 def _now_ms() -> int:

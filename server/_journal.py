@@ -19,7 +19,7 @@ import msgpack
 from croupier.server._state import Event, FormatError, State, decode_event, encode_event
 from croupier.server._store import Recovered, Store, StoreCorrupt
 
-__all__ = ["pack_event", "pack_snapshot", "recover"]
+__all__ = ["pack_event", "pack_snapshot", "recover", "replay"]
 
 
 def pack_event(ev: Event) -> bytes:
@@ -59,7 +59,17 @@ def recover(store: Store) -> tuple[State, Recovered]:
         StoreUnavailable: If the store could not be read.
     """
     rec = store.load()
-    state = State()
+    return replay(store, rec), rec
+
+
+def replay(store: Store, rec: Recovered, state: State | None = None) -> State:
+    """`state` (or the empty state) brought up to date with what a store returned: its snapshot,
+    when it has one (which replaces `state`), then every record after it.
+
+    Raises:
+        StoreCorrupt: as :func:`recover`.
+    """
+    state = state if state is not None else State()
     if rec.snapshot is not None:
         what = f"the snapshot at seq {rec.snapshot_seq}"
         try:
@@ -77,4 +87,4 @@ def recover(store: Store) -> tuple[State, Recovered]:
         except (KeyError, RuntimeError) as exc:  # what apply raises for an event out of place
             why = f"its {type(ev).__name__} event does not follow the records before it ({type(exc).__name__}: {exc})"
             raise _corrupt(store, what, why) from exc
-    return state, rec
+    return state

@@ -9,6 +9,7 @@ from croupier.server._store import (
     Recovered,
     StoreUnavailable,
     as_bytes,
+    check_expected_last,
     check_records,
     check_seq,
     check_snapshot_seq,
@@ -22,7 +23,10 @@ class MemoryStore:
 
     Attributes:
         url: The URL the store was opened with.
+        shared: False: one process, one writer (see :class:`~croupier.server._store.Store`).
     """
+
+    shared = False
 
     def __init__(self, url: str = "memory://") -> None:
         """Creates an empty store.
@@ -42,14 +46,32 @@ class MemoryStore:
         if self._closed:
             raise StoreUnavailable(f"store {self.url} is closed")
 
+    def _append(self, payloads: list[bytes]) -> int:
+        first = self._last_seq + 1
+        self._records.extend(zip(range(first, first + len(payloads)), payloads, strict=True))
+        self._last_seq += len(payloads)
+        return self._last_seq
+
     def append(self, records: Sequence[bytes]) -> int:
         """See :meth:`Store.append`."""
         payloads = check_records(records)
         with self._lock:
             self._check_open()
-            first = self._last_seq + 1
-            self._records.extend(zip(range(first, first + len(payloads)), payloads, strict=True))
-            self._last_seq += len(payloads)
+            return self._append(payloads)
+
+    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+        """See :meth:`Store.append_at`."""
+        expected_last = check_seq(expected_last, "expected_last")
+        payloads = check_records(records)
+        with self._lock:
+            self._check_open()
+            check_expected_last(expected_last, self._last_seq, self.url)
+            return self._append(payloads)
+
+    def last_seq(self) -> int:
+        """See :meth:`Store.last_seq`."""
+        with self._lock:
+            self._check_open()
             return self._last_seq
 
     def write_snapshot(self, seq: int, payload: bytes) -> None:
@@ -67,6 +89,19 @@ class MemoryStore:
         with self._lock:
             self._check_open()
             return Recovered(self._snapshot, self._snapshot_seq, list(self._records))
+
+    def read_since(self, seq: int) -> Recovered:
+        """See :meth:`Store.read_since`: the records after ``seq``, or the whole store if the snapshot is past it."""
+        seq = check_seq(seq)
+        with self._lock:
+            self._check_open()
+            if not 0 <= seq <= self._last_seq:
+                raise ValueError(
+                    f"store {self.url}: seq must be in [0, {self._last_seq}], the journal's last record (got {seq=})"
+                )
+            if seq < self._snapshot_seq:
+                return Recovered(self._snapshot, self._snapshot_seq, list(self._records))
+            return Recovered(None, seq, [(s, p) for s, p in self._records if s > seq])
 
     def close(self) -> None:
         """See :meth:`Store.close`."""

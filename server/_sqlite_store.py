@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,9 +16,11 @@ from croupier.server._store import (
     StoreUnavailable,
     StoreVersionError,
     as_bytes,
+    check_expected_last,
     check_records,
     check_seq,
     check_snapshot_seq,
+    record_crc,
 )
 
 __all__ = ["SCHEMA_VERSION", "SqliteStore"]
@@ -30,11 +30,6 @@ SCHEMA_VERSION = 1
 
 #: Seconds a SQLite call waits for a lock held by another connection before it fails.
 _BUSY_TIMEOUT_S = 1.0
-
-
-def _crc(seq: int, payload: bytes) -> int:
-    # The sequence number is part of the checksum, so a record moved to another seq fails too.
-    return zlib.crc32(payload, zlib.crc32(struct.pack("<q", seq)))
 
 
 _SCHEMA = (
@@ -85,9 +80,12 @@ class SqliteStore:
 
     Attributes:
         url: The URL the store was opened with.
+        shared: False: one coordinator per file, which the lock enforces.
         path: The database file, absolute.
         commits: The number of journal transactions :meth:`append` has committed.
     """
+
+    shared = False
 
     def __init__(self, url: str, path: str | os.PathLike[str]) -> None:
         """Opens (creating if needed) and verifies the store at ``path``.
@@ -260,9 +258,9 @@ class SqliteStore:
             raise self._corrupt(f"{what} has a non-integer seq {seq!r}")
         if not isinstance(payload, bytes):
             raise self._corrupt(f"{what} {seq} has a payload of type {type(payload).__name__}, not a blob")
-        if not isinstance(crc, int) or crc != _crc(seq, payload):
+        if not isinstance(crc, int) or crc != record_crc(seq, payload):
             raise self._corrupt(
-                f"{what} {seq} fails its checksum (stored {crc!r}, computed {_crc(seq, payload)}, "
+                f"{what} {seq} fails its checksum (stored {crc!r}, computed {record_crc(seq, payload)}, "
                 f"{len(payload)} bytes)"
             )
         return seq, payload
@@ -272,6 +270,20 @@ class SqliteStore:
         with self._db:
             self._check_open()
             return self._read()
+
+    def read_since(self, seq: int) -> Recovered:
+        """See :meth:`Store.read_since`: the records after ``seq``, or the whole store if the snapshot is past it."""
+        seq = check_seq(seq)
+        with self._db:
+            self._check_open()
+            if not 0 <= seq <= self._last_seq:
+                raise ValueError(
+                    f"sqlite store {self.path}: seq must be in [0, {self._last_seq}], the journal's last record (got {seq=})"
+                )
+            rec = self._read()
+        if seq < rec.snapshot_seq:
+            return rec  # the records up to the snapshot are pruned with it
+        return Recovered(None, seq, [(s, p) for s, p in rec.records if s > seq])
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -289,26 +301,45 @@ class SqliteStore:
         payloads = check_records(records)
         with self._db:
             self._check_writable()
-            first = self._last_seq + 1
-            rows = [(seq, _crc(seq, p), p) for seq, p in enumerate(payloads, start=first)]
-            conn = self._conn
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.executemany("INSERT INTO journal (seq, crc, payload) VALUES (?, ?, ?)", rows)
-                conn.execute("COMMIT")  # synchronous=FULL: returns once the WAL is fsync'd
-            except sqlite3.Error as exc:
-                self._rollback()
-                self._failure = self._unavailable("cannot append", exc)
-                raise self._failure from exc
-            except BaseException as exc:  # e.g. KeyboardInterrupt mid-commit: durable or not, unknown
-                self._rollback()
-                self._failure = StoreUnavailable(
-                    f"sqlite store {self.path}: append interrupted by {type(exc).__name__}: {exc}"
-                )
-                raise
-            self._last_seq = rows[-1][0]
-            self.commits += 1
+            return self._append(payloads)
+
+    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+        """See :meth:`Store.append_at`. The file has one writer, so the check is against what it wrote."""
+        expected_last = check_seq(expected_last, "expected_last")
+        payloads = check_records(records)
+        with self._db:
+            self._check_writable()
+            check_expected_last(expected_last, self._last_seq, self.url)
+            return self._append(payloads)
+
+    def last_seq(self) -> int:
+        """See :meth:`Store.last_seq`."""
+        with self._db:
+            self._check_open()
             return self._last_seq
+
+    def _append(self, payloads: list[bytes]) -> int:
+        """One transaction, one durable commit; the caller holds _db and checked the store is writable."""
+        first = self._last_seq + 1
+        rows = [(seq, record_crc(seq, p), p) for seq, p in enumerate(payloads, start=first)]
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany("INSERT INTO journal (seq, crc, payload) VALUES (?, ?, ?)", rows)
+            conn.execute("COMMIT")  # synchronous=FULL: returns once the WAL is fsync'd
+        except sqlite3.Error as exc:
+            self._rollback()
+            self._failure = self._unavailable("cannot append", exc)
+            raise self._failure from exc
+        except BaseException as exc:  # e.g. KeyboardInterrupt mid-commit: durable or not, unknown
+            self._rollback()
+            self._failure = StoreUnavailable(
+                f"sqlite store {self.path}: append interrupted by {type(exc).__name__}: {exc}"
+            )
+            raise
+        self._last_seq = rows[-1][0]
+        self.commits += 1
+        return self._last_seq
 
     def _rollback(self) -> None:
         try:
@@ -329,7 +360,7 @@ class SqliteStore:
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("DELETE FROM snapshot")
                 conn.execute(
-                    "INSERT INTO snapshot (seq, crc, payload) VALUES (?, ?, ?)", (seq, _crc(seq, data), data)
+                    "INSERT INTO snapshot (seq, crc, payload) VALUES (?, ?, ?)", (seq, record_crc(seq, data), data)
                 )
                 conn.execute("DELETE FROM journal WHERE seq <= ?", (seq,))
                 conn.execute("COMMIT")

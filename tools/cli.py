@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -120,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run a coordinator (first line on stdout: 'listening on HOST:PORT')")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
-    s.add_argument("--store", default="sqlite:///croupier.db",
-                   help="memory:// or sqlite:///relative.db or sqlite:////absolute.db (default sqlite:///croupier.db)")
+    # NOTE: the store's URL may carry a password: $CROUPIER_STORE keeps it out of the command line
+    # (and out of a pod spec's args; a Kubernetes Secret fills the variable).
+    s.add_argument("--store", default=os.environ.get("CROUPIER_STORE", "sqlite:///croupier.db"),
+                   help="memory://, sqlite:///relative.db, sqlite:////absolute.db or "
+                        "postgresql://USER:PASSWORD@HOST:PORT/DB (shared by several replicas) "
+                        "(default $CROUPIER_STORE, else sqlite:///croupier.db)")
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM (default 5)")
     s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     s.add_argument("--log-format", choices=("text", "json"), default="text",

@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The croupier coordinator: `croupier serve` on port 50051, its SQLite store on the volume /data.
+# The croupier coordinator: `croupier serve` on port 50051, its SQLite store on the volume /data
+# (or, for several replicas, a PostgreSQL database: CROUPIER_STORE, see deploy/README.md).
 #
 #   docker build -f deploy/docker/coordinator.Dockerfile -t croupier-coordinator:0.1.0 .
 #   docker run -p 50051:50051 -v croupier-data:/data croupier-coordinator:0.1.0
@@ -20,6 +21,9 @@ COPY constraints.txt ./
 # in a layer of its own so that a change to croupier's source does not download it again.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --constraint constraints.txt --index-url "${TORCH_INDEX_URL}" torch
+# The postgresql:// store, which several replicas share (deploy/compose.ha.yml, kubernetes-ha/):
+# psycopg with the libpq of its binary wheel (the slim image has none), and its connection pool.
+RUN pip install --constraint constraints.txt "psycopg[binary]>=3.3" "psycopg-pool>=3.3"
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY core/ core/
@@ -28,7 +32,8 @@ COPY client/ client/
 COPY tools/ tools/
 COPY integrations/ integrations/
 RUN pip install --constraint constraints.txt . \
- && croupier serve --help > /dev/null
+ && croupier serve --help > /dev/null \
+ && python -c "import croupier.server._pg_store"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/croupier/bin:$PATH \
