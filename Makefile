@@ -15,7 +15,7 @@ demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
 test: lint  ## everything CI runs: lint, types, and the whole default suite (end-to-end runs included)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 check: lint  ## the fast lane for the edit loop: lint, types, the in-process tests
 	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -m "not slow and not e2e and not exhaustive"
