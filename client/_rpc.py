@@ -202,6 +202,7 @@ class CoordinatorClient:
     def _call(self, what: str, fn: Callable[[], T], retry_for: float | None = None) -> T:
         deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
         delay = 0.02
+        others = len(self.endpoints) - 1  # a call asked once still tries every replica once
         while True:
             try:
                 return fn()
@@ -209,6 +210,9 @@ class CoordinatorClient:
                 code = e.code()
                 if code in RETRYABLE:
                     self._next_endpoint()
+                if code in RETRYABLE and retry_for == 0.0 and others > 0 and not self.closed:
+                    others -= 1
+                    continue
                 if code in RETRYABLE and retry_for == 0.0:
                     raise Unreachable(f"coordinator at {self.address}: {what} failed with {code.name}") from None
                 if code in RETRYABLE and time.monotonic() < deadline and not self.closed:

@@ -1,4 +1,4 @@
-"""`croupier chaos`: random SIGKILLs, rollbacks and resizes of a real torchrun job and its coordinator, audited.
+"""`croupier chaos`: random SIGKILLs, rollbacks and resizes of a real torchrun job and its coordinator (or replicas), audited.
 
 One standalone coordinator (``croupier serve`` on a SQLite store) and a sequence of torchrun
 launches of the demo trainer (``croupier.tools.demo_train``) pointed at it. Each launch runs
@@ -18,23 +18,42 @@ from, so that the history is the chain the job follows. After every launch the a
 checked (no duplicates so far in any epoch, the finished ones complete), and so is the launch's
 resume point (its samplers resumed from the checkpoint its model came from); at the end, every
 epoch must be finished and pass the audit.
+
+Replicated mode (``store`` a ``postgresql://`` URL, ``replicas`` k): k ``croupier serve`` replicas
+on that database instead of the one coordinator, every rank given all k endpoints. The
+``coordinator`` fault gives way to two others:
+
+* ``replica``: SIGKILL of one replica, restarted on its own port; the first is always the first
+  endpoint (the one every rank calls first), later ones often the replica with the most active
+  client connections (the one the ranks are using), else one at random;
+* ``database``: a restart of the PostgreSQL server (through a :class:`DatabaseControl`), with a
+  fast and an immediate shutdown in turn; the replicas answer UNAVAILABLE meanwhile, and recover.
+
+Every rank records the join it got acknowledged (WORKDIR/joins.jsonl, see
+``croupier.tools.demo_train``); at the end, :func:`check_history` reads the journal from the
+database and checks that no generation was accepted twice or out of order and that no
+acknowledged join was lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import IO, Any
+from typing import IO, Any, Protocol
+
+import msgpack
 
 from croupier.tools.audit import EpochReport, audit, load, render
 from croupier.tools.cluster import descendants, statuses
@@ -52,12 +71,30 @@ END_MARGIN = 0.5  # seconds of training before the end of the job: the last mome
 STEP_MS = 40
 RESTART_S = 1.5  # seconds a coordinator restart is expected to take, until one is measured
 STALL = 120.0  # seconds without a step: the run has hung
+PACE_WINDOW_S = 1.0  # replicated mode: seconds of a launch's steps seen before its pace is measured
 KINDS = ("rank", "coordinator", "preempt")
 WEIGHTS = (0.35, 0.25, 0.40)
+#: The replicated mode's faults, with a database control and without one.
+REPLICATED_KINDS = ("rank", "replica", "database", "preempt")
+REPLICATED_WEIGHTS = (0.25, 0.25, 0.15, 0.35)
+NO_DATABASE_KINDS = ("rank", "replica", "preempt")
+NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
+#: Faults the job trains through (the others end the launch).
+ONLINE = frozenset({"coordinator", "replica", "database"})
+DATABASE_MODES = ("fast", "immediate")  # PostgreSQL shutdown modes, in turn
 
 
 class ChaosError(RuntimeError):
     """Something the chaos run did not inject went wrong: a crash, a hang, an audit violation."""
+
+
+class DatabaseControl(Protocol):
+    """What the replicated mode needs to restart the PostgreSQL server under the replicas."""
+
+    def restart(self, mode: str) -> None:
+        """Stops the server with shutdown mode `mode` ("fast" or "immediate") and starts it again on
+        the same address; MUST return only once it accepts connections again."""
+        ...
 
 
 @dataclasses.dataclass
@@ -71,10 +108,15 @@ class Tally:
     resizes: int = 0
     launches: int = 0
     rollback_steps: int = 0  # steps undone by restarts from older checkpoints
+    replica_kills: int = 0
+    first_endpoint_kills: int = 0  # replica kills of the first endpoint, the one every rank calls first
+    busy_replica_kills: int = 0  # replica kills of a replica with client connections when it was killed
+    database_restarts: dict[str, int] = dataclasses.field(default_factory=lambda: {m: 0 for m in DATABASE_MODES})
 
     @property
     def faults(self) -> int:
-        return self.rank_kills + self.coordinator_kills + self.preemptions
+        return (self.rank_kills + self.coordinator_kills + self.preemptions + self.replica_kills
+                + sum(self.database_restarts.values()))
 
 
 def _alive_trainer(pid: int) -> bool:
@@ -93,27 +135,38 @@ def _sigkill(pid: int) -> None:
 
 
 class Coordinator:
-    """``croupier serve`` on WORKDIR/coordinator.db in a child process; restarted on the same port after a kill."""
+    """``croupier serve`` on a store in a child process; restarted on the same port after a kill.
 
-    def __init__(self, db: pathlib.Path, log: IO[str]) -> None:
-        self.db = db
+    Args:
+        store: The store's URL (WORKDIR/coordinator.db in the single-coordinator mode).
+        log: Where its output goes.
+        name: How messages call it.
+        verbose: Log at INFO level (``-v``).
+    """
+
+    def __init__(self, store: str, log: IO[str], name: str = "the coordinator", verbose: bool = False) -> None:
+        self.store = store
         self.log = log
+        self.name = name
+        self.verbose = verbose
         self.port = 0
         self.address = ""
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--store", f"sqlite:///{self.db}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+               *(["-v"] if self.verbose else [])]
+        # The store's URL (its password) goes in the environment, not on the command line.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                env={**os.environ, "CROUPIER_STORE": self.store})
         self.proc = proc
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line.startswith("listening on "):
             proc.kill()
             proc.wait()
-            raise ChaosError(f"croupier serve --port {self.port} did not start (exit {proc.returncode}, first line "
-                             f"{line!r}); see {self.log.name}")
+            raise ChaosError(f"croupier serve --port {self.port} ({self.name}) did not start (exit {proc.returncode}, "
+                             f"first line {line!r}); see {self.log.name}")
         self.address = line.split()[-1]
         self.port = int(self.address.rsplit(":", 1)[1])
         threading.Thread(target=self._drain, args=(proc.stdout,), daemon=True).start()
@@ -126,7 +179,7 @@ class Coordinator:
     def check(self) -> None:
         """Raises ChaosError if the coordinator died without being killed."""
         if self.proc is not None and self.proc.poll() is not None:
-            raise ChaosError(f"the coordinator exited by itself (exit {self.proc.returncode}); see {self.log.name}")
+            raise ChaosError(f"{self.name} exited by itself (exit {self.proc.returncode}); see {self.log.name}")
 
     def kill(self) -> None:
         """kill -9, and wait for it."""
@@ -191,15 +244,207 @@ def _check_resumed(work: pathlib.Path, number: int, since: float, ckpt: pathlib.
                          "did not roll back with the model")
 
 
+class Replicas:
+    """k ``croupier serve`` replicas on one shared store, each in a child process with a log of its own
+    (WORKDIR/replica-I.log) and restarted on its own port after a kill.
+
+    Args:
+        store: The shared store's URL (``postgresql://``).
+        logs: One log per replica.
+    """
+
+    def __init__(self, store: str, logs: list[IO[str]]) -> None:
+        self.members = [Coordinator(store, log, f"replica {i}", verbose=True) for i, log in enumerate(logs)]
+
+    @property
+    def address(self) -> str:
+        """Every replica's endpoint, the first first: what CROUPIER_ADDRESS names."""
+        return ",".join(m.address for m in self.members)
+
+    def start(self) -> None:
+        for m in self.members:
+            m.start()
+
+    def check(self) -> None:
+        """Raises ChaosError if a replica died without being killed."""
+        for m in self.members:
+            m.check()
+
+    def kill(self) -> None:
+        """kill -9 of every replica, and wait for them."""
+        for m in self.members:
+            m.kill()
+
+
+def _active_clients(port: int, within_ms: int = 2000) -> int:
+    """Connections to local `port` that sent something in the last `within_ms` (from ``ss -ti``); 0 without ss.
+
+    NOTE: a client keeps the channels of replicas it moved away from open, idle; counting only
+    connections with recent traffic tells the replica the ranks are using from one they used.
+    """
+    try:
+        out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    active = 0
+    for line in out.stdout.splitlines():
+        if not line[:1].isspace():
+            continue  # the connection's addresses; its TCP info follows on an indented line
+        m = re.search(r"\blastrcv:(\d+)", line)
+        active += m is None or int(m[1]) <= within_ms  # ss leaves out lastrcv:0
+    return active
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """What :func:`check_history` read and checked."""
+
+    records: int  # journal records read
+    generations: int  # GenerationOpened events of the job, numbered 1.. in journal order
+    started: int  # GenerationStarted events of the job
+    acknowledged: int  # distinct (token, generation) the ranks were acknowledged, all in the journal
+    join_lines: int  # lines of WORKDIR/joins.jsonl
+    incarnations: int  # incarnations in the audit log (each an acknowledged join too)
+    first_seq: int  # the first journal record held (1 unless a snapshot pruned the ones before)
+    unchecked: int  # acknowledged joins of generations before first_seq, which a snapshot pruned
+
+
+def _read_joins(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            raise ChaosError(f"{path}:{i} is not a JSON line (got {line[:80]!r})") from None
+    return out
+
+
+def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History:
+    """Checks the journal in the shared store against itself and against the joins the ranks were acknowledged.
+
+    The job's ``GenerationOpened`` events must number its generations 1, 2, 3, ... in journal
+    order (none twice, none out of order), each with a token of its own; each
+    ``GenerationStarted`` and ``RankJoined`` must come after the ``GenerationOpened`` of its
+    generation, and no generation may start twice. Every acknowledged join, as the ranks
+    recorded it (WORKDIR/joins.jsonl) and as the audit log names it (one incarnation per
+    generation a rank joined), must be in the journal: that generation, opened with that token
+    and that world, and started.
+
+    NOTE: ``read_since(0)`` rather than ``load()``: a snapshot hides the records before it from
+    ``load()``, while the journal keeps them (up to its prune margin). If a snapshot pruned some,
+    the numbering is checked from the first generation still held, and the acknowledged joins of
+    earlier generations are counted as unchecked.
+
+    Args:
+        store_url: The shared store (``postgresql://``).
+        work: The run's workdir (joins.jsonl, audit/).
+        job: The job.
+
+    Returns:
+        The figures of the check.
+
+    Raises:
+        ChaosError: The first violation, with the journal's seq and the values involved.
+    """
+    from croupier.server import GenerationOpened, GenerationStarted, RankJoined, decode_event, open_store
+
+    store = open_store(store_url)
+    try:
+        rec = store.read_since(0)
+    finally:
+        store.close()
+    first_seq = rec.snapshot_seq + 1 if rec.snapshot is not None else 1
+    opened: dict[int, tuple[str, int, int]] = {}  # generation -> (token, world, seq)
+    by_token: dict[str, int] = {}
+    started: dict[int, int] = {}  # generation -> seq
+    last = 0
+    for seq, payload in rec.records:
+        ev = decode_event(msgpack.unpackb(payload))
+        if getattr(ev, "job", None) != job:
+            continue
+        if isinstance(ev, GenerationOpened):
+            # After a pruned prefix, the first generation held may have any number; then each the next.
+            if (opened or first_seq == 1) and ev.generation != last + 1:
+                raise ChaosError(f"journal record {seq} opens generation {ev.generation} of job {job!r} after "
+                                 f"generation {last}: a generation accepted twice or out of order")
+            if ev.token in by_token:
+                raise ChaosError(f"journal record {seq} opens generation {ev.generation} with token {ev.token!r}, "
+                                 f"which already opened generation {by_token[ev.token]}")
+            opened[ev.generation] = (ev.token, ev.world, seq)
+            by_token[ev.token] = ev.generation
+            last = ev.generation
+        elif isinstance(ev, (GenerationStarted, RankJoined)):
+            what = "starts" if isinstance(ev, GenerationStarted) else f"joins rank {ev.rank} to"
+            if ev.generation not in opened:
+                raise ChaosError(f"journal record {seq} {what} generation {ev.generation} of job {job!r}, which no "
+                                 "earlier record opened")
+            if isinstance(ev, GenerationStarted):
+                if ev.generation in started:
+                    raise ChaosError(f"journal record {seq} starts generation {ev.generation} again (first started "
+                                     f"by record {started[ev.generation]})")
+                started[ev.generation] = seq
+    first_gen = min(opened, default=last + 1)
+
+    lines = _read_joins(work / "joins.jsonl")
+    incs = load(work / "audit").get(job, []) if (work / "audit").exists() else []
+    # (token, generation, world, where it was recorded) of every acknowledged join.
+    acks: list[tuple[str, int | None, int | None, str]] = [
+        (str(j["token"]), j.get("generation"), j.get("world"), f"joins.jsonl line {i}, rank {j.get('rank')}")
+        for i, j in enumerate(lines, start=1)]
+    acks += [(inc.token, inc.generation, inc.world, "the audit log") for inc in incs]
+    checked: set[tuple[str, int]] = set()
+    unchecked: set[tuple[str, int | None]] = set()
+    for token, gen, world, where in acks:
+        if gen is None:  # recorded without the generation (see demo_train): the token must be there
+            gen = by_token.get(token)
+            if gen is None and first_seq == 1:
+                raise ChaosError(f"the join acknowledged with token {token!r} ({where}) is not in the journal: lost")
+        if gen is None or gen < first_gen and gen not in opened:
+            unchecked.add((token, gen))
+            continue
+        if gen not in opened:
+            raise ChaosError(f"the join acknowledged as generation {gen} with token {token!r} ({where}) is not in the "
+                             f"journal, which opened generations {first_gen}..{last}: an acknowledged join lost")
+        jtoken, jworld, seq = opened[gen]
+        if jtoken != token or (world is not None and jworld != world):
+            raise ChaosError(f"the join acknowledged as generation {gen} with token {token!r}, world {world} ({where}) "
+                             f"is not what journal record {seq} opened: token {jtoken!r}, world {jworld}")
+        if gen not in started:
+            raise ChaosError(f"generation {gen} was acknowledged as started ({where}) but the journal never started it")
+        checked.add((token, gen))
+    return History(records=len(rec.records), generations=len(opened), started=len(started),
+                   acknowledged=len(checked), join_lines=len(lines), incarnations=len(incs),
+                   first_seq=first_seq, unchecked=len(unchecked))
+
+
 class Run:
     """The orchestration of one chaos run."""
 
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
-                 coordinator: Coordinator, log: IO[str]) -> None:
+                 coordinator: Coordinator | Replicas, log: IO[str], database: DatabaseControl | None = None) -> None:
         self.work = work
         self.faults = faults
-        self.restart_s = RESTART_S  # the longest coordinator restart seen so far
-        self.first_kinds = rng.sample(KINDS, len(KINDS))
+        self.restart_s = RESTART_S  # the longest coordinator (replica, database) restart seen so far
+        self.database = database
+        self.kinds: tuple[str, ...]
+        self.weights: tuple[float, ...]
+        first: tuple[str, ...]
+        if isinstance(coordinator, Coordinator):
+            self.kinds, self.weights, first = KINDS, WEIGHTS, KINDS
+        elif database is not None:
+            # A short run still restarts the database with either shutdown mode.
+            self.kinds, self.weights, first = REPLICATED_KINDS, REPLICATED_WEIGHTS, (*REPLICATED_KINDS, "database")
+        else:
+            self.kinds, self.weights, first = NO_DATABASE_KINDS, NO_DATABASE_WEIGHTS, NO_DATABASE_KINDS
+        self.first_kinds = rng.sample(first, len(first))
+        # NOTE: a pace measured over the first step or two of a launch is noise (a status read late, the
+        # next one at once) that can find the end near and turn a fault the job trains through into a
+        # preemption; the replicated mode, whose short run must restart the database twice, waits
+        # for a second of steps. The single-coordinator mode keeps its pacing as it was.
+        self.pace_window = 0.0 if isinstance(coordinator, Coordinator) else PACE_WINDOW_S
         self.epochs = epochs
         self.n = n
         self.rng = rng
@@ -258,7 +503,7 @@ class Run:
         # the coordinator restarts.
         steps = math.ceil(per_fault * self.rng.uniform(0.2, 1.0) / (int(s["world"]) * BATCH))
         # A relaunch needs a checkpoint past the one it resumed from to make progress.
-        return max(steps, 1 if kind == "coordinator" else CKPT_EVERY + 1)
+        return max(steps, 1 if kind in ONLINE else CKPT_EVERY + 1)
 
     def watch(self, world: int, number: int) -> str:
         """Watches the launch and injects faults.
@@ -296,25 +541,32 @@ class Run:
                     # The first faults are one of each kind (in a random order), so that even a short
                     # run has them all; the rest are drawn by weight.
                     kind = (self.first_kinds[self.tally.faults] if self.tally.faults < len(self.first_kinds)
-                            else self.rng.choices(KINDS, WEIGHTS)[0])
+                            else self.rng.choices(self.kinds, self.weights)[0])
                     target = (kind, s0["step"] + self._gap(kind, s0))
                 # NOTE: a fault due after the end of the job comes just before the end instead, so
                 # that the run injects every fault it was asked for; unless it is the last one, it is
                 # a preemption that rolls back to an older checkpoint, which leaves room for the rest.
                 # NOTE: the ranks train on while the coordinator restarts (and this loop waits for it),
                 # so a coordinator kill needs that long before the end to leave room for the next fault.
-                pace = (now - first[0]) / (s0["step"] - first[1]) if s0["step"] > first[1] else 0.1  # s/step
-                allowance = self.restart_s if target is not None and target[0] == "coordinator" else 0.0
+                # So do a replica kill and a database restart.
+                measured = s0["step"] > first[1] and now - first[0] >= self.pace_window
+                pace = (now - first[0]) / (s0["step"] - first[1]) if measured else 0.1  # s/step
+                allowance = self.restart_s if target is not None and target[0] in ONLINE else 0.0
                 steps_left = (s0["of"] - s0["k"]) + (self.epochs - 1 - s0["epoch"]) * math.ceil(
                     self.n / (int(s0["world"]) * BATCH))
                 near_end = steps_left * pace <= END_MARGIN + allowance
                 if target is not None and (s0["step"] >= target[1] or near_end):
                     kind = target[0]
-                    early = s0["step"] < target[1] or (near_end and kind == "coordinator")
+                    early = s0["step"] < target[1] or (near_end and kind in ONLINE)
                     rollback = early and self.tally.faults + 1 < self.faults
                     if rollback:
                         kind = "preempt"
+                    if kind in ("replica", "database"):
+                        self._online_fault(kind, statuses(status))
+                        target = None
+                        continue
                     if kind == "coordinator":
+                        assert isinstance(self.coordinator, Coordinator)
                         self.coordinator.kill()
                         self.tally.coordinator_kills += 1
                         at = _where(statuses(status))
@@ -355,6 +607,49 @@ class Run:
             raise ChaosError(f"torchrun with {world} workers failed by itself (exit {proc.returncode}) in launch "
                              f"{number}; see {self.log.name}")
         return "finished"
+
+    def _online_fault(self, kind: str, st: list[dict[str, Any]]) -> None:
+        """A fault the job trains through: kill -9 of a replica (restarted), or a restart of the database."""
+        at = _where(st)
+        if kind == "replica":
+            assert isinstance(self.coordinator, Replicas)
+            members = self.coordinator.members
+            # Both drawn every time so that a seed replays the same choices whatever the traffic.
+            busiest, other = self.rng.random() < 0.5, self.rng.randrange(len(members))
+            active = [_active_clients(m.port) for m in members]
+            if self.tally.replica_kills == 0:
+                i, why = 0, "the first endpoint, every rank's first choice"
+            elif busiest and max(active) > 0:
+                i, why = active.index(max(active)), "the one the ranks are using"
+            else:
+                i, why = other, "at random"
+            victim = members[i]
+            victim.kill()
+            self.tally.replica_kills += 1
+            self.tally.first_endpoint_kills += i == 0
+            self.tally.busy_replica_kills += active[i] > 0
+            t = time.monotonic()
+            victim.start()
+            took = time.monotonic() - t
+            self.restart_s = max(self.restart_s, took)
+            self._say(f"SIGKILL of replica {i} at {victim.address} ({why}; {active[i]} client connections active, "
+                      f"{sum(active)} in all) at {at}; restarted in {took:.1f} s, the ranks carry on")
+            return
+        if self.database is None:
+            raise ChaosError("a database fault without a database control")  # not drawn without one
+        modes = self.tally.database_restarts
+        mode = DATABASE_MODES[sum(modes.values()) % len(DATABASE_MODES)]
+        t = time.monotonic()
+        try:
+            self.database.restart(mode)
+        except Exception as e:  # noqa: BLE001 - the control's own failure is not one of croupier's
+            raise ChaosError(f"the database did not restart (shutdown mode {mode}): {type(e).__name__}: {e}") from e
+        took = time.monotonic() - t
+        modes[mode] += 1
+        self.restart_s = max(self.restart_s, took)
+        self.coordinator.check()  # every replica outlives the outage
+        self._say(f"restart of PostgreSQL ({mode} shutdown) at {at}, back in {took:.1f} s; the replicas lost "
+                  "their database meanwhile, the ranks carry on")
 
     def _say(self, what: str) -> None:
         print(f"\n  ! fault {self.tally.faults}/{self.faults}: {what}", flush=True)
@@ -421,26 +716,86 @@ def _summary(t: Tally, reports: list[EpochReport], seconds: float) -> str:
             f"{missing} missing; G1 holds ({seconds:.0f} s)")
 
 
+def _summary_replicated(t: Tally, reports: list[EpochReport], seconds: float) -> str:
+    samples = sum(r.trained for r in reports)
+    dups = sum(r.duplicates for r in reports)
+    missing = sum(r.missing for r in reports)
+    db = t.database_restarts
+    return (f"chaos: {t.faults} faults injected ({t.rank_kills} rank kills, {t.replica_kills} replica kills "
+            f"({t.first_endpoint_kills} of the first endpoint, {t.busy_replica_kills} of a replica with active clients), "
+            f"{sum(db.values())} database restarts ({db['fast']} fast, {db['immediate']} immediate), "
+            f"{t.preemptions} preemptions), {t.resizes} resizes, {t.older_restarts} restarts from an older checkpoint "
+            f"({t.rollback_steps} steps rolled back), "
+            f"{t.launches} launches; {samples} samples audited over {len(reports)} epochs: {dups} duplicates, "
+            f"{missing} missing; G1 holds ({seconds:.0f} s)")
+
+
+def _history_line(h: History) -> str:
+    if h.first_seq == 1:
+        numbered, pruned = f"numbered 1..{h.generations}", ""
+    else:
+        numbered = "numbered one after another from the first the journal still holds"
+        pruned = (f"; the journal was pruned before record {h.first_seq}: {h.unchecked} acknowledged joins of "
+                  "earlier generations not checked")
+    return (f"history: {h.generations} generations of job {JOB!r} opened in journal order, {numbered}: none twice, "
+            f"none out of order, each with a token of its own, {h.started} started after they opened; "
+            f"{h.acknowledged} acknowledged joins ({h.join_lines} rank records in joins.jsonl, {h.incarnations} "
+            f"incarnations in the audit log) all in the journal: no acknowledged join lost ({h.records} journal "
+            f"records read{pruned})")
+
+
+def _check_store(store: str) -> None:
+    """Raises ValueError unless `store` is a ``postgresql://`` database that holds no journal yet."""
+    from croupier.server import open_store, redact_url
+
+    if not store.startswith(("postgresql://", "postgres://")):
+        raise ValueError(f"store must be a postgresql:// URL: the replicas share it (got {redact_url(store)!r}); "
+                         "without one, the run keeps a sqlite store in its workdir")
+    opened = open_store(store)
+    try:
+        rec = opened.load()
+    finally:
+        opened.close()
+    if rec.snapshot is not None or rec.records:
+        raise ValueError(f"store {redact_url(store)} already holds a journal (up to record {rec.last_seq}): the "
+                         "history check reads the whole journal as this run's; give the run an empty database")
+
+
 def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int = 3600,
-         seed: int | None = None) -> int:
+         seed: int | None = None, store: str | None = None, replicas: int = 1,
+         database: DatabaseControl | None = None) -> int:
     """Runs the chaos run; returns 0 when every audit passes, 1 on a violation or an unexpected failure.
 
     Args:
         workdir: Where the coordinator's store, the checkpoints, the logs and the audit log go
             (emptied first).
-        faults: Kills to inject (rank, coordinator and whole-job kills); resizes come on top.
+        faults: Kills to inject (rank, coordinator and whole-job kills; in the replicated mode,
+            replica kills and database restarts instead of coordinator kills); resizes come on top.
         epochs: Epochs of the training job.
         n: Samples in the synthetic dataset; a multiple of 12 makes every epoch exactly-once
             with no pad repeats at any world size 1..4.
         seed: Seed of the run's random choices (default: a random one, printed).
+        store: A ``postgresql://`` URL of an empty database: the replicated mode, `replicas`
+            ``croupier serve`` processes on it. None: one coordinator on a sqlite store in the workdir.
+        replicas: Replicas in the replicated mode.
+        database: Restarts the database in the replicated mode (``database`` faults); None: no
+            such faults (a run cannot restart a server it does not own).
 
     Raises:
-        ValueError: a setting out of range.
+        ValueError: a setting out of range, or a store that is not an empty PostgreSQL database.
+        StoreError: the store could not be opened.
     """
     if faults < 0 or epochs < 1 or n < 1:
         raise ValueError(f"faults must be >= 0, epochs and n >= 1 (got {faults=}, {epochs=}, {n=})")
     if n < 4 * BATCH:
         raise ValueError(f"n must be at least {4 * BATCH} so that 4 workers each get a batch (got {n=})")
+    if replicas < 1 or replicas > 1 and store is None:
+        raise ValueError(f"replicas must be >= 1, and more than 1 needs a shared store (got {replicas=}, "
+                         f"store={'given' if store else None})")
+    if database is not None and store is None:
+        raise ValueError("a database control needs the replicated mode (store=postgresql://...)")
+    if store is not None:
+        _check_store(store)
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
     work = pathlib.Path(workdir).resolve()
@@ -453,14 +808,33 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
           f"a checkpoint every {CKPT_EVERY} steps, 1-4 workers, seed {seed}; logs in {work}", flush=True)
     if n % 12:
         print(f"  note: n={n} is not a multiple of 12, so the pad tail may repeat fewer than W indices (legal)")
+    if store is not None and database is None:
+        print("  note: no control of the database server: no database faults (croupier chaos cannot restart a "
+              "PostgreSQL server it does not own); replica kills, rank kills and preemptions only", flush=True)
     t0 = time.perf_counter()
-    with open(work / "coordinator.log", "a") as clog, open(work / "train.log", "a") as tlog:
-        coordinator = Coordinator(work / "coordinator.db", clog)
-        run = Run(work, faults, epochs, n, random.Random(seed), coordinator, tlog)
+    with contextlib.ExitStack() as logs:
+        tlog = logs.enter_context(open(work / "train.log", "a"))
+        coordinator: Coordinator | Replicas
+        if store is None:
+            db = work / "coordinator.db"
+            coordinator = Coordinator(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")))
+        else:
+            coordinator = Replicas(store, [logs.enter_context(open(work / f"replica-{i}.log", "a"))
+                                           for i in range(replicas)])
+        run = Run(work, faults, epochs, n, random.Random(seed), coordinator, tlog, database)
+        history: History | None = None
         try:
             coordinator.start()
-            print(f"coordinator: croupier serve at {coordinator.address} (sqlite store {coordinator.db})", flush=True)
+            if store is None:
+                print(f"coordinator: croupier serve at {coordinator.address} (sqlite store {db})", flush=True)
+            else:
+                from croupier.server import redact_url
+
+                print(f"replicas: {replicas} croupier serve processes at {coordinator.address} (postgresql store "
+                      f"{redact_url(store)})", flush=True)
             reports = run.run()
+            if store is not None:
+                history = check_history(store, work)
         except Exception as e:  # noqa: BLE001 - anything unexpected fails the run, with its cause
             print(f"\nchaos: FAILED after {run.tally.faults} faults, {time.perf_counter() - t0:.0f} s "
                   f"(seed {seed}): {type(e).__name__}: {e}", flush=True)
@@ -474,6 +848,9 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     if unfinished:
         print(f"\nchaos: FAILED: the job ended without finishing epochs {unfinished}")
         return 1
-    print("\n" + _summary(run.tally, reports, time.perf_counter() - t0), flush=True)
+    if history is None:
+        print("\n" + _summary(run.tally, reports, time.perf_counter() - t0), flush=True)
+    else:
+        print("\n" + _summary_replicated(run.tally, reports, time.perf_counter() - t0))
+        print(_history_line(history), flush=True)
     return 0
-

@@ -80,7 +80,9 @@ def _demo_cmd(args: argparse.Namespace) -> int:
 def _chaos_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.chaos import main as chaos
 
-    return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed)
+    # NOTE: no database control from the command line: it cannot restart a server it does not own.
+    return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed, store=args.store,
+                 replicas=args.replicas)
 
 
 def _status_cmd(args: argparse.Namespace) -> int:
@@ -170,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--epochs", type=int, default=6, help="epochs (default 6)")
     c.add_argument("--n", type=int, default=3600, help="samples, best a multiple of 12 (default 3600)")
     c.add_argument("--seed", type=int, default=None, help="seed of the random choices (default: random, printed)")
+    c.add_argument("--store", default=None,
+                   help="postgresql://... URL of an empty database: run --replicas croupier serve replicas on it, kill "
+                        "them instead of the coordinator, and check the journal's history at the end (default: one "
+                        "coordinator on a sqlite store in the workdir)")
+    c.add_argument("--replicas", type=int, default=1, help="replicas on --store (default 1)")
     c.set_defaults(func=_chaos_cmd)
 
     t = sub.add_parser("status", help="every job a coordinator holds (progress, slowest rank), or one job's ranks "

@@ -10,6 +10,9 @@ WORKDIR/ckpts/step-XXXXXX.pt; `resume_from` names the checkpoint file to resume 
 ckpt.pt (relative to WORKDIR, or absolute); `lease_ahead` is the sampler's lease size; `step_ms`
 stands in for a larger model's compute: each step takes at least that long (the multi-node demo
 uses it so that a node joining, which takes its agent a few seconds, happens mid-training).
+After its sampler's first batch, every rank appends the join it got acknowledged (token,
+generation, rank, world) as one JSON line to WORKDIR/joins.jsonl (``croupier chaos`` checks them
+against the coordinator's journal).
 """
 
 from __future__ import annotations
@@ -62,6 +65,24 @@ def _save(state: dict[str, object], path: pathlib.Path) -> None:
     tmp.replace(path)
 
 
+def _record_join(work: pathlib.Path, sampler: DistributedSampler, rank: int, world: int) -> None:
+    """Appends the join this rank's sampler got acknowledged to WORKDIR/joins.jsonl: one line, one write."""
+    # NOTE: the sampler keeps its generation and token private (there is no public accessor, and
+    # the client is not the demo's to change); the state's origin ("token/epoch/items") still
+    # names the token if those attributes go away, without the generation (that state_dict() also
+    # records a checkpoint, in the audit log and at the coordinator, that nobody resumes from).
+    token = getattr(sampler, "_token_used", None) or str(sampler.state_dict().get("origin", "")).split("/")[0]
+    generation = getattr(sampler, "_generation", None)
+    line = json.dumps({"token": token, "generation": generation, "rank": rank, "world": world,
+                       "pid": os.getpid(), "t": time.time()}) + "\n"
+    # One O_APPEND write of a short line: the ranks' lines never interleave.
+    fd = os.open(work / "joins.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 def main() -> None:
     cfg = json.loads(os.environ["DEMO"])
     work = pathlib.Path(cfg["workdir"])
@@ -94,12 +115,16 @@ def main() -> None:
 
     status = work / "status"
     status.mkdir(exist_ok=True)
+    joined = False
     for epoch in range(start_epoch, cfg["epochs"]):
         sampler.set_epoch(epoch)
         # This epoch's batches: taken so far (after a resume, those before the checkpoint) and in all.
         k, of = sampler.items_done // cfg["batch_size"], len(loader)
         for x, y in loader:
             k += 1
+            if not joined:  # the sampler's first batch: its join was acknowledged
+                _record_join(work, sampler, rank, world)
+                joined = True
             t_step = time.monotonic()
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
