@@ -64,8 +64,7 @@ class _Prefetcher:
     batches of the generation's plan the rank takes (a few bytes), not their indices. The
     indices are computed from the plan by this process's lease helper process
     (`croupier.client._expander`: in a thread here the computation would contend for the GIL
-    with the training loop; ``CROUPIER_EXPANDER=0`` computes here instead). With ``local=False``
-    the coordinator computes the indices (the Lease RPC, for comparison). When the coordinator
+    with the training loop; ``CROUPIER_EXPANDER=0`` computes here instead). When the coordinator
     does not answer within 1 s (0.25 s while it keeps not answering),
     the rank computes the lease from its plan, the same code the coordinator runs (its data
     cannot have changed: only a join changes it, and a join needs the coordinator), and asks
@@ -73,8 +72,7 @@ class _Prefetcher:
     """
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
-                 lease_size: int, depth: int, plan: Plan, local: bool) -> None:
-        self._local = local
+                 lease_size: int, depth: int, plan: Plan) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._args = (client, job, generation, rank, epoch)
@@ -94,16 +92,13 @@ class _Prefetcher:
         missed = False  # the last ask went unanswered
         try:
             while not self._stop.is_set():
-                got: Grant | LeaseReply | None
+                got: Grant | None
                 # NOTE: while the coordinator does not answer, each lease still asks, but waits
                 # only _PROBE_S: a stopped (not dead) coordinator never refuses, and a full
                 # _ASK_S per lease could outlast the leases queued ahead of the loop.
                 wait = _PROBE_S if missed else _ASK_S
                 try:
-                    if self._local:
-                        got = client.grant(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
-                    else:
-                        got = client.lease(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
+                    got = client.grant(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
                     if missed:
                         log.warning("croupier: the coordinator of job %r answers again (rank %d)", job, rank)
                     missed = False
@@ -116,16 +111,13 @@ class _Prefetcher:
                                     "plan and asks again at every lease", job, rank)
                     missed = True
                     self.ungranted += 1
-                if isinstance(got, LeaseReply):
-                    idx, sizes = got.indices, got.sizes
-                else:
-                    idx, sizes = _expander.lease(plan, rank, self._next, count)
-                    if got is not None and (got.batches, got.last_size) != (len(sizes), sizes[-1] if sizes else 0):
-                        raise RuntimeError(
-                            f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
-                            f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
-                            "coordinator compute different plans (another croupier release?)"
-                        )
+                idx, sizes = _expander.lease(plan, rank, self._next, count)
+                if got is not None and (got.batches, got.last_size) != (len(sizes), sizes[-1] if sizes else 0):
+                    raise RuntimeError(
+                        f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
+                        f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
+                        "coordinator compute different plans (another croupier release?)"
+                    )
                 end = int(plan.nb_r[rank]) <= self._next + len(sizes)
                 self._next += len(sizes)
                 self._put(LeaseReply(idx, sizes, end, plan.samples(rank)))
@@ -537,7 +529,7 @@ class _Base(Sampler[Any]):
         # sampler's unit is its batch_size.
         first_batch = self._yielded * self._unit // self.spec.batch_size
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p, True)
+                         self._lease_ahead, self._prefetch, p)
         self._prefetcher = pf
         before = self._before
         try:
