@@ -28,6 +28,7 @@ from croupier.core.wire import (
     spec_from_proto,
     spec_to_proto,
     unpack_indices,
+    unpack_runs,
 )
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
@@ -300,7 +301,7 @@ class CoordinatorClient:
         if progress is not None:
             m.progress.epoch, m.progress.batches = progress
         r = self._call("grant", lambda: self.stub.Grant(m, timeout=timeout), retry_for=0.0)
-        return Grant(r.batches, r.last_size, r.end_of_epoch, r.epoch_samples)
+        return Grant(r.batches, r.last_size, r.end_of_epoch, r.epoch_samples, unpack_runs(r.dealt))
 
     def get_job(self, job: str) -> tuple[Spec, JoinResult]:
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))
@@ -321,21 +322,27 @@ class CoordinatorClient:
         return list(r.jobs)
 
     def report(self, job: str, generation: int, rank: int, progress: tuple[int, int],
-               checkpoint: tuple[int | None, Cursor, str] | None = None, timeout: float | None = None) -> None:
+               checkpoint: tuple[int | None, Cursor | None, str] | None = None, timeout: float | None = None,
+               own: bool = False) -> Cursor | None:
         """Reports how far the rank's loop got (epoch, batches of its share of the generation's plan)
         and, with `checkpoint` (step, cursor, origin), a checkpoint state it took; returns once the
-        coordinator made the checkpoint durable. With `timeout`, asks once (Unreachable if no answer)."""
-        m = pb.ReportRequest(job=job, generation=generation, rank=rank)
+        coordinator made the checkpoint durable, with the checkpoint's cursor as recorded (for
+        dynamic dealing the cursor sent is None and the coordinator computes it, crediting only
+        this rank's progress and the others' commits when `own`). With `timeout`, asks once
+        (Unreachable if no answer)."""
+        m = pb.ReportRequest(job=job, generation=generation, rank=rank, own=own)
         m.progress.epoch, m.progress.batches = progress
         if checkpoint is not None:
             m.checkpoint.CopyFrom(checkpoint_to_proto(*checkpoint))
-        self._call("report", lambda: self.stub.Report(m, timeout=self.call_timeout if timeout is None else timeout),
-                   retry_for=None if timeout is None else 0.0)
+        r = self._call("report", lambda: self.stub.Report(m, timeout=self.call_timeout if timeout is None else timeout),
+                       retry_for=None if timeout is None else 0.0)
+        return cursor_from_proto(r.cursor) if r.HasField("cursor") else None
 
-    def checkpoint(self, job: str, step: int) -> tuple[Spec, CheckpointRecord]:
-        """The job's spec and the checkpoint it recorded at training step `step` (NotFound if none)."""
-        r = self._call("get_checkpoint", lambda: self.stub.GetCheckpoint(pb.GetCheckpointRequest(job=job, step=step),
-                                                                          timeout=self.call_timeout))
+    def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
+        """The job's spec and the checkpoint it recorded at training step `step`, or its latest
+        record for None (NotFound if none)."""
+        req = pb.GetCheckpointRequest(job=job, step=step or 0, latest=step is None)
+        r = self._call("get_checkpoint", lambda: self.stub.GetCheckpoint(req, timeout=self.call_timeout))
         return spec_from_proto(r.spec), record_from_proto(r.record)
 
     def close(self) -> None:

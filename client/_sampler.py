@@ -23,9 +23,11 @@ from croupier.client._rpc import CoordinatorClient, LeaseReply, Security, Unreac
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, Grant, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
+from croupier.core.dynamic import lease as dynamic_lease
+from croupier.core.dynamic import one_rank_plan
 from croupier.core.errors import Aborted, CroupierError, NotFound
 from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, is_fresh, plan_epoch, show
-from croupier.core.spec import Spec
+from croupier.core.spec import TOKEN_WINDOW, Spec
 
 _DONE = object()
 log = logging.getLogger("croupier")
@@ -57,6 +59,20 @@ def _dataset_size(dataset: Sized | int) -> int:
     return len(dataset)
 
 
+def _tokens(plan: Plan) -> bool:
+    """Whether `plan` is a token-budget plan (``croupier.core.tokens``), whose batches vary in size."""
+    return hasattr(plan, "known_steps")
+
+
+def _ends(plan: Plan, rank: int, upto: int, asked: int, got: int) -> bool:
+    """Whether `rank` has no batch from `upto` on in `plan` (a token plan learns its end as it goes)."""
+    known = getattr(plan, "known_steps", None)
+    if known is None:
+        return int(plan.nb_r[rank]) <= upto
+    steps = known(rank)
+    return got < asked or (steps is not None and steps <= upto)
+
+
 class _Prefetcher:
     """Prepares batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead.
 
@@ -72,13 +88,14 @@ class _Prefetcher:
     """
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
-                 lease_size: int, depth: int, plan: Plan) -> None:
+                 lease_size: int, depth: int, plan: Plan, dealt: Plan | None = None) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._args = (client, job, generation, rank, epoch)
         self._next = first
         self._lease_size = lease_size
         self._plan = plan
+        self._dealt = dealt  # dynamic dealing: the one-rank plan whose batches the coordinator deals
         self.ungranted = 0  # leases computed while the coordinator did not answer
         #: (epoch, batches) the consumer's loop had taken when it last took a lease: reported with
         #: the next request (the consumer sets it; a tuple is replaced whole)
@@ -86,7 +103,40 @@ class _Prefetcher:
         self._thread = threading.Thread(target=self._run, name=f"croupier-lease-r{rank}-e{epoch}", daemon=True)
         self._thread.start()
 
+    def _run_dealt(self) -> None:
+        """Dynamic dealing: every batch is dealt by the coordinator, so a lease waits for it."""
+        client, job, gen, rank, epoch = self._args
+        assert self._dealt is not None
+        missed = False
+        while not self._stop.is_set():
+            try:
+                got = client.grant(job, gen, rank, epoch, self._next, self._lease_size,
+                                   timeout=_PROBE_S if missed else _ASK_S, progress=self.progress)
+            except Unreachable:
+                if client.closed:
+                    return
+                if not missed:
+                    log.warning("croupier: the coordinator of job %r does not answer; rank %d (dynamic dealing) "
+                                "waits for it", job, rank)
+                missed = True
+                continue
+            missed = False
+            idx, sizes = dynamic_lease(self._dealt, list(got.runs))
+            end = got.end_of_epoch or not sizes
+            self._next += len(sizes)
+            if sizes:
+                self._put(LeaseReply(idx, sizes, end, 0))
+            if end:
+                return
+
     def _run(self) -> None:
+        if self._dealt is not None:
+            try:
+                self._run_dealt()
+            except BaseException as e:  # handed to the consumer, which raises it
+                self._put(e)
+            self._put(_DONE)
+            return
         client, job, gen, rank, epoch = self._args
         plan, count = self._plan, self._lease_size
         missed = False  # the last ask went unanswered
@@ -112,13 +162,14 @@ class _Prefetcher:
                     missed = True
                     self.ungranted += 1
                 idx, sizes = _expander.lease(plan, rank, self._next, count)
-                if got is not None and (got.batches, got.last_size) != (len(sizes), sizes[-1] if sizes else 0):
+                if got is not None and not _tokens(plan) and (got.batches, got.last_size) != (
+                        len(sizes), sizes[-1] if sizes else 0):
                     raise RuntimeError(
                         f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
                         f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
                         "coordinator compute different plans (another croupier release?)"
                     )
-                end = int(plan.nb_r[rank]) <= self._next + len(sizes)
+                end = _ends(plan, rank, self._next + len(sizes), count, len(sizes))
                 self._next += len(sizes)
                 self._put(LeaseReply(idx, sizes, end, plan.samples(rank)))
                 if end:
@@ -178,6 +229,7 @@ def _first_of_its_rank(group: Any | None, rank: int) -> bool:
 
 
 class _Base(Sampler[Any]):
+    _lockstep = True  # dynamic dealing: a checkpoint credits every rank with this rank's count
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state.
 
     Counting: an *item* is what the sampler yields (an index, or a batch for the batch sampler).
@@ -241,6 +293,7 @@ class _Base(Sampler[Any]):
         self._chunk_len = 0
         self._entered = False  # an iteration of self._epoch has begun
         self._complete = False  # self._epoch is over: iterated to its end, or cut by the trainer
+        self._exhausted = False  # this rank's leases of self._epoch ran out (all its items were handed out)
         self._ended_logged = False
         self._active: object | None = None  # the iterator allowed to yield
         self._prefetcher: _Prefetcher | None = None
@@ -351,11 +404,31 @@ class _Base(Sampler[Any]):
         return plan_epoch(self.spec, self._start, world, epoch)
 
     def _rest(self, epoch: int) -> int:
-        """Items this rank gets in `epoch` from this generation (all of them, unless it resumed inside it)."""
+        """Items this rank gets in `epoch` from this generation (all of them, unless it resumed inside it).
+
+        With token-budget batches this packs the whole epoch the first time (O(N), then cached);
+        with dynamic dealing it is an estimate: this rank's even share of what is left.
+        """
         p = self._plan(epoch)
         if p is None:
             return 0
+        if self.spec.dealing == "dynamic":
+            per_item = self._unit if self._per_batch else 1
+            return -(-p.left // (self.num_replicas * per_item))
+        if _tokens(p):
+            return int(p.steps(self.rank))  # type: ignore[attr-defined]
         return int(p.nb_r[self.rank]) if self._per_batch else p.samples(self.rank)
+
+    def _known_rest(self, epoch: int) -> int | None:
+        """:meth:`_rest` when it is known without computing the epoch: None for dynamic dealing, and
+        for token-budget batches until the rank's leases reached the epoch's end."""
+        if self.spec.dealing == "dynamic":
+            return None
+        p = self._plan(epoch)
+        if p is not None and _tokens(p):
+            known: int | None = p.known_steps(self.rank)  # type: ignore[attr-defined]
+            return known
+        return self._rest(epoch)
 
     def _items_before(self, epoch: int) -> int:
         """Items of `epoch` this rank had taken before this generation began (its resumed share)."""
@@ -374,8 +447,8 @@ class _Base(Sampler[Any]):
         already dealt in this world's items; for a resume at the same world size that is the
         same number.
         """
-        if is_fresh(self.spec, start):
-            return 0
+        if is_fresh(self.spec, start) or self.spec.dealing == "dynamic":
+            return 0  # dynamic dealing counts a rank's items from its generation's start
         if self._resume is not None and self._resume_items is not None and self._resume.epoch == start.epoch:
             return self._resume_items
         return (self.spec.n - start.left) // (self.num_replicas * self._unit)
@@ -392,7 +465,14 @@ class _Base(Sampler[Any]):
 
     def _finished(self) -> bool:
         """The current epoch is over: its last item was handed out, or the trainer moved on."""
-        return self._complete or (self._entered and self._taken() >= self._rest(self._epoch))
+        if self._complete:
+            return True
+        if not self._entered:
+            return False
+        if self._exhausted:
+            return True
+        rest = self._known_rest(self._epoch)
+        return rest is not None and self._taken() >= rest
 
     def _log_end(self) -> None:
         if self._audit is not None and not self._ended_logged:
@@ -405,7 +485,7 @@ class _Base(Sampler[Any]):
         self._epoch += 1
         self._before = self._yielded = 0
         self._chunk = None
-        self._entered = self._complete = self._ended_logged = False
+        self._entered = self._complete = self._ended_logged = self._exhausted = False
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted for drop-in compatibility; epochs advance by themselves.
@@ -521,15 +601,20 @@ class _Base(Sampler[Any]):
         p = self._plan(self._epoch)
         if p is None:  # the epoch just before a fresh start: the checkpoint finished it
             return
-        if self._taken() >= self._rest(self._epoch):  # nothing (left) in this epoch for this rank
+        known = self._known_rest(self._epoch)
+        if self._exhausted or known is not None and self._taken() >= known:  # nothing (left) for this rank
             self._log_end()
             return
         assert self._client is not None
         # A whole number of batches: the index sampler's unit is 1 with batch_size 1, the batch
         # sampler's unit is its batch_size.
         first_batch = self._yielded * self._unit // self.spec.batch_size
+        dealt = None
+        if self.spec.dealing == "dynamic":
+            assert self._start is not None
+            dealt = one_rank_plan(self.spec, self._start, self._epoch)
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p)
+                         self._lease_ahead, self._prefetch, p, dealt)
         self._prefetcher = pf
         before = self._before
         try:
@@ -543,12 +628,15 @@ class _Base(Sampler[Any]):
                         f"replaced generation {self._generation} ({e}). Restart this process from the last checkpoint."
                     ) from None
                 if lease is None:
+                    self._exhausted = True
+                    self._log_end()
                     break
                 # The index sampler takes a whole lease at once; the batch sampler one batch at a time.
                 for b in (lease.batches if self._per_batch else [lease.indices]):
                     if self._audit is not None:
                         self._audit.batch(self._epoch, before + self._yielded, b)
-                    if self._per_batch and self._taken() + 1 >= self._rest(self._epoch):
+                    known = self._known_rest(self._epoch)
+                    if self._per_batch and known is not None and self._taken() + 1 >= known:
                         # This rank's last batch of the epoch is being handed out. (The index
                         # sampler hands out a lease item by item; its end is logged once seen.)
                         self._log_end()
@@ -589,6 +677,8 @@ class _Base(Sampler[Any]):
             if self._origin:
                 state["origin"] = self._origin
             return state
+        if self.spec.dealing == "dynamic":
+            return self._dealt_state(consumed, step)
         if self._complete or consumed is None and self._finished():  # the epoch is over
             return self._stamp(fresh(self.spec, self._epoch + 1), self._epoch + 1, 0, step,
                                (self._epoch, self._rest(self._epoch) * self._unit // self.spec.batch_size))
@@ -626,6 +716,72 @@ class _Base(Sampler[Any]):
                             "the state dict alone resumes it", self.rank, self.job,
                             "" if step is None else f" of step {step}", e)
         return state
+
+    def _dealt_state(self, consumed: int | None, step: int | None) -> dict[str, Any]:
+        """Dynamic dealing's checkpoint state: the coordinator computes it from what it dealt.
+
+        NOTE: only the coordinator knows which batches the other ranks were dealt, so this call
+        needs it (a static job's state is computed here). Lockstep (the default): every rank is
+        credited with as many batches as this rank's loop took, capped by what it was dealt; so
+        take it on a rank still iterating the epoch (all of those give the same state), or, on a
+        rank that ran out while the others step on (DDP's ``Join``), pass ``consumed=`` the
+        loop's step in the epoch. ``lockstep=False``: this rank's own progress and the other
+        ranks' last commits.
+        """
+        items = self.items_done if consumed is None else check_int("consumed", consumed, 0, None, ValueError)
+        positions = items * self._unit
+        if positions % self.spec.batch_size:
+            raise ValueError(f"consumed={items} items is not a whole number of batches of {self.spec.batch_size}")
+        assert self._client is not None
+        origin = f"{self._token_used}/{self._epoch}/{items}"
+        try:
+            cursor = self._client.report(self.job, self._generation, self.rank,
+                                         (self._epoch, positions // self.spec.batch_size), (step, None, origin),
+                                         timeout=_REPORT_TIMEOUT_S, own=not self._lockstep)
+        except Unreachable as e:
+            raise RuntimeError(
+                f"rank {self.rank} of job {self.job!r} deals dynamically: its checkpoint state is computed by the "
+                f"coordinator, which did not answer ({e}); try again once it is back"
+            ) from None
+        assert cursor is not None
+        state = to_state(self.job, self.spec, cursor)
+        state["origin"] = origin if cursor.epoch == self._epoch else f"{self._token_used}/{cursor.epoch}/0"
+        if self._audit is not None:
+            self._audit.ckpt(state["origin"], self._epoch, items)
+        return state
+
+    def commit(self, consumed: int | None = None) -> dict[str, Any]:
+        """Dynamic dealing with independent workers: records this rank's progress as done and returns
+        the job's state (``state_dict()`` with ``lockstep=False``; the same call for lockstep ranks)."""
+        return self.state_dict(consumed)
+
+    def resume_latest(self) -> bool:
+        """Resumes from the latest checkpoint the job recorded at the coordinator, if any.
+
+        For workers that keep no state of their own (dynamic dealing's ``lockstep=False``: the
+        latest record is the union of every rank's commits). Call it on every rank of the new
+        launch, before the first batch, once the previous launch's processes are gone (a record
+        made between two ranks' calls would make them disagree, and the join refuses that).
+
+        Returns:
+            True when a record was loaded; False when the job has none (it starts from the beginning).
+        """
+        if self._start is not None:
+            raise RuntimeError("resume_latest must come before the first batch")
+        if self._empty:
+            return False
+        num_replicas, _ = self._resolve_world()
+        self._agreed = agree(self._token, self._address, self.job, num_replicas)
+        with CoordinatorClient(self._agreed[1], security=self._with_secret(self._agreed[2])) as c:
+            try:
+                spec, record = c.checkpoint(self.job, None)
+            except NotFound:
+                return False
+        state = to_state(self.job, spec, record.cursor)
+        if record.origin:
+            state["origin"] = record.origin
+        self.load_state_dict(state)
+        return True
 
     def _with_secret(self, secret: str | None) -> Security:
         """This sampler's TLS and credential settings; the embedded coordinator's secret as the credential."""
@@ -755,21 +911,25 @@ def _items_of(origin: Any, resume: Cursor | None) -> int | None:
 
 def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
                drop_last_batch: bool, even_batches: bool, scope: str, buffer_size: int | None, pack_size: int | None,
-               lengths: Sequence[int] | np.ndarray | None) -> Spec:
+               lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
+               token_window: int = TOKEN_WINDOW, dealing: str = "static") -> Spec:
     if permutation is None:
-        permutation = ("bucket" if lengths is not None else "feistel") if shuffle else "none"
+        permutation = ("bucket" if lengths is not None and max_tokens is None else "feistel") if shuffle else "none"
     elif not shuffle and permutation != "none":
         raise ValueError(f"shuffle=False contradicts permutation={permutation!r}; leave permutation unset or use 'none'")
     kw: dict[str, Any] = dict(seed=seed, permutation=permutation, partition=partition, tail=tail, scope=scope,
                               buffer_size=buffer_size, pack_size=pack_size, batch_size=batch_size,
-                              drop_last_batch=drop_last_batch, even_batches=even_batches)
+                              drop_last_batch=drop_last_batch, even_batches=even_batches, max_tokens=max_tokens,
+                              cost=cost, token_window=token_window, dealing=dealing)
     if lengths is not None:
         arr = np.asarray(lengths)
         if arr.size != n:
             raise ValueError(f"lengths has {arr.size} entries but the dataset has {n} samples")
         if n == 0:
-            return Spec(n=1, **kw)
+            return Spec(n=1, **{**kw, "max_tokens": None})
         return Spec.with_lengths(arr, **kw)
+    if max_tokens is not None:
+        raise ValueError(f"max_tokens={max_tokens} needs lengths= (each sample's token count)")
     # NOTE: an empty dataset (N = 0) has nothing to deal: its sampler never joins, and the spec
     # of one sample only checks the other settings.
     return Spec(n=max(n, 1), **kw)
@@ -838,13 +998,18 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  job: str | None = None, permutation: str | None = None, partition: str = "strided",
                  tail: str | None = None, scope: str = "global", buffer_size: int | None = None,
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
-                 token: str | None = None, lease_ahead: int = 65536, prefetch: int = 2,
+                 token: str | None = None, lease_ahead: int | None = None, prefetch: int = 2,
                  audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, dealing: str = "static", lockstep: bool = True) -> None:
         n = _dataset_size(dataset)
-        spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
-                          False, False, scope, buffer_size, pack_size, lengths)
+        if tail is None:
+            tail = "uneven" if dealing == "dynamic" and not drop_last else "drop" if drop_last else "pad"
+        spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
+                          False, False, scope, buffer_size, pack_size, lengths, dealing=dealing)
+        if lease_ahead is None:
+            lease_ahead = 1024 if dealing == "dynamic" else 65536
+        self._lockstep = bool(lockstep)
         super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim, join_timeout, security)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
@@ -914,23 +1079,37 @@ class DistributedBatchSampler(_Base, BatchSampler):
     _unit: int
     _per_batch = True
 
-    def __init__(self, dataset: Sized | int, batch_size: int, num_replicas: int | None = None, rank: int | None = None,
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, *, address: str | None = None,
-                 job: str | None = None, permutation: str | None = None, partition: str = "strided",
-                 tail: str = "pad", even_batches: bool = False, scope: str = "global",
-                 buffer_size: int | None = None, pack_size: int | None = None,
+    def __init__(self, dataset: Sized | int, batch_size: int | None = None, num_replicas: int | None = None,
+                 rank: int | None = None, shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 address: str | None = None, job: str | None = None, permutation: str | None = None,
+                 partition: str = "strided", tail: str | None = None, even_batches: bool = False,
+                 scope: str = "global", buffer_size: int | None = None, pack_size: int | None = None,
                  lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
-                 lease_ahead: int = 256, prefetch: int = 2, audit_dir: str | None = None,
+                 lease_ahead: int | None = None, prefetch: int = 2, audit_dir: str | None = None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, max_tokens: int | None = None, cost: str = "sum",
+                 token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True) -> None:
         n = _dataset_size(dataset)
-        spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size, drop_last, even_batches, scope,
-                          buffer_size, pack_size, lengths)
-        self._unit = batch_size
+        if batch_size is None and max_tokens is None:
+            raise TypeError("DistributedBatchSampler needs batch_size=, or lengths= with max_tokens= for token-budget "
+                            "batches")
+        if batch_size is not None and max_tokens is not None:
+            raise ValueError(f"batch_size={batch_size} and max_tokens={max_tokens}: token-budget batches size "
+                             "themselves; leave batch_size unset")
+        if tail is None:
+            tail = "uneven" if dealing == "dynamic" else "pad"
+        spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
+                          scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing)
+        if lease_ahead is None:
+            lease_ahead = 2 if dealing == "dynamic" else 16 if max_tokens is not None else 256
+        self._lockstep = bool(lockstep)
+        self._unit = batch_size or 1
         super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim, join_timeout, security)
-        self.batch_size, self.drop_last = batch_size, drop_last
+        # torch's attributes; batch_size is None for token-budget batches, whose sizes vary
+        self.batch_size = batch_size  # type: ignore[assignment]
+        self.drop_last = drop_last
         self.sampler = _IndexView(self)
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -86,6 +86,8 @@ class Grant:
     last_size: int  # the last one's size; every other one is full
     end_of_epoch: bool
     epoch_samples: int
+    #: dynamic dealing: the global batches dealt, as runs (first, count) in the rank's order
+    runs: tuple[tuple[int, int], ...] = ()
 
     def sizes(self, batch_size: int) -> list[int]:
         """The size of each granted batch."""

@@ -14,6 +14,13 @@ PERMUTATIONS = ("none", "torch", "feistel", "window", "bucket")
 PARTITIONS = ("strided", "chunked", "contiguous")
 TAILS = ("pad", "drop", "uneven", "pad_last")
 SCOPES = ("global", "rank")
+COSTS = ("sum", "padded")
+DEALINGS = ("static", "dynamic")
+#: The default window of token-budget batching, in positions of the epoch's order.
+TOKEN_WINDOW = 4096
+#: Fields added after the first release, with their defaults: a spec that leaves them at their
+#: defaults has the fingerprint it had before they existed (G9: saved states keep loading).
+_LATER_FIELDS = {"max_tokens": None, "cost": "sum", "token_window": TOKEN_WINDOW, "dealing": "static"}
 
 #: Largest dataset size the engine accepts (positions are int64; the Feistel domain is < 2**63).
 MAX_N = 2**62
@@ -68,8 +75,17 @@ class Spec:
         drop_last_batch: Drop a rank's last batch of an epoch when it is incomplete.
         even_batches: Give every rank the same number of batches, the smallest any rank has
             (DGL ``drop_uneven_inputs``).
-        lengths: Per-sample sort keys for ``bucket`` as little-endian int64 bytes (see
-            :meth:`with_lengths`); when given, ``n`` is their count.
+        lengths: Per-sample lengths (sort keys for ``bucket``, token counts for ``max_tokens``)
+            as little-endian int64 bytes (see :meth:`with_lengths`); when given, ``n`` is their count.
+        max_tokens: Token-budget batching (``croupier.core.tokens``): each batch is as many
+            samples as fit in this budget by `cost`, formed within windows of `token_window`
+            positions of the epoch's order; ``batch_size`` must stay 1 (it is not used).
+        cost: What a batch costs against `max_tokens`: ``sum`` (its lengths added up) or
+            ``padded`` (its longest length times its size, what a padded tensor holds).
+        token_window: Positions of the epoch's order that one packing window holds.
+        dealing: ``static`` (a generation's positions are striped over its ranks when it starts)
+            or ``dynamic`` (the coordinator hands the next batches to whichever rank asks; see
+            ``croupier.core.dynamic``).
     """
 
     n: int
@@ -84,6 +100,10 @@ class Spec:
     drop_last_batch: bool = False
     even_batches: bool = False
     lengths: bytes | None = None
+    max_tokens: int | None = None
+    cost: str = "sum"
+    token_window: int = TOKEN_WINDOW
+    dealing: str = "static"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -94,7 +114,8 @@ class Spec:
         arr = np.asarray(lengths)
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"lengths must be a 1-D sequence of ints (got dtype={arr.dtype}, ndim={arr.ndim})")
-        kwargs.setdefault("permutation", "bucket")
+        if kwargs.get("max_tokens") is None:
+            kwargs.setdefault("permutation", "bucket")
         return cls(n=int(arr.size), lengths=arr.astype("<i8").tobytes(), **kwargs)
 
     @property
@@ -129,6 +150,9 @@ class Spec:
         """A stable digest of the spec and :data:`ORDER_VERSION`: same settings and orders, same fingerprint, anywhere."""
         d: dict[str, Any] = self.to_dict()
         d["lengths"] = None if self.lengths is None else hashlib.sha256(self.lengths).hexdigest()
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         d["order_version"] = ORDER_VERSION
         blob = json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
@@ -175,8 +199,23 @@ def _validate(s: Spec) -> None:
                 f"lengths must be {s.n} little-endian int64 values, i.e. {8 * s.n} bytes "
                 f"(got {len(s.lengths) if isinstance(s.lengths, bytes) else type(s.lengths).__name__})"
             )
-        if s.permutation != "bucket":
-            raise ValueError(f"lengths are only used by permutation='bucket' (got permutation={s.permutation!r})")
+        if s.permutation != "bucket" and s.max_tokens is None:
+            raise ValueError(f"lengths are only used by permutation='bucket' or max_tokens= (got "
+                             f"permutation={s.permutation!r}, max_tokens=None)")
+    _check_choice("cost", s.cost, COSTS)
+    _check_choice("dealing", s.dealing, DEALINGS)
+    _check_int("token_window", s.token_window, 1, 2**31)
+    if s.max_tokens is not None:
+        _validate_tokens(s)
+    if s.dealing == "dynamic":
+        if s.scope != "global" or s.partition != "strided" or s.tail != "uneven" or s.even_batches:
+            raise ValueError(
+                "dealing='dynamic' hands batches to whichever rank asks, so it has no stripes, padding or even "
+                "shares: it needs scope='global', partition='strided', tail='uneven', even_batches=False (got "
+                f"scope={s.scope!r}, partition={s.partition!r}, tail={s.tail!r}, even_batches={s.even_batches})"
+            )
+        if s.max_tokens is not None:
+            raise ValueError("dealing='dynamic' with token-budget batches (max_tokens=) is not offered; use one of them")
     if s.scope == "rank":
         if s.partition == "strided":
             raise ValueError("scope='rank' (split first, then shuffle each part) needs partition "
@@ -184,3 +223,28 @@ def _validate(s: Spec) -> None:
         if s.permutation not in ("feistel", "window", "none"):
             raise ValueError(f"scope='rank' supports permutation 'feistel', 'window' or 'none' "
                              f"(got permutation={s.permutation!r})")
+
+
+def _validate_tokens(s: Spec) -> None:
+    assert s.max_tokens is not None
+    _check_int("max_tokens", s.max_tokens, 1, 2**62)
+    if s.lengths is None:
+        raise ValueError(f"max_tokens={s.max_tokens} needs lengths= (each sample's token count)")
+    if s.batch_size != 1 or s.drop_last_batch or s.even_batches:
+        raise ValueError(
+            "token-budget batches (max_tokens=) size themselves: leave batch_size, drop_last and even_batches unset "
+            f"(got batch_size={s.batch_size}, drop_last_batch={s.drop_last_batch}, even_batches={s.even_batches})"
+        )
+    if s.scope != "global" or s.partition != "strided" or s.tail not in ("pad", "drop", "uneven"):
+        raise ValueError(
+            "token-budget batches deal whole batches round-robin: they need scope='global', partition='strided' and "
+            f"tail 'pad', 'drop' or 'uneven' (got scope={s.scope!r}, partition={s.partition!r}, tail={s.tail!r})"
+        )
+    keys = s.sort_keys
+    bad = np.flatnonzero((keys < 1) | (keys > s.max_tokens))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"lengths[{i}]={int(keys[i])} cannot go into a batch of max_tokens={s.max_tokens}: every length must be "
+            f"in [1, max_tokens] ({bad.size} are not)"
+        )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from croupier.core.api import CheckpointRecord
 from croupier.core.errors import InvalidArgument
 from croupier.core.order import Cursor
-from croupier.core.spec import Spec
+from croupier.core.spec import TOKEN_WINDOW, Spec
 from croupier.v1 import coordinator_pb2 as pb
 
 SERVICE = "croupier.v1.Coordinator"
@@ -54,6 +56,14 @@ def spec_to_proto(s: Spec) -> pb.Spec:
         m.pack_size = s.pack_size
     if s.lengths is not None:
         m.lengths = s.lengths
+    if s.max_tokens is not None:
+        m.max_tokens = s.max_tokens
+    if s.cost != "sum":
+        m.cost = s.cost
+    if s.token_window != TOKEN_WINDOW:
+        m.token_window = s.token_window
+    if s.dealing != "static":
+        m.dealing = s.dealing
     return m
 
 
@@ -67,6 +77,10 @@ def spec_from_proto(m: pb.Spec) -> Spec:
             pack_size=m.pack_size if m.HasField("pack_size") else None,
             batch_size=m.batch_size, drop_last_batch=m.drop_last_batch, even_batches=m.even_batches,
             lengths=m.lengths if m.HasField("lengths") else None,
+            max_tokens=m.max_tokens if m.HasField("max_tokens") else None,
+            cost=m.cost or "sum",
+            token_window=m.token_window if m.HasField("token_window") else TOKEN_WINDOW,
+            dealing=m.dealing or "static",
         )
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"invalid spec: {e}") from None
@@ -92,18 +106,36 @@ def record_to_proto(r: CheckpointRecord) -> pb.CheckpointRecord:
 
 def record_from_proto(m: pb.CheckpointRecord) -> CheckpointRecord:
     step, cursor, origin = checkpoint_from_proto(m.checkpoint)
+    if cursor is None:
+        raise InvalidArgument("a checkpoint record without its cursor")
     return CheckpointRecord(step, cursor, origin, m.generation, m.rank, m.recorded_unix_ms)
 
 
-def checkpoint_to_proto(step: int | None, cursor: Cursor, origin: str) -> pb.Checkpoint:
-    m = pb.Checkpoint(cursor=cursor_to_proto(cursor), origin=origin)
+def checkpoint_to_proto(step: int | None, cursor: Cursor | None, origin: str) -> pb.Checkpoint:
+    m = pb.Checkpoint(origin=origin)
+    if cursor is not None:
+        m.cursor.CopyFrom(cursor_to_proto(cursor))
     if step is not None:
         m.step = step
     return m
 
 
-def checkpoint_from_proto(m: pb.Checkpoint) -> tuple[int | None, Cursor, str]:
-    return (m.step if m.HasField("step") else None), cursor_from_proto(m.cursor), m.origin
+def checkpoint_from_proto(m: pb.Checkpoint) -> tuple[int | None, Cursor | None, str]:
+    cursor = cursor_from_proto(m.cursor) if m.HasField("cursor") else None
+    return (m.step if m.HasField("step") else None), cursor, m.origin
+
+
+def pack_runs(runs: Sequence[tuple[int, int]]) -> bytes:
+    """Dynamic dealing's runs of global batches (first, count) as little-endian int64 pairs."""
+    return np.asarray(runs, dtype="<i8").reshape(-1).tobytes()
+
+
+def unpack_runs(data: bytes) -> tuple[tuple[int, int], ...]:
+    """Inverse of :func:`pack_runs`; InvalidArgument for bytes that are not int64 pairs."""
+    if len(data) % 16:
+        raise InvalidArgument(f"dealt runs must be int64 pairs (got {len(data)} bytes)")
+    flat = np.frombuffer(data, dtype="<i8").tolist()
+    return tuple(zip(flat[::2], flat[1::2]))
 
 
 def itemsize_for(n: int) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from croupier.core import dynamic
 from croupier.core.api import (
     MAX_COUNT,
     MAX_JOIN_WAIT_S,
@@ -27,7 +28,7 @@ from croupier.core.errors import CroupierError, InvalidArgument, ResourceExhaust
 from croupier.core.order import Cursor, Plan, plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
-from croupier.server._state import Event, GenerationOpened, GenerationStarted, JobRegistered
+from croupier.server._state import CheckpointRecorded, Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._store import Store, StoreConflict, StoreError, StoreUnavailable
 
 log = logging.getLogger("croupier.server")
@@ -131,7 +132,7 @@ class Coordinator:
             return result
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int,
-               checkpoint: tuple[int | None, Cursor, str] | None = None) -> None:
+               checkpoint: tuple[int | None, Cursor | None, str] | None = None, lockstep: bool = True) -> Cursor | None:
         """Records how far a rank's loop got and, with `checkpoint` (step, cursor, origin), a
         checkpoint state it took; returns once the checkpoint is durable.
 
@@ -139,6 +140,9 @@ class Coordinator:
         only makes the cursor older until the rank's next report. On a shared store it is checked
         here (fencing first) and journaled by a background thread, several in one append, so a
         grant costs no commit.
+
+        Returns:
+            The checkpoint's cursor (for dynamic dealing, computed here), or None without one.
         """
         with self._cond:
             if self._shared and checkpoint is None:
@@ -148,12 +152,24 @@ class Coordinator:
                 if self._reports.get(key, (-1, -1, 0))[:2] < (epoch, batches):
                     self._reports[key] = (epoch, batches, _now_ms())
                     self._cond.notify_all()
-                return
-            self._commit(lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint),
-                         durable=checkpoint is not None)
+                return None
+            events = self._commit(lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(),
+                                                                    checkpoint, lockstep),
+                                  durable=checkpoint is not None)
+            if checkpoint is None:
+                return None
+            for ev in events:
+                if isinstance(ev, CheckpointRecorded):
+                    return ev.cursor
+            # A repeated report: the generation's record of that step (or the same cursor).
+            for c in reversed(self._state.jobs[job].checkpoints):
+                if c.generation == generation and c.step == checkpoint[0] and (checkpoint[1] in (None, c.cursor)):
+                    return c.cursor
+            return checkpoint[1]
 
-    def checkpoint(self, job: str, step: int) -> tuple[Spec, CheckpointRecord]:
-        """The job's spec and its record of the checkpoint at training step `step` (NotFound if none)."""
+    def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
+        """The job's spec and its record of the checkpoint at training step `step`, or its latest
+        record for None (NotFound if none)."""
         with self._cond:
             self._fresh()
             record = self._state.checkpoint(job, step)
@@ -337,6 +353,14 @@ class Coordinator:
         spec, p = self._plan("lease", job, generation, rank, epoch, first, count)
         if progress is not None:
             self.report(job, generation, rank, *progress)
+        if spec.dealing == "dynamic":
+            runs, end = self.deal(job, generation, rank, epoch, first, count)
+            p1 = dynamic.one_rank_plan(spec, self._start_of(job, generation), epoch)
+            if p1 is None or not runs:
+                return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
+            with self._compute:
+                idx, sizes = dynamic.lease(p1, runs)
+            return Lease(idx, sizes, end, 0, spec.n)
         if p is None:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
         with self._compute:
@@ -344,16 +368,51 @@ class Coordinator:
         end = int(p.nb_r[rank]) <= first + len(sizes)
         return Lease(idx, sizes, end, p.samples(rank), spec.n)
 
+    def deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
+             count: int) -> tuple[list[tuple[int, int]], bool]:
+        """Dynamic dealing: batches first .. first + count - 1 of `rank`'s sequence in `epoch`, as
+        runs of global batches (new ones are durable before this returns), and whether the epoch
+        has nothing left to deal."""
+        out: list[tuple[list[tuple[int, int]], bool]] = []
+
+        def decide() -> list[Event]:
+            runs, end, events = self._state.decide_deal(job, generation, rank, epoch, first, count)
+            out[:] = [(runs, end)]
+            return events
+
+        with self._cond:
+            self._commit(decide, durable=True)
+        return out[0]
+
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
               progress: tuple[int, int] | None = None) -> Grant:
-        """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices."""
-        _, p = self._plan("grant", job, generation, rank, epoch, first, count)
+        """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices.
+
+        With dynamic dealing, `first` counts batches of the rank's own sequence, and the grant
+        names the global batches dealt to it (see :meth:`deal`).
+        """
+        spec, p = self._plan("grant", job, generation, rank, epoch, first, count)
         if progress is not None:
             self.report(job, generation, rank, *progress)
+        if spec.dealing == "dynamic":
+            runs, end = self.deal(job, generation, rank, epoch, first, count)
+            batches = sum(c for _, c in runs)
+            last = 0
+            if runs:
+                p1 = dynamic.one_rank_plan(spec, self._start_of(job, generation), epoch)
+                assert p1 is not None
+                last = p1.grant(0, runs[-1][0] + runs[-1][1] - 1, 1)[1]
+            return Grant(batches, last, end, 0, tuple(runs))
         if p is None:
             return Grant(0, 0, True, 0)
         batches, last = p.grant(rank, first, count)
         return Grant(batches, last, int(p.nb_r[rank]) <= first + batches, p.samples(rank))
+
+    def _start_of(self, job: str, generation: int) -> Cursor:
+        with self._cond:
+            start = self._state.generation(job, generation).start
+        assert start is not None
+        return start
 
     def job(self, job: str) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
@@ -364,10 +423,10 @@ class Coordinator:
             result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
             progress = sorted(j.progress.items())
             checkpoints = tuple(j.checkpoints)
+            dealt = {(e, r): b.dealt(r) for e, b in j.deals.items() for r in b.runs}
         ranks = []
         for rank, (epoch, batches, at) in progress:
-            p = plan_epoch(j.spec, gen.start, gen.world, epoch) if gen.start is not None else None
-            ranks.append(RankCursor(rank, epoch, batches, 0 if p is None else int(p.nb_r[rank]), at))
+            ranks.append(RankCursor(rank, epoch, batches, _share(j.spec, gen.start, gen.world, rank, epoch, dealt), at))
         return JobStatus(j.spec, result, tuple(ranks), checkpoints)
 
     def jobs(self) -> list[str]:
@@ -393,6 +452,23 @@ class Coordinator:
             self._cond.notify_all()
         self._writer.join()
         self.store.close()
+
+
+def _share(spec: Spec, start: Cursor | None, world: int, rank: int, epoch: int,
+           dealt: dict[tuple[int, int], int]) -> int:
+    """A rank's batches in `epoch` as far as the coordinator knows them without computing: its
+    share of a static plan, what it was dealt so far (dynamic), its steps once known (token budgets)."""
+    if start is None:
+        return 0
+    if spec.dealing == "dynamic":
+        return dealt.get((epoch, rank), 0)
+    p = plan_epoch(spec, start, world, epoch)
+    if p is None:
+        return 0
+    known = getattr(p, "known_steps", None)
+    if known is not None:
+        return int(known(rank) or 0)
+    return int(p.nb_r[rank])
 
 
 def _log_join(req: JoinRequest, events: list[Event]) -> None:

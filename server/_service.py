@@ -24,6 +24,7 @@ from croupier.core.wire import (
     cursor_from_proto,
     cursor_to_proto,
     pack_indices,
+    pack_runs,
     record_to_proto,
     spec_from_proto,
     spec_to_proto,
@@ -141,7 +142,7 @@ class CoordinatorServicer:
         _allow(who, "Grant", m.job)
         g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
         return pb.GrantResponse(batches=g.batches, last_size=g.last_size, end_of_epoch=g.end_of_epoch,
-                                epoch_samples=g.epoch_samples)
+                                epoch_samples=g.epoch_samples, dealt=pack_runs(g.runs))
 
     def GetJob(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetJobResponse:
         who = self._caller(context)
@@ -164,19 +165,19 @@ class CoordinatorServicer:
         _allow(who, "Report", m.job)
         if not m.HasField("progress"):
             raise E.InvalidArgument("a report needs the rank's progress")
-        checkpoint = None
-        if m.HasField("checkpoint"):
-            if not m.checkpoint.HasField("cursor"):
-                raise E.InvalidArgument("a reported checkpoint needs its cursor")
-            checkpoint = checkpoint_from_proto(m.checkpoint)
-        self.core.report(m.job, m.generation, m.rank, m.progress.epoch, m.progress.batches, checkpoint)
-        return pb.ReportResponse()
+        checkpoint = checkpoint_from_proto(m.checkpoint) if m.HasField("checkpoint") else None
+        cursor = self.core.report(m.job, m.generation, m.rank, m.progress.epoch, m.progress.batches, checkpoint,
+                                  lockstep=not m.own)
+        out = pb.ReportResponse()
+        if cursor is not None:
+            out.cursor.CopyFrom(cursor_to_proto(cursor))
+        return out
 
     def GetCheckpoint(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetCheckpointResponse:
         who = self._caller(context)
         m = _parse(pb.GetCheckpointRequest, raw)
         _allow(who, "GetCheckpoint", m.job)
-        spec, record = self.core.checkpoint(m.job, m.step)
+        spec, record = self.core.checkpoint(m.job, None if m.latest else m.step)
         return pb.GetCheckpointResponse(spec=spec_to_proto(spec), record=record_to_proto(record))
 
 

@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from croupier.core import dynamic
 from croupier.core.api import (
     CHECKPOINT_HISTORY,
     MAX_COUNT,
@@ -27,6 +28,7 @@ from croupier.core.api import (
     validate_join,
 )
 from croupier.core.checks import check_int, check_name
+from croupier.core.dynamic import EpochDeals
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from croupier.core.order import Cursor, bind, epoch_agrees, fresh, show, validate_cursor
 from croupier.core.spec import ORDER_VERSION, Spec
@@ -89,10 +91,35 @@ class CheckpointRecorded:
     at_ms: int
 
 
-Event = JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
+@dataclasses.dataclass(frozen=True)
+class BatchesDealt:
+    """Dynamic dealing: global batches first .. first + count - 1 of `epoch` went to `rank`."""
+
+    job: str
+    generation: int
+    rank: int
+    epoch: int
+    first: int
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchesCommitted:
+    """Dynamic dealing: `rank` committed the first `batches` batches of its sequence in `epoch` (``own``)."""
+
+    job: str
+    generation: int
+    rank: int
+    epoch: int
+    batches: int
+
+
+Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
+         | BatchesDealt | BatchesCommitted)
 _EVENT_TYPES: dict[str, type] = {
     t.__name__: t
-    for t in (JobRegistered, GenerationOpened, RankJoined, GenerationStarted, ProgressReported, CheckpointRecorded)
+    for t in (JobRegistered, GenerationOpened, RankJoined, GenerationStarted, ProgressReported, CheckpointRecorded,
+              BatchesDealt, BatchesCommitted)
 }
 
 
@@ -106,14 +133,15 @@ def _cursor_to(c: Cursor | None) -> Any:
 #: Journals outlive releases: a release that changes either format MUST bump this, and MUST
 #: still read every older version or refuse it with an error naming both versions
 #: (tests/fixtures/journal-v2.db is a journal of version 2). Version 1 was croupier 0.1's, whose
-#: journal records had no version at all. Version 3 added the ProgressReported and
+#: journal records had no version at all. Version 4 added dynamic dealing's BatchesDealt and
+#: BatchesCommitted events and each job's ``deals`` in snapshots. Version 3 added the ProgressReported and
 #: CheckpointRecorded events and each job's ``progress`` and ``checkpoints`` in snapshots; a
 #: version 2 journal is read as it is (its jobs have neither). Each event and snapshot also carries the
 #: ``ORDER_VERSION`` its specs' orders were computed with: the generations' resume points are
 #: positions of those orders, so a journal of another order version is refused, not re-mapped.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Every format version this croupier reads.
-READS = (2, 3)
+READS = (2, 3, 4)
 
 
 class FormatError(ValueError):
@@ -288,6 +316,8 @@ class Job:
     progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
     checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
+    #: dynamic dealing: epoch -> what the current generation dealt in it
+    deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
 
 
 class State:
@@ -352,11 +382,14 @@ class State:
         return events
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
-                      checkpoint: tuple[int | None, Cursor, str] | None = None) -> list[Event]:
+                      checkpoint: tuple[int | None, Cursor | None, str] | None = None,
+                      lockstep: bool = True) -> list[Event]:
         """The events of a rank's report: its progress (when it changed) and a checkpoint (when new).
 
         Args:
-            checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None.
+            checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None. For
+                a job with dynamic dealing the cursor is None: the coordinator computes it from
+                its deals (``croupier.core.dynamic``), `lockstep` choosing the checkpoint's meaning.
 
         Raises:
             InvalidArgument: a malformed report (a rank outside the world, an epoch before the
@@ -379,6 +412,16 @@ class State:
             events.append(ProgressReported(job, generation, rank, epoch, batches, at_ms))
         if checkpoint is not None:
             step, cursor, origin = checkpoint
+            own = False
+            if j.spec.dealing == "dynamic":
+                if cursor is not None:
+                    raise InvalidArgument(f"job {job!r} deals dynamically: its checkpoints' cursors are the "
+                                          "coordinator's to compute; report the rank's progress without one")
+                cursor, more = self._dynamic_checkpoint(job, generation, rank, epoch, batches, lockstep)
+                events += more
+                own = not lockstep
+            elif cursor is None:
+                raise InvalidArgument("a reported checkpoint needs its cursor")
             if step is not None:
                 check_int("step", step, 0, MAX_COUNT, InvalidArgument)
             if not isinstance(origin, str) or len(origin) > 4 * MAX_NAME:
@@ -388,7 +431,7 @@ class State:
             except ValueError as e:
                 raise InvalidArgument(f"checkpoint cursor: {e}") from None
             same = [c for c in j.checkpoints if c.generation == generation and c.step == step
-                    and (step is not None or c.cursor == cursor)]
+                    and (step is not None or c.cursor == cursor) and not own]
             if same and same[0].cursor != cursor:
                 raise FailedPrecondition(
                     f"generation {generation} of job {job!r} recorded step {step} at {show(same[0].cursor)} "
@@ -399,15 +442,71 @@ class State:
                 events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms))
         return events
 
-    def checkpoint(self, job: str, step: int) -> CheckpointRecord:
-        """The job's record of training step `step`.
+    def _dynamic_checkpoint(self, job: str, generation: int, rank: int, epoch: int, batches: int,
+                            lockstep: bool) -> tuple[Cursor, list[Event]]:
+        """The cursor of a checkpoint `rank` takes after `batches` batches of its sequence in `epoch`."""
+        j = self.jobs[job]
+        gen = self.generation(job, generation)
+        assert gen.start is not None
+        p = dynamic.one_rank_plan(j.spec, gen.start, epoch)
+        if p is None:  # the epoch just before the generation's fresh start: complete
+            return gen.start, []
+        book = self._deals(job, epoch)
+        # NOTE: a lockstep count may exceed what the rank was dealt: a rank that ran out (DDP's
+        # Join) names the trainer's step in the epoch, crediting the others with their batches.
+        if not lockstep and batches > book.dealt(rank):
+            raise InvalidArgument(f"rank {rank} reports {batches} batches of epoch {epoch}, but was dealt "
+                                  f"{book.dealt(rank)} in it")
+        events: list[Event] = []
+        if not lockstep and batches > book.committed.get(rank, 0):
+            events.append(BatchesCommitted(job, generation, rank, epoch, batches))
+        return dynamic.cursor_after(p, book, dynamic.credits(book, rank, batches, lockstep)), events
+
+    def _deals(self, job: str, epoch: int) -> EpochDeals:
+        """The deals of `epoch` in the job's current generation (empty if none yet)."""
+        deals = self.jobs[job].deals
+        if epoch not in deals and deals and epoch <= max(deals) - dynamic.KEEP_EPOCHS + 1:
+            raise FailedPrecondition(f"epoch {epoch} of job {job!r} is over: its deals were dropped once epoch "
+                                     f"{max(deals)} began (the coordinator keeps the last {dynamic.KEEP_EPOCHS})")
+        return deals.get(epoch) or EpochDeals()
+
+    def decide_deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
+                    count: int) -> tuple[list[tuple[int, int]], bool, list[Event]]:
+        """Dynamic dealing: what `rank` gets when it asks for batches first .. first + count - 1 of
+        its sequence in `epoch`: runs of global batches, whether the epoch has no batch after
+        them for anyone, and the event of a new deal (none for a repeated ask)."""
+        gen = self.generation(job, generation)
+        assert gen.start is not None
+        spec = self.jobs[job].spec
+        if spec.dealing != "dynamic":
+            raise FailedPrecondition(f"job {job!r} deals statically (dealing={spec.dealing!r})")
+        check_int("rank", rank, 0, gen.world, InvalidArgument)
+        check_int("epoch", epoch, 0, MAX_COUNT, InvalidArgument)
+        p = dynamic.one_rank_plan(spec, gen.start, epoch)
+        if p is None:
+            return [], True, []
+        book = self._deals(job, epoch)
+        try:
+            runs, new = dynamic.deal(book, p, rank, first, count)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        events: list[Event] = [BatchesDealt(job, generation, rank, epoch, g, c) for g, c in runs] if new else []
+        end = not runs or (new and runs[-1][0] + runs[-1][1] >= dynamic.total(p))
+        return runs, end, events
+
+    def checkpoint(self, job: str, step: int | None) -> CheckpointRecord:
+        """The job's record of training step `step`, or its latest record for None.
 
         Raises:
             NotFound: an unknown job, or no record of that step (the message lists the steps recorded).
         """
-        check_int("step", step, 0, MAX_COUNT, InvalidArgument)
         self.current(job)
         records = self.jobs[job].checkpoints
+        if step is None:
+            if not records:
+                raise NotFound(f"job {job!r} has recorded no checkpoint")
+            return records[-1]
+        check_int("step", step, 0, MAX_COUNT, InvalidArgument)
         for c in reversed(records):
             if c.step == step:
                 return c
@@ -429,6 +528,7 @@ class State:
             job.generation = Generation(ev.generation, ev.world, ev.token)
             job.tokens.append(ev.token)
             job.progress = {}  # the replaced world's ranks
+            job.deals = {}
         elif isinstance(ev, RankJoined):
             gen = self._generation(ev.job, ev.generation)
             gen.joined[ev.rank] = (ev.resume, ev.epoch)
@@ -442,6 +542,16 @@ class State:
             job = self.jobs[ev.job]
             job.checkpoints = _record(job.checkpoints, CheckpointRecord(
                 ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms))
+        elif isinstance(ev, BatchesDealt):
+            self._generation(ev.job, ev.generation)
+            deals = self.jobs[ev.job].deals
+            dynamic.apply_deal(deals.setdefault(ev.epoch, EpochDeals()), ev.rank, ev.first, ev.count)
+            for old in [e for e in deals if e <= ev.epoch - dynamic.KEEP_EPOCHS]:
+                del deals[old]
+        elif isinstance(ev, BatchesCommitted):
+            self._generation(ev.job, ev.generation)
+            book = self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals())
+            book.committed[ev.rank] = max(book.committed.get(ev.rank, 0), ev.batches)
         else:  # pragma: no cover - the Event union is closed
             raise TypeError(f"not an event: {ev!r}")
 
@@ -510,6 +620,8 @@ class State:
                 "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
                 "checkpoints": [[c.step, _cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms]
                                 for c in j.checkpoints],
+                "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
+                           [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
             })
         return {"version": FORMAT_VERSION, "order": ORDER_VERSION, "jobs": jobs}
 
@@ -550,7 +662,7 @@ class State:
 
 def _restore_job(what: str, v: Any, version: int) -> Job:
     """One job of a snapshot of format `version`, read back; see :meth:`State.restore`."""
-    later = ["progress", "checkpoints"] if version >= 3 else []
+    later = (["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
     jd = _as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = _as_str(f"{what} name", jd["name"])
     tokens = [_as_str(f"{what} token {k}", t) for k, t in enumerate(_as_list(f"{what} tokens", jd["tokens"]))]
@@ -565,6 +677,19 @@ def _restore_job(what: str, v: Any, version: int) -> Job:
             None if step is None else _as_int(f"{w} step", step), _as_cursor(f"{w} cursor", cursor),
             _as_str(f"{w} origin", origin), _as_int(f"{w} generation", gen), _as_int(f"{w} rank", rank),
             _as_int(f"{w} time", t)))
+    for k, entry in enumerate(_as_list(f"{what} deals", jd.get("deals", []))):
+        w = f"{what} deals {k}"
+        epoch, nxt, runs, committed = _as_list(f"{w} ([epoch, next, runs, committed])", entry, 4)
+        book = EpochDeals(_as_int(f"{w} next", nxt))
+        for rr in _as_list(f"{w} runs", runs):
+            r, rl = _as_list(f"{w} rank runs", rr, 2)
+            book.runs[_as_int(f"{w} rank", r)] = [
+                (_as_int(f"{w} run", x[0]), _as_int(f"{w} run", x[1])) for x in (_as_list(f"{w} run", y, 2) for y in
+                                                                               _as_list(f"{w} runs of {r}", rl))]
+        for cc in _as_list(f"{w} committed", committed):
+            r, b = _as_list(f"{w} committed entry", cc, 2)
+            book.committed[_as_int(f"{w} rank", r)] = _as_int(f"{w} batches", b)
+        job.deals[_as_int(f"{w} epoch", epoch)] = book
     if jd["generation"] is not None:
         where = f"{what} ({name!r}) generation"
         g = _as_map(where, jd["generation"], ["number", "world", "token", "joined", "start"])

@@ -41,6 +41,10 @@ class Spec(_message.Message):
     DROP_LAST_BATCH_FIELD_NUMBER: _builtins.int
     EVEN_BATCHES_FIELD_NUMBER: _builtins.int
     LENGTHS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    COST_FIELD_NUMBER: _builtins.int
+    TOKEN_WINDOW_FIELD_NUMBER: _builtins.int
+    DEALING_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     seed: _builtins.int
     permutation: _builtins.str
@@ -54,6 +58,16 @@ class Spec(_message.Message):
     even_batches: _builtins.bool
     lengths: _builtins.bytes
     """Per-sample sort keys for permutation "bucket": little-endian int64, n of them."""
+    max_tokens: _builtins.int
+    """Token-budget batches: a batch is as many samples as fit in max_tokens (by `cost`: "sum" of
+    lengths, or "padded": longest length times size), within windows of token_window positions.
+    """
+    cost: _builtins.str
+    """"" means "sum" """
+    token_window: _builtins.int
+    """unset means 4096"""
+    dealing: _builtins.str
+    """"static" (default when empty) or "dynamic": batches go to whichever rank asks (Deal)."""
     def __init__(
         self,
         *,
@@ -69,23 +83,35 @@ class Spec(_message.Message):
         drop_last_batch: _builtins.bool = ...,
         even_batches: _builtins.bool = ...,
         lengths: _builtins.bytes | None = ...,
+        max_tokens: _builtins.int | None = ...,
+        cost: _builtins.str = ...,
+        token_window: _builtins.int | None = ...,
+        dealing: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_pack_size", b"_pack_size", "buffer_size", b"buffer_size", "lengths", b"lengths", "pack_size", b"pack_size"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "buffer_size", b"buffer_size", "lengths", b"lengths", "max_tokens", b"max_tokens", "pack_size", b"pack_size", "token_window", b"token_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_pack_size", b"_pack_size", "batch_size", b"batch_size", "buffer_size", b"buffer_size", "drop_last_batch", b"drop_last_batch", "even_batches", b"even_batches", "lengths", b"lengths", "n", b"n", "pack_size", b"pack_size", "partition", b"partition", "permutation", b"permutation", "scope", b"scope", "seed", b"seed", "tail", b"tail"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "batch_size", b"batch_size", "buffer_size", b"buffer_size", "cost", b"cost", "dealing", b"dealing", "drop_last_batch", b"drop_last_batch", "even_batches", b"even_batches", "lengths", b"lengths", "max_tokens", b"max_tokens", "n", b"n", "pack_size", b"pack_size", "partition", b"partition", "permutation", b"permutation", "scope", b"scope", "seed", b"seed", "tail", b"tail", "token_window", b"token_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__buffer_size: _TypeAlias = _typing.Literal["buffer_size"]  # noqa: Y015
     _WhichOneofArgType__buffer_size: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size"]  # noqa: Y015
     _WhichOneofReturnType__lengths: _TypeAlias = _typing.Literal["lengths"]  # noqa: Y015
     _WhichOneofArgType__lengths: _TypeAlias = _typing.Literal["_lengths", b"_lengths"]  # noqa: Y015
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__pack_size: _TypeAlias = _typing.Literal["pack_size"]  # noqa: Y015
     _WhichOneofArgType__pack_size: _TypeAlias = _typing.Literal["_pack_size", b"_pack_size"]  # noqa: Y015
+    _WhichOneofReturnType__token_window: _TypeAlias = _typing.Literal["token_window"]  # noqa: Y015
+    _WhichOneofArgType__token_window: _TypeAlias = _typing.Literal["_token_window", b"_token_window"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__buffer_size) -> _WhichOneofReturnType__buffer_size | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lengths) -> _WhichOneofReturnType__lengths | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pack_size) -> _WhichOneofReturnType__pack_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__token_window) -> _WhichOneofReturnType__token_window | None: ...
 
 Global___Spec: _TypeAlias = Spec  # noqa: Y015
 
@@ -372,6 +398,7 @@ class GrantResponse(_message.Message):
     LAST_SIZE_FIELD_NUMBER: _builtins.int
     END_OF_EPOCH_FIELD_NUMBER: _builtins.int
     EPOCH_SAMPLES_FIELD_NUMBER: _builtins.int
+    DEALT_FIELD_NUMBER: _builtins.int
     batches: _builtins.int
     """How many batches are granted: `count`, or fewer when the rank's epoch ends."""
     last_size: _builtins.int
@@ -379,7 +406,14 @@ class GrantResponse(_message.Message):
     end_of_epoch: _builtins.bool
     """True when the rank has no batch after the last one granted in this epoch."""
     epoch_samples: _builtins.int
-    """How many indices the rank gets in this epoch in all."""
+    """How many indices the rank gets in this epoch in all (0 when not known ahead: dynamic
+    dealing, token-budget batches).
+    """
+    dealt: _builtins.bytes
+    """Dynamic dealing: the global batches dealt to the rank, as little-endian int64 pairs
+    (first global batch, count), in the order they extend the rank's sequence. Global batch g
+    is batch g of rank 0 of the one-rank plan of the generation's epoch.
+    """
     def __init__(
         self,
         *,
@@ -387,10 +421,11 @@ class GrantResponse(_message.Message):
         last_size: _builtins.int = ...,
         end_of_epoch: _builtins.bool = ...,
         epoch_samples: _builtins.int = ...,
+        dealt: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "last_size", b"last_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "dealt", b"dealt", "end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "last_size", b"last_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -571,13 +606,22 @@ class ReportRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    OWN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
+    own: _builtins.bool
+    """Dynamic dealing: the checkpoint credits only this rank's own progress and the other ranks'
+    last commits ("own", for independent workers), instead of every rank with this rank's count.
+    """
     @_builtins.property
     def progress(self) -> Global___Progress: ...
     @_builtins.property
-    def checkpoint(self) -> Global___Checkpoint: ...
+    def checkpoint(self) -> Global___Checkpoint:
+        """For a job with dynamic dealing, the checkpoint carries no cursor: the coordinator computes
+        it from its deals and answers it.
+        """
+
     def __init__(
         self,
         *,
@@ -586,10 +630,11 @@ class ReportRequest(_message.Message):
         rank: _builtins.int = ...,
         progress: Global___Progress | None = ...,
         checkpoint: Global___Checkpoint | None = ...,
+        own: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "checkpoint", b"checkpoint", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "checkpoint", b"checkpoint", "generation", b"generation", "job", b"job", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint", "checkpoint", b"checkpoint", "generation", b"generation", "job", b"job", "own", b"own", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checkpoint: _TypeAlias = _typing.Literal["checkpoint"]  # noqa: Y015
     _WhichOneofArgType__checkpoint: _TypeAlias = _typing.Literal["_checkpoint", b"_checkpoint"]  # noqa: Y015
@@ -601,14 +646,23 @@ Global___ReportRequest: _TypeAlias = ReportRequest  # noqa: Y015
 class ReportResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    CURSOR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cursor(self) -> Global___Cursor:
+        """The checkpoint's cursor as recorded (set when the report carried a checkpoint)."""
+
     def __init__(
         self,
+        *,
+        cursor: Global___Cursor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cursor", b"_cursor", "cursor", b"cursor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cursor", b"_cursor", "cursor", b"cursor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__cursor: _TypeAlias = _typing.Literal["cursor"]  # noqa: Y015
+    _WhichOneofArgType__cursor: _TypeAlias = _typing.Literal["_cursor", b"_cursor"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cursor) -> _WhichOneofReturnType__cursor | None: ...
 
 Global___ReportResponse: _TypeAlias = ReportResponse  # noqa: Y015
 
@@ -618,17 +672,21 @@ class GetCheckpointRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    LATEST_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     step: _builtins.int
+    latest: _builtins.bool
+    """Ask for the job's latest record instead of the one of `step`."""
     def __init__(
         self,
         *,
         job: _builtins.str = ...,
         step: _builtins.int = ...,
+        latest: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "latest", b"latest", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,156 @@
+"""Dynamic dealing: the coordinator hands the next batches of an epoch to whichever rank asks.
+
+Vocabulary (``spec.dealing == "dynamic"``):
+    global batch -- batch g of a generation's epoch: virtual positions [g * B, (g + 1) * B) of
+                    the generation's remaining positions laid end to end (the last one shorter),
+                    i.e. batch g of rank 0 of the one-rank plan; B is the spec's batch_size.
+    deal         -- the coordinator gives a rank the next global batches not yet given to anyone;
+                    a rank's *sequence* is the global batches it was dealt, in the order it got
+                    them. Deals are journaled before they are answered, so no global batch is
+                    ever dealt twice, across coordinator crashes too.
+    credit       -- how many batches of its sequence a rank has trained on, as a checkpoint
+                    counts them. The positions of a checkpoint are the generation's remaining
+                    positions minus every rank's credited batches: small (the batches in flight
+                    make a few intervals) and topology-free, so any world size resumes them.
+
+Two meanings of a checkpoint, chosen by the rank that takes it:
+    lockstep -- (data-parallel training) ranks step together, so at a checkpoint every rank has
+                trained on as many batches as the rank taking it: each is credited with that
+                count, capped by what it was dealt (a rank that ran out, as under DDP's ``Join``,
+                trained on all it was dealt).
+    own      -- (independent workers: inference, preprocessing) each rank commits its own
+                progress; a checkpoint credits the committing rank with its count and every
+                other rank with its last commit. The job's latest record is then the union of
+                all commits, and a restarted job resumes from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from croupier.core.order import Cursor, Plan, _merge, fresh, plan, validate_cursor
+from croupier.core.spec import Spec
+
+#: Epochs of one generation whose deals the coordinator keeps (older ones are dropped once a
+#: later epoch's first batch is dealt; a rank still asking for one is refused).
+KEEP_EPOCHS = 2
+
+
+@dataclasses.dataclass
+class EpochDeals:
+    """What one epoch of one generation dealt: the next global batch, and each rank's sequence."""
+
+    next: int = 0
+    #: rank -> its sequence as runs (first global batch, count), in dealt order
+    runs: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    #: rank -> batches of its sequence it committed (``own`` checkpoints)
+    committed: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def dealt(self, rank: int) -> int:
+        """How many batches `rank` was dealt in this epoch."""
+        return sum(c for _, c in self.runs.get(rank, ()))
+
+    def sequence(self, rank: int, first: int, count: int) -> list[tuple[int, int]]:
+        """Batches first .. first + count - 1 of `rank`'s sequence (those it has), as runs of global batches."""
+        out: list[tuple[int, int]] = []
+        at = 0
+        for g, c in self.runs.get(rank, ()):
+            lo, hi = max(first, at), min(first + count, at + c)
+            if lo < hi:
+                out.append((g + lo - at, hi - lo))
+            at += c
+            if at >= first + count:
+                break
+        return out
+
+
+def one_rank_plan(spec: Spec, start: Cursor, epoch: int) -> Plan | None:
+    """The plan whose rank-0 batches are the global batches of `epoch` for a generation that
+    started at `start` (None for the epoch just before a fresh start: it is complete)."""
+    if epoch == start.epoch:
+        return plan(spec, start, 1)
+    if epoch > start.epoch:
+        return plan(spec, fresh(spec, epoch), 1)
+    return None
+
+
+def total(p: Plan) -> int:
+    """How many global batches the epoch has."""
+    return int(p.nb_r[0])
+
+
+def deal(book: EpochDeals, p: Plan, rank: int, first: int, count: int) -> tuple[list[tuple[int, int]], bool]:
+    """What a rank asking for batches first .. first + count - 1 of its sequence gets.
+
+    A rank asking again for batches it was dealt (its answer was lost) gets the same ones; a
+    rank asking past its sequence gets up to `count` global batches not yet dealt.
+
+    Returns:
+        The runs of global batches (first, count) answering it, and whether they are *new*
+        (to be journaled as a deal) rather than a repeat.
+
+    Raises:
+        ValueError: `first` is past the end of the rank's sequence (it skips batches).
+    """
+    have = book.dealt(rank)
+    if first < have:
+        return book.sequence(rank, first, count), False
+    if first > have:
+        raise ValueError(f"rank {rank} asks from batch {first} of its sequence, but was dealt {have} batches")
+    n = min(count, total(p) - book.next)
+    return ([(book.next, n)] if n > 0 else []), n > 0
+
+
+def apply_deal(book: EpochDeals, rank: int, first: int, count: int) -> None:
+    """Makes a deal of global batches first .. first + count - 1 to `rank` part of `book`."""
+    runs = book.runs.setdefault(rank, [])
+    if runs and runs[-1][0] + runs[-1][1] == first:
+        runs[-1] = (runs[-1][0], runs[-1][1] + count)
+    else:
+        runs.append((first, count))
+    book.next = max(book.next, first + count)
+
+
+def credits(book: EpochDeals, rank: int, batches: int, lockstep: bool) -> dict[int, int]:
+    """Each rank's credited batches at a checkpoint `rank` takes after `batches` batches of its sequence."""
+    if lockstep:
+        return {r: min(batches, book.dealt(r)) for r in book.runs}
+    out = dict(book.committed)
+    out[rank] = max(out.get(rank, 0), batches)
+    return out
+
+
+def cursor_after(p: Plan, book: EpochDeals, credited: dict[int, int]) -> Cursor:
+    """The plan's remaining positions minus the global batches each rank is credited with."""
+    b, left = p.spec.batch_size, p.left
+    taken: list[tuple[int, int]] = []
+    for r, k in credited.items():
+        for g, c in book.sequence(r, 0, k):
+            taken.append((g * b, min((g + c) * b, left)))
+    taken = _merge(taken)
+    gaps: list[tuple[int, int]] = []
+    at = 0
+    for a, e in taken:
+        if at < a:
+            gaps.append((at, a))
+        at = max(at, e)
+    if at < left:
+        gaps.append((at, left))
+    if not gaps:
+        return fresh(p.spec, p.cursor.epoch + 1)
+    out = dataclasses.replace(p.cursor, remaining=p._map(gaps))
+    validate_cursor(p.spec, out)
+    return out
+
+
+def lease(p: Plan, runs: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+    """The dataset indices of the global batches in `runs`, laid end to end, and each batch's size."""
+    parts: list[np.ndarray] = []
+    sizes: list[int] = []
+    for g, c in runs:
+        idx, s = p.lease(0, g, c)
+        parts.append(idx)
+        sizes += s
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), sizes
