@@ -388,7 +388,8 @@ class _Base(Sampler[Any]):
             self._audit = AuditLog(*self._audit_path)
             self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
-                              unit=self._unit, origin=self._origin, epoch=r.start.epoch)
+                              unit=0 if self.spec.max_tokens else self._unit, origin=self._origin,
+                              epoch=r.start.epoch)
             if self._cut_on_join is not None:
                 self._audit.write(t="cut", epoch=self._cut_on_join[0], items=self._cut_on_join[1])
         if self._hint is not None and self._hint == r.start.epoch - 1:
@@ -677,11 +678,12 @@ class _Base(Sampler[Any]):
             if self._origin:
                 state["origin"] = self._origin
             return state
+        if self._complete or consumed is None and self._finished():  # the epoch is over
+            taken = self._taken() if self.spec.dealing == "dynamic" else self._rest(self._epoch)
+            return self._stamp(fresh(self.spec, self._epoch + 1), self._epoch + 1, 0, step,
+                               (self._epoch, taken * self._unit // self.spec.batch_size))
         if self.spec.dealing == "dynamic":
             return self._dealt_state(consumed, step)
-        if self._complete or consumed is None and self._finished():  # the epoch is over
-            return self._stamp(fresh(self.spec, self._epoch + 1), self._epoch + 1, 0, step,
-                               (self._epoch, self._rest(self._epoch) * self._unit // self.spec.batch_size))
         items = self.items_done if consumed is None else check_int("consumed", consumed, 0, None, ValueError)
         before = self._items_before(self._epoch)
         if items < before:
@@ -735,13 +737,14 @@ class _Base(Sampler[Any]):
         assert self._client is not None
         origin = f"{self._token_used}/{self._epoch}/{items}"
         try:
+            # NOTE: no timeout: like a join, this waits (retrying) for a coordinator that restarts
             cursor = self._client.report(self.job, self._generation, self.rank,
                                          (self._epoch, positions // self.spec.batch_size), (step, None, origin),
-                                         timeout=_REPORT_TIMEOUT_S, own=not self._lockstep)
+                                         own=not self._lockstep)
         except Unreachable as e:
             raise RuntimeError(
                 f"rank {self.rank} of job {self.job!r} deals dynamically: its checkpoint state is computed by the "
-                f"coordinator, which did not answer ({e}); try again once it is back"
+                f"coordinator, which did not answer in time ({e}); try again once it is back"
             ) from None
         assert cursor is not None
         state = to_state(self.job, self.spec, cursor)

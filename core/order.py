@@ -366,8 +366,13 @@ def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> Plan | None
     """The plan of `epoch` for a generation of `world` ranks that resumed at `start`.
 
     Returns None for the epoch just before a fresh start (it is complete); raises OutOfRange
-    for an epoch before the generation's resume point.
+    for an epoch before the generation's resume point. A spec with ``max_tokens`` gets a
+    :class:`croupier.core.tokens.TokenPlan`, which answers the same questions (lazily).
     """
+    if spec.max_tokens is not None:
+        from croupier.core.tokens import token_plan_epoch
+
+        return token_plan_epoch(spec, start, world, epoch)  # type: ignore[return-value]
     if epoch == start.epoch:
         return plan(spec, start, world)
     if epoch > start.epoch:

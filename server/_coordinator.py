@@ -28,7 +28,7 @@ from croupier.core.errors import CroupierError, InvalidArgument, ResourceExhaust
 from croupier.core.order import Cursor, Plan, plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
-from croupier.server._state import CheckpointRecorded, Event, GenerationOpened, GenerationStarted, JobRegistered
+from croupier.server._state import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._store import Store, StoreConflict, StoreError, StoreUnavailable
 
 log = logging.getLogger("croupier.server")
@@ -153,19 +153,15 @@ class Coordinator:
                     self._reports[key] = (epoch, batches, _now_ms())
                     self._cond.notify_all()
                 return None
-            events = self._commit(lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(),
-                                                                    checkpoint, lockstep),
-                                  durable=checkpoint is not None)
-            if checkpoint is None:
-                return None
-            for ev in events:
-                if isinstance(ev, CheckpointRecorded):
-                    return ev.cursor
-            # A repeated report: the generation's record of that step (or the same cursor).
-            for c in reversed(self._state.jobs[job].checkpoints):
-                if c.generation == generation and c.step == checkpoint[0] and (checkpoint[1] in (None, c.cursor)):
-                    return c.cursor
-            return checkpoint[1]
+            out: list[Cursor] = []
+
+            def decide() -> list[Event]:
+                out.clear()
+                return self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint,
+                                                 lockstep, out)
+
+            self._commit(decide, durable=checkpoint is not None)
+            return out[-1] if checkpoint is not None else None
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest
@@ -365,6 +361,9 @@ class Coordinator:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
         with self._compute:
             idx, sizes = p.lease(rank, first, count)
+        if spec.max_tokens is not None:  # the plan knows its end only once its leases reached it
+            known = p.known_steps(rank)  # type: ignore[attr-defined]
+            return Lease(idx, sizes, len(sizes) < count or known is not None and known <= first + len(sizes), 0, spec.n)
         end = int(p.nb_r[rank]) <= first + len(sizes)
         return Lease(idx, sizes, end, p.samples(rank), spec.n)
 
@@ -405,6 +404,10 @@ class Coordinator:
             return Grant(batches, last, end, 0, tuple(runs))
         if p is None:
             return Grant(0, 0, True, 0)
+        if spec.max_tokens is not None:
+            # NOTE: a token-budget plan learns its end only by packing the epoch; the coordinator
+            # does not: it grants the steps asked, and the client's plan says where the epoch ends.
+            return Grant(count, 0, False, 0)
         batches, last = p.grant(rank, first, count)
         return Grant(batches, last, int(p.nb_r[rank]) <= first + batches, p.samples(rank))
 

@@ -383,13 +383,14 @@ class State:
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
                       checkpoint: tuple[int | None, Cursor | None, str] | None = None,
-                      lockstep: bool = True) -> list[Event]:
+                      lockstep: bool = True, cursor_out: list[Cursor] | None = None) -> list[Event]:
         """The events of a rank's report: its progress (when it changed) and a checkpoint (when new).
 
         Args:
             checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None. For
                 a job with dynamic dealing the cursor is None: the coordinator computes it from
                 its deals (``croupier.core.dynamic``), `lockstep` choosing the checkpoint's meaning.
+            cursor_out: Gets the checkpoint's cursor appended (the one computed, for dynamic dealing).
 
         Raises:
             InvalidArgument: a malformed report (a rank outside the world, an epoch before the
@@ -413,10 +414,11 @@ class State:
         if checkpoint is not None:
             step, cursor, origin = checkpoint
             own = False
-            if j.spec.dealing == "dynamic":
-                if cursor is not None:
-                    raise InvalidArgument(f"job {job!r} deals dynamically: its checkpoints' cursors are the "
-                                          "coordinator's to compute; report the rank's progress without one")
+            if j.spec.dealing == "dynamic" and cursor is not None and cursor.remaining != ((0, j.spec.n),):
+                raise InvalidArgument(f"job {job!r} deals dynamically: its checkpoints' cursors are the coordinator's "
+                                      f"to compute (a rank may name only an epoch's start, got {show(cursor)}); report "
+                                      "the rank's progress without one")
+            if j.spec.dealing == "dynamic" and cursor is None:
                 cursor, more = self._dynamic_checkpoint(job, generation, rank, epoch, batches, lockstep)
                 events += more
                 own = not lockstep
@@ -440,6 +442,8 @@ class State:
                 )
             if not same:
                 events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms))
+            if cursor_out is not None:
+                cursor_out.append(cursor)
         return events
 
     def _dynamic_checkpoint(self, job: str, generation: int, rank: int, epoch: int, batches: int,

@@ -64,6 +64,21 @@ def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
         assert re.search(rf"^chaos +{e} +{n} +{n} +0 +0  ok: ", out.stdout, re.M), out.stdout[-3000:]
 
 
+@pytest.mark.parametrize("batching", ["tokens", "dynamic"])
+def test_short_chaos_run_with_token_budgets_and_dynamic_dealing(tmp_path: pathlib.Path, batching: str) -> None:
+    """The same faults for token-budget batches (batches of varying size) and dynamic dealing (DDP's Join)."""
+    faults, epochs, n = 6, 2, 1200
+    out, m = chaos(tmp_path / "chaos", "--faults", str(faults), "--epochs", str(epochs), "--n", str(n), "--seed", "1",
+                   "--batching", batching, timeout=300)
+    assert int(m["faults"]) == faults and int(m["resizes"]) > 0
+    assert int(m["epochs"]) == epochs and int(m["samples"]) == epochs * n
+    assert int(m["missing"]) == 0
+    if batching == "dynamic":  # tail "uneven": nothing may repeat
+        assert int(m["dups"]) == 0
+    for e in range(epochs):  # tokens' "pad" tail may repeat fewer than W samples of a short last round
+        assert re.search(rf"^chaos +{e} +{n} +\d+ +\d+ +0  ok: ", out.stdout, re.M), out.stdout[-3000:]
+
+
 @pytest.mark.slow
 def test_full_chaos_run_100_faults(tmp_path: pathlib.Path) -> None:
     out, m = chaos(tmp_path / "chaos", "--faults", "100", timeout=1800)

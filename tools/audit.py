@@ -105,7 +105,9 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
     """What `inc` received up to (epoch, items) — everything when items is None — by epoch."""
     out: dict[int, list[int]] = collections.defaultdict(list)
     for rank in inc.ranks.values():
-        unit = int(rank.start.get("unit", 1))  # indices per item: the batch sampler's items are batches
+        # indices per item: the batch sampler's items are batches; 0: each record is one item of
+        # its own size (token-budget batches)
+        unit = int(rank.start.get("unit", 1))
         for e, at, idx in rank.batches:
             # A rank receives whole leases; what counts is what it handed out before a checkpoint
             # (epoch, items) ended it, or before the trainer cut the epoch.
@@ -117,7 +119,7 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
             if limit is None:
                 out[e] += idx.tolist()
             elif at < limit:
-                out[e] += idx[: (limit - at) * unit].tolist()
+                out[e] += (idx if unit == 0 else idx[: (limit - at) * unit]).tolist()
     return out
 
 

@@ -69,6 +69,9 @@ END_MARGIN = 0.5  # seconds of training before the end of the job: the last mome
 #: Simulated compute per training step. The ranks train on while the coordinator restarts, so a
 #: job of tiny steps would end before the faults due could land.
 STEP_MS = 40
+#: What ``--batching`` offers, and the token budget of ``tokens`` (samples are 1..200 tokens, median 20).
+BATCHINGS = ("fixed", "tokens", "dynamic")
+MAX_TOKENS = 400
 RESTART_S = 1.5  # seconds a coordinator restart is expected to take, until one is measured
 STALL = 120.0  # seconds without a step: the run has hung
 PACE_WINDOW_S = 1.0  # replicated mode: seconds of a launch's steps seen before its pace is measured
@@ -424,8 +427,10 @@ class Run:
     """The orchestration of one chaos run."""
 
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
-                 coordinator: Coordinator | Replicas, log: IO[str], database: DatabaseControl | None = None) -> None:
+                 coordinator: Coordinator | Replicas, log: IO[str], database: DatabaseControl | None = None,
+                 batching: str = "fixed") -> None:
         self.work = work
+        self.batching = batching
         self.faults = faults
         self.restart_s = RESTART_S  # the longest coordinator (replica, database) restart seen so far
         self.database = database
@@ -465,7 +470,8 @@ class Run:
             stale.unlink(missing_ok=True)
         cfg = {"workdir": str(self.work), "n": self.n, "epochs": self.epochs, "batch_size": BATCH,
                "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD, "step_ms": STEP_MS,
-               "resume_from": str(resume) if resume is not None else None}
+               "resume_from": str(resume) if resume is not None else None, "batching": self.batching,
+               "max_tokens": MAX_TOKENS}
         env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.coordinator.address,
                "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -763,7 +769,7 @@ def _check_store(store: str) -> None:
 
 def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int = 3600,
          seed: int | None = None, store: str | None = None, replicas: int = 1,
-         database: DatabaseControl | None = None) -> int:
+         database: DatabaseControl | None = None, batching: str = "fixed") -> int:
     """Runs the chaos run; returns 0 when every audit passes, 1 on a violation or an unexpected failure.
 
     Args:
@@ -780,11 +786,16 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         replicas: Replicas in the replicated mode.
         database: Restarts the database in the replicated mode (``database`` faults); None: no
             such faults (a run cannot restart a server it does not own).
+        batching: ``fixed`` (the index sampler, batches of 12), ``tokens`` (token-budget batches
+            of up to MAX_TOKENS over long-tailed synthetic lengths) or ``dynamic`` (batches of 12
+            dealt to whichever rank asks, DDP's Join at each epoch's end).
 
     Raises:
         ValueError: a setting out of range, or a store that is not an empty PostgreSQL database.
         StoreError: the store could not be opened.
     """
+    if batching not in BATCHINGS:
+        raise ValueError(f"batching must be one of {list(BATCHINGS)} (got {batching!r})")
     if faults < 0 or epochs < 1 or n < 1:
         raise ValueError(f"faults must be >= 0, epochs and n >= 1 (got {faults=}, {epochs=}, {n=})")
     if n < 4 * BATCH:
@@ -804,7 +815,9 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
                          "refusing to empty it")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    print(f"croupier chaos: {faults} faults over {epochs} epochs of {n} samples, batch {BATCH} per worker, "
+    what = {"fixed": f"batch {BATCH} per worker", "tokens": f"token-budget batches of up to {MAX_TOKENS} tokens",
+            "dynamic": f"batches of {BATCH} dealt dynamically"}[batching]
+    print(f"croupier chaos: {faults} faults over {epochs} epochs of {n} samples, {what}, "
           f"a checkpoint every {CKPT_EVERY} steps, 1-4 workers, seed {seed}; logs in {work}", flush=True)
     if n % 12:
         print(f"  note: n={n} is not a multiple of 12, so the pad tail may repeat fewer than W indices (legal)")
@@ -821,7 +834,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         else:
             coordinator = Replicas(store, [logs.enter_context(open(work / f"replica-{i}.log", "a"))
                                            for i in range(replicas)])
-        run = Run(work, faults, epochs, n, random.Random(seed), coordinator, tlog, database)
+        run = Run(work, faults, epochs, n, random.Random(seed), coordinator, tlog, database, batching)
         history: History | None = None
         try:
             coordinator.start()

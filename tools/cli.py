@@ -82,7 +82,14 @@ def _chaos_cmd(args: argparse.Namespace) -> int:
 
     # NOTE: no database control from the command line: it cannot restart a server it does not own.
     return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed, store=args.store,
-                 replicas=args.replicas)
+                 replicas=args.replicas, batching=args.batching)
+
+
+def _infer_demo_cmd(args: argparse.Namespace) -> int:
+    from croupier.tools.infer_demo import run as infer_demo
+
+    return infer_demo(args.workdir, n=args.n, batch=args.batch_size, faults=args.faults, seed=args.seed,
+                      batch_ms=args.batch_ms, world=args.world)
 
 
 def _status_cmd(args: argparse.Namespace) -> int:
@@ -177,7 +184,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "them instead of the coordinator, and check the journal's history at the end (default: one "
                         "coordinator on a sqlite store in the workdir)")
     c.add_argument("--replicas", type=int, default=1, help="replicas on --store (default 1)")
+    c.add_argument("--batching", choices=("fixed", "tokens", "dynamic"), default="fixed",
+                   help="fixed batches (default), token-budget batches, or batches dealt dynamically (DDP's Join)")
     c.set_defaults(func=_chaos_cmd)
+
+    f = sub.add_parser("infer-demo", help="exactly-once batch inference on preemptible workers (dynamic dealing) under "
+                                          "worker kills, resizes and coordinator kills, audited against the journal")
+    f.add_argument("--workdir", default="out/infer-demo",
+                   help="where the store, the outputs and the logs go (default out/infer-demo)")
+    f.add_argument("--n", type=int, default=20_000, help="samples in the dataset (default 20000)")
+    f.add_argument("--batch-size", type=int, default=16, help="samples per batch (default 16)")
+    f.add_argument("--faults", type=int, default=8, help="faults to inject: worker kills, added and removed workers, "
+                                                         "coordinator kills (default 8)")
+    f.add_argument("--seed", type=int, default=None, help="seed of the random choices (default: random, printed)")
+    f.add_argument("--world", type=int, default=2, help="workers of the first launch, 1-4 (default 2)")
+    f.add_argument("--batch-ms", type=float, default=5.0, help="simulated model time per batch, in ms (default 5)")
+    f.set_defaults(func=_infer_demo_cmd)
 
     t = sub.add_parser("status", help="every job a coordinator holds (progress, slowest rank), or one job's ranks "
                                       "and checkpoints")

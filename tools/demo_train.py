@@ -26,10 +26,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
-from croupier.client import DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler
 
 
 def synthetic(n: int) -> TensorDataset:
@@ -39,6 +40,13 @@ def synthetic(n: int) -> TensorDataset:
     w = torch.randn(16, 1, generator=g)
     y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
     return TensorDataset(x, y)
+
+
+def lengths(n: int) -> list[int]:
+    """Each sample's (synthetic) token count for token-budget batches: long-tailed, the same on every rank."""
+    g = torch.Generator().manual_seed(1)
+    out: list[int] = torch.exp(3.0 + 0.8 * torch.randn(n, generator=g)).clamp(1, 200).int().tolist()
+    return out
 
 
 def init_process_group() -> None:
@@ -65,7 +73,7 @@ def _save(state: dict[str, object], path: pathlib.Path) -> None:
     tmp.replace(path)
 
 
-def _record_join(work: pathlib.Path, sampler: DistributedSampler, rank: int, world: int) -> None:
+def _record_join(work: pathlib.Path, sampler: DistributedSampler | DistributedBatchSampler, rank: int, world: int) -> None:
     """Appends the join this rank's sampler got acknowledged to WORKDIR/joins.jsonl: one line, one write."""
     # NOTE: the sampler keeps its generation and token private (there is no public accessor, and
     # the client is not the demo's to change); the state's origin ("token/epoch/items") still
@@ -94,9 +102,19 @@ def main() -> None:
 
     data = synthetic(cfg["n"])
     extra = {"lease_ahead": cfg["lease_ahead"]} if "lease_ahead" in cfg else {}
+    batching = cfg.get("batching", "fixed")
     # The embedded coordinator (or CROUPIER_ADDRESS's), job from CROUPIER_JOB.
-    sampler = DistributedSampler(data, shuffle=True, seed=1234, **extra)
-    loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
+    sampler: DistributedSampler | DistributedBatchSampler
+    if batching == "tokens":  # batches of up to max_tokens by each sample's (synthetic) length
+        sampler = DistributedBatchSampler(data, lengths=lengths(cfg["n"]), max_tokens=cfg["max_tokens"], seed=1234,
+                                          token_window=cfg.get("token_window", 256))
+        loader = DataLoader(data, batch_sampler=sampler, num_workers=0)
+    elif batching == "dynamic":  # batches go to whichever rank asks; ranks may end an epoch apart (Join)
+        sampler = DistributedBatchSampler(data, cfg["batch_size"], seed=1234, dealing="dynamic")
+        loader = DataLoader(data, batch_sampler=sampler, num_workers=0)
+    else:
+        sampler = DistributedSampler(data, shuffle=True, seed=1234, **extra)
+        loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
@@ -119,34 +137,39 @@ def main() -> None:
     for epoch in range(start_epoch, cfg["epochs"]):
         sampler.set_epoch(epoch)
         # This epoch's batches: taken so far (after a resume, those before the checkpoint) and in all.
-        k, of = sampler.items_done // cfg["batch_size"], len(loader)
-        for x, y in loader:
-            k += 1
-            if not joined:  # the sampler's first batch: its join was acknowledged
-                _record_join(work, sampler, rank, world)
-                joined = True
-            t_step = time.monotonic()
-            loss = nn.functional.mse_loss(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            step += 1
-            if cfg.get("step_ms"):  # simulated compute, see the module docstring
-                time.sleep(max(0.0, cfg["step_ms"] / 1000 - (time.monotonic() - t_step)))
-            _write_json(status / f"r{rank}.json", {"t": time.time(), "pid": os.getpid(), "rank": rank,
-                                                   "world": world, "epoch": epoch,
-                                                   "step": step, "k": k, "of": of, "loss": loss.item(),
-                                                   "restart": restart, "node": node})
-            if step % cfg["ckpt_every"] == 0:
-                # Every rank's sampler state is the same (lockstep); rank 0 saves it with the model.
-                state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                         "sampler": sampler.state_dict(), "epoch": epoch, "step": step}
-                if rank == 0:
-                    if history is not None:
-                        history.mkdir(exist_ok=True)
-                        _save(state, history / f"step-{step:06d}.pt")
-                    _save(state, ckpt)
-                dist.barrier()
+        k = sampler.items_done // (cfg["batch_size"] if batching == "fixed" else 1)
+        of = len(loader)
+        # NOTE: with dynamic dealing ranks end an epoch a few steps apart: DDP's Join lets the
+        # ranks that ran out shadow the others' gradient all-reduces (and no barrier in the loop).
+        with Join([model], enable=batching == "dynamic"):
+            for x, y in loader:
+                k += 1
+                if not joined:  # the sampler's first batch: its join was acknowledged
+                    _record_join(work, sampler, rank, world)
+                    joined = True
+                t_step = time.monotonic()
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                if cfg.get("step_ms"):  # simulated compute, see the module docstring
+                    time.sleep(max(0.0, cfg["step_ms"] / 1000 - (time.monotonic() - t_step)))
+                _write_json(status / f"r{rank}.json", {"t": time.time(), "pid": os.getpid(), "rank": rank,
+                                                       "world": world, "epoch": epoch,
+                                                       "step": step, "k": k, "of": of, "loss": loss.item(),
+                                                       "restart": restart, "node": node})
+                if step % cfg["ckpt_every"] == 0:
+                    # Every rank's sampler state is the same (lockstep); rank 0 saves it with the model.
+                    state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                             "sampler": sampler.state_dict(), "epoch": epoch, "step": step}
+                    if rank == 0:
+                        if history is not None:
+                            history.mkdir(exist_ok=True)
+                            _save(state, history / f"step-{step:06d}.pt")
+                        _save(state, ckpt)
+                    if batching != "dynamic":  # a rank that ran out is not in this loop to meet a barrier
+                        dist.barrier()
     _write_json(status / f"r{rank}.json", {"pid": os.getpid(), "rank": rank, "world": world, "epoch": cfg["epochs"],
                                            "step": step, "loss": None, "restart": restart, "node": node,
                                            "done": True})

@@ -1,0 +1,695 @@
+"""`croupier infer-demo`: exactly-once batch inference on preemptible workers, audited against the journal.
+
+A ``croupier serve`` coordinator on a SQLite store in the work directory, and generations of
+worker processes (``croupier.tools.infer_worker``), each with ``RANK``, ``WORLD_SIZE``,
+``CROUPIER_ADDRESS``, ``CROUPIER_JOB`` and a token of its own. The workers deal the dataset
+dynamically (``lockstep=False``): each takes the next batches, writes one output line per sample
+to ``outputs/{token}-r{rank}.jsonl``, makes it durable and commits. A relaunched generation
+resumes from the union of the commits (``resume_latest``).
+
+While the job runs, faults chosen by a seeded RNG land on observable progress (output lines
+written), never on a timer:
+
+* ``kill``: kill -9 of one worker; the others are stopped and the generation is relaunched with
+  a world of 1 to 4 chosen at random;
+* ``add`` / ``remove``: every worker is stopped and the job relaunched with one more / one fewer
+  (a world stays within 1 .. 4);
+* ``coordinator``: kill -9 of the coordinator, restarted on the same port and store; the
+  workers ride through it (their leases wait, their commits are asked again).
+
+The audit: an output line is *valid* iff its batch's ``seq`` is below the highest count its
+(generation, rank) committed, as the coordinator journaled it (``BatchesCommitted``; tokens map
+to generations by ``GenerationOpened``). The valid lines must cover [0, N) exactly once, each
+with the right output; the others (work redone after a kill) are counted as discarded.
+
+NOTE: a snapshot prunes the journal records before it, and the SQLite store is locked by its
+coordinator for as long as it runs. So the driver reads the store whenever the coordinator is
+down -- after every kill -9, and at every relaunch, where it stops the coordinator (SIGTERM, no
+worker running) and starts it again -- and reads the snapshot too: a snapshot holds the current
+generation's commits. Every generation ends with such a read, so no commit is hidden; what the
+reads gathered is kept in ``journal.json``, next to ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from croupier.tools.infer_worker import infer
+
+JOB = "infer"
+WORKER = "croupier.tools.infer_worker"
+KINDS = ("kill", "add", "remove", "coordinator")
+MAX_WORLD = 4
+POLL_S = 0.02  # the watch loop's longest wait on a worker before it looks at the outputs again
+STALL_S = 90.0  # seconds without an output line or an exit: the run has hung
+STOP_S = 15.0  # seconds a stopped worker gets before kill -9
+
+
+class DemoError(RuntimeError):
+    """Something the demo did not inject went wrong: a coordinator that would not start, a hang."""
+
+
+# ------------------------------------------------------------------------------------------- journal
+
+
+@dataclasses.dataclass
+class Journal:
+    """What the coordinator journaled about the job, gathered over several reads of its store.
+
+    Attributes:
+        generations: token -> generation number (``GenerationOpened``, or a snapshot's current generation).
+        worlds: generation -> world size.
+        commits: "generation/rank" -> the highest number of batches it committed (``BatchesCommitted``,
+            or a snapshot's commits of its current generation).
+        logged: The same from journal records alone: a count above it in `commits` was known only
+            from a snapshot (its records were pruned).
+        dealt: "generation/rank" -> batches dealt to it (``BatchesDealt``, or a snapshot's deals).
+        reads: Reads of the store.
+        records: Journal records read (over all reads; a record read twice counts twice).
+        snapshots: Reads that found a snapshot (which had pruned the records before it).
+    """
+
+    generations: dict[str, int] = dataclasses.field(default_factory=dict)
+    worlds: dict[int, int] = dataclasses.field(default_factory=dict)
+    commits: dict[str, int] = dataclasses.field(default_factory=dict)
+    logged: dict[str, int] = dataclasses.field(default_factory=dict)
+    dealt: dict[str, int] = dataclasses.field(default_factory=dict)
+    reads: int = 0
+    records: int = 0
+    snapshots: int = 0
+
+    def committed(self, generation: int, rank: int) -> int:
+        """Batches of its sequence `rank` committed in `generation` (0 if none)."""
+        return self.commits.get(f"{generation}/{rank}", 0)
+
+    def from_snapshots(self) -> int:
+        """(generation, rank) pairs whose highest commit only a snapshot showed."""
+        return sum(v > self.logged.get(k, 0) for k, v in self.commits.items())
+
+    def redealt(self) -> int:
+        """Batches dealt to a rank that never committed them (in flight when it was stopped): dealt again later."""
+        return sum(max(0, d - self.commits.get(k, 0)) for k, d in self.dealt.items())
+
+    def _commit(self, generation: int, rank: int, batches: int, logged: bool) -> None:
+        key = f"{generation}/{rank}"
+        self.commits[key] = max(self.commits.get(key, 0), batches)
+        if logged:
+            self.logged[key] = max(self.logged.get(key, 0), batches)
+
+    def _open(self, token: str, generation: int, world: int) -> None:
+        if self.generations.get(token, generation) != generation:
+            raise DemoError(f"the journal maps token {token!r} to generation {generation}, an earlier read to "
+                            f"{self.generations[token]}")
+        self.generations[token] = generation
+        self.worlds[generation] = world
+
+    def read(self, store_url: str, job: str = JOB) -> None:
+        """Adds what the store holds now: its snapshot's current generation and every record after it.
+
+        The store MUST NOT be open elsewhere (a SQLite store is locked by its running coordinator).
+        """
+        import msgpack
+
+        from croupier.server import GenerationOpened, decode_event, open_store
+        from croupier.server._state import BatchesCommitted, BatchesDealt, State
+
+        store = open_store(store_url)
+        try:
+            rec = store.read_since(0)
+        finally:
+            store.close()
+        self.reads += 1
+        dealt: dict[str, int] = {}  # this read's count: a record read again must not count twice
+        if rec.snapshot is not None:
+            self.snapshots += 1
+            j = State.restore(msgpack.unpackb(rec.snapshot)).jobs.get(job)
+            if j is not None and j.generation is not None:
+                g = j.generation
+                self._open(g.token, g.number, g.world)
+                book = j.deals.get(0)
+                for rank, batches in (book.committed if book else {}).items():
+                    self._commit(g.number, rank, batches, logged=False)
+                for rank in (book.runs if book else {}):
+                    dealt[f"{g.number}/{rank}"] = book.dealt(rank) if book else 0
+        for _, payload in rec.records:
+            self.records += 1
+            ev = decode_event(msgpack.unpackb(payload))
+            if getattr(ev, "job", None) != job:
+                continue
+            if isinstance(ev, GenerationOpened):
+                self._open(ev.token, ev.generation, ev.world)
+            elif isinstance(ev, BatchesCommitted) and ev.epoch == 0:
+                self._commit(ev.generation, ev.rank, ev.batches, logged=True)
+            elif isinstance(ev, BatchesDealt) and ev.epoch == 0:
+                key = f"{ev.generation}/{ev.rank}"
+                dealt[key] = dealt.get(key, 0) + ev.count
+        for key, count in dealt.items():
+            self.dealt[key] = max(self.dealt.get(key, 0), count)
+
+    def save(self, path: pathlib.Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> Journal:
+        d = json.loads(path.read_text())
+        return cls(d["generations"], {int(k): v for k, v in d["worlds"].items()}, d["commits"], d["logged"],
+                   d["dealt"], d["reads"], d["records"], d["snapshots"])
+
+
+# --------------------------------------------------------------------------------------------- audit
+
+
+@dataclasses.dataclass
+class Audit:
+    """The audit's figures; `violations` names every way it failed (empty: exactly once holds)."""
+
+    n: int
+    files: int = 0
+    lines: int = 0  # output lines read (torn ones included)
+    valid: int = 0  # lines of committed batches
+    discarded: int = 0  # lines of batches never committed: work redone after a kill
+    torn: int = 0  # a killed worker's last, partly written line (discarded too)
+    samples: int = 0  # distinct indices of [0, N) with a valid output
+    duplicates: int = 0  # valid lines beyond the first of their index
+    missing: int = 0  # indices of [0, N) without a valid output
+    wrong: int = 0  # valid lines whose index is outside [0, N) or whose output is not the model's
+    violations: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _owner(path: pathlib.Path) -> tuple[str, int]:
+    """(token, rank) of an output file ``{token}-r{rank}.jsonl``."""
+    token, _, rank = path.stem.rpartition("-r")
+    if not token or not rank.isdigit():
+        raise ValueError(f"{path.name} is not named TOKEN-rRANK.jsonl")
+    return token, int(rank)
+
+
+def audit(outputs: pathlib.Path, journal: Journal, n: int) -> Audit:
+    """Checks that the committed output lines under `outputs` cover [0, `n`) exactly once."""
+    a = Audit(n)
+    seen: dict[int, list[str]] = collections.defaultdict(list)  # index -> where its valid lines are
+    for path in sorted(outputs.glob("*.jsonl")):
+        a.files += 1
+        try:
+            token, rank = _owner(path)
+        except ValueError as e:
+            a.violations.append(f"unknown output file: {e}")
+            continue
+        generation = journal.generations.get(token)
+        committed = 0 if generation is None else journal.committed(generation, rank)
+        data = path.read_text(encoding="utf-8")
+        lines = data.split("\n")
+        tail = lines.pop()  # "" when the file ends with a newline
+        if tail:
+            try:
+                json.loads(tail)
+                lines.append(tail)  # complete, only its newline is missing
+            except ValueError:
+                a.lines += 1
+                a.torn += 1
+                a.discarded += 1
+        for k, line in enumerate(lines, 1):
+            a.lines += 1
+            try:
+                rec = json.loads(line)
+                seq, index, output = int(rec["seq"]), int(rec["index"]), str(rec["output"])
+            except (ValueError, KeyError, TypeError):
+                a.violations.append(f"corrupt line: {path.name}:{k} is not an output record ({line[:60]!r})")
+                continue
+            if seq >= committed:
+                a.discarded += 1
+                continue
+            a.valid += 1
+            if not 0 <= index < n or output != infer(index):
+                a.wrong += 1
+                if a.wrong <= 3:
+                    a.violations.append(f"wrong output: {path.name}:{k} has index {index} -> {output!r}")
+                continue
+            seen[index].append(f"{path.name} seq {seq}")
+        if generation is None and lines:
+            a.violations.append(f"unknown token: {path.name} holds {len(lines)} lines of token {token!r}, which "
+                                "the journal never opened")
+    a.samples = len(seen)
+    dups = {i: w for i, w in seen.items() if len(w) > 1}
+    a.duplicates = sum(len(w) - 1 for w in dups.values())
+    a.missing = n - a.samples
+    if dups:
+        i = min(dups)
+        a.violations.append(f"duplicates: {len(dups)} indices have more than one committed output ({a.duplicates} "
+                            f"extra lines), e.g. index {i} in {', '.join(dups[i])}")
+    if a.missing:
+        gone = [i for i in range(n) if i not in seen]
+        a.violations.append(f"missing: {a.missing} indices have no committed output, e.g. {gone[:5]}")
+    return a
+
+
+# ---------------------------------------------------------------------------------------- processes
+
+
+class Coordinator:
+    """``croupier serve`` on the demo's store, in a child process; restarted on the same port."""
+
+    def __init__(self, store: str, log: IO[str]) -> None:
+        self.store = store
+        self.log = log
+        self.port = 0
+        self.address = ""
+        self.proc: subprocess.Popen[str] | None = None
+        self.deaths: list[int] = []  # exit codes of exits nobody asked for
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+               "--store", self.store]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("listening on "):
+            proc.kill()
+            proc.wait()
+            raise DemoError(f"croupier serve --port {self.port} did not start (exit {proc.returncode}, first line "
+                            f"{line!r}); see {self.log.name}")
+        self.proc = proc
+        self.address = line.split()[-1]
+        self.port = int(self.address.rsplit(":", 1)[1])
+        threading.Thread(target=self._drain, args=(proc.stdout,), daemon=True).start()
+
+    def _drain(self, out: IO[str]) -> None:
+        for line in out:
+            self.log.write(line)
+            self.log.flush()
+
+    def check(self) -> bool:
+        """False (and noted) if the coordinator exited by itself; it is started again."""
+        if self.proc is None or self.proc.poll() is None:
+            return True
+        self.deaths.append(self.proc.returncode)
+        self.proc = None
+        self.start()
+        return False
+
+    def kill(self) -> None:
+        """kill -9, and wait for it."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        """SIGTERM, and wait for it (kill -9 after STOP_S)."""
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+@dataclasses.dataclass
+class Worker:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    stopped: bool = False  # the driver killed or stopped it
+
+    def signal(self, sig: int) -> None:
+        """Sends `sig` to the worker's process group (it and any helper process it started)."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class Generation:
+    """One launch: `world` worker processes sharing one token."""
+
+    def __init__(self, token: str, world: int, env: dict[str, str], argv: list[str], logs: pathlib.Path) -> None:
+        self.token = token
+        self.world = world
+        self.workers: list[Worker] = []
+        for rank in range(world):
+            log = open(logs / f"{token}-r{rank}.log", "wb")  # closed in stop()
+            wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                    "CROUPIER_TOKEN": token}
+            proc = subprocess.Popen([sys.executable, "-m", WORKER, *argv], env=wenv, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            self.workers.append(Worker(rank, proc, log))
+
+    def live(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() is None]
+
+    def failed(self) -> list[Worker]:
+        """Workers that exited non-zero without being stopped by the driver."""
+        return [w for w in self.workers if not w.stopped and w.proc.poll() not in (None, 0)]
+
+    def wait(self, seconds: float) -> None:
+        """Waits up to `seconds` for a live worker to exit."""
+        live = self.live()
+        if live:
+            try:
+                live[0].proc.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def kill(self, worker: Worker) -> None:
+        """kill -9 of `worker`, and wait for it."""
+        worker.stopped = True
+        worker.signal(signal.SIGKILL)
+        worker.proc.wait()
+
+    def stop(self) -> None:
+        """Stops every worker still running (SIGTERM, then kill -9 after STOP_S) and waits for them."""
+        for w in self.live():
+            w.stopped = True
+            w.signal(signal.SIGTERM)
+        give_up = time.monotonic() + STOP_S
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, give_up - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.signal(signal.SIGKILL)
+                w.proc.wait()
+            w.log.close()
+
+
+class Lines:
+    """Counts the lines of every output file, reading only what was appended since the last count."""
+
+    def __init__(self, outputs: pathlib.Path) -> None:
+        self.outputs = outputs
+        self._at: dict[pathlib.Path, int] = {}
+        self._lines: dict[pathlib.Path, int] = {}
+        self.count = 0
+
+    def poll(self) -> int:
+        """Lines of every output file, now."""
+        for path in self.outputs.glob("*.jsonl"):
+            at = self._at.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(at)
+                chunk = f.read()
+            self._at[path] = at + len(chunk)
+            new = chunk.count(b"\n")
+            self._lines[path] = self._lines.get(path, 0) + new
+            self.count += new
+        return self.count
+
+    def of(self, path: pathlib.Path) -> int:
+        """Lines of one output file at the last :meth:`poll`."""
+        return self._lines.get(path, 0)
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class Settings:
+    workdir: str = "out/infer-demo"
+    n: int = 20_000
+    batch: int = 16
+    faults: int = 8
+    seed: int | None = None
+    batch_ms: float = 5.0
+    world: int = 2
+
+
+def plan_faults(rng: random.Random, count: int) -> list[str]:
+    """`count` fault kinds: every kind as evenly as the count allows, in a random order."""
+    kinds = list(KINDS) * (count // len(KINDS)) + rng.sample(KINDS, count % len(KINDS))
+    rng.shuffle(kinds)
+    return kinds
+
+
+class Demo:
+    """The driver: launches generations, injects the faults, reads the journal, audits."""
+
+    def __init__(self, s: Settings, seed: int) -> None:
+        self.s = s
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.work = pathlib.Path(s.workdir)
+        self.outputs = self.work / "outputs"
+        self.logs = self.work / "logs"
+        self.store = f"sqlite:///{(self.work / 'coordinator.db').resolve()}"
+        self.journal = Journal()
+        self.kinds = plan_faults(self.rng, s.faults)
+        self.done: collections.Counter[str] = collections.Counter()
+        self.worlds: list[int] = []
+        self.failures: list[str] = []  # worker exits nobody asked for
+        #: workers running when the coordinator was killed: (token, worker, batches it had committed then,
+        #: the output lines its file must reach before the next fault: two batches later, so it committed after it)
+        self.riders: list[tuple[str, Worker, int, int]] = []
+        self.rode: list[bool] = []  # per rider: it committed again after the restart, or ran out by itself
+        self.began = time.monotonic()
+
+    def _env(self, address: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CROUPIER_", "TORCHELASTIC_"))}
+        env.update(CROUPIER_ADDRESS=address, CROUPIER_JOB=JOB, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        return env
+
+    def _say(self, what: str) -> None:
+        print(f"[{time.monotonic() - self.began:6.1f} s] {what}", flush=True)
+
+    def _launch(self, world: int) -> Generation:
+        token = f"launch-{len(self.worlds) + 1:02d}"
+        self.worlds.append(world)
+        argv = ["--n", str(self.s.n), "--batch", str(self.s.batch), "--outputs", str(self.outputs),
+                "--batch-ms", str(self.s.batch_ms)]
+        self._say(f"launch {token}: world {world}")
+        return Generation(token, world, self._env(self.coordinator.address), argv, self.logs)
+
+    def _between(self, gen: Generation) -> None:
+        """Ends `gen` (every worker gone) and reads the journal with the coordinator stopped."""
+        gen.stop()
+        self._note_failures(gen)
+        self.coordinator.stop()
+        self.journal.read(self.store)
+        self._judge_riders(gen)
+        self.coordinator.start()
+
+    def _output(self, token: str, rank: int) -> pathlib.Path:
+        return self.outputs / f"{token}-r{rank}.jsonl"
+
+    def _riders_went_on(self, gen: Generation) -> bool:
+        """Every worker of `gen` that ran through a coordinator kill has committed since (a line of the
+        batch after next is written only once the next one's commit returned), or has exited."""
+        self.lines.poll()
+        return all(w.proc.poll() is not None or self.lines.of(self._output(token, w.rank)) >= target
+                   for token, w, _, target in self.riders if token == gen.token)
+
+    def _committed(self, token: str, rank: int) -> int:
+        g = self.journal.generations.get(token)
+        return 0 if g is None else self.journal.committed(g, rank)
+
+    def _judge_riders(self, gen: Generation) -> None:
+        """Whether each worker of `gen` that ran through a coordinator kill went on afterwards:
+        the journal has a later commit of it, or it ran out of batches and exited 0 by itself."""
+        for token, w, before, _ in [r for r in self.riders if r[0] == gen.token]:
+            self.rode.append(self._committed(token, w.rank) > before or (w.proc.returncode == 0 and not w.stopped))
+        self.riders = [r for r in self.riders if r[0] != gen.token]
+
+    def _note_failures(self, gen: Generation) -> None:
+        for w in gen.failed():
+            if not any(f.startswith(f"{gen.token} r{w.rank} ") for f in self.failures):
+                self.failures.append(f"{gen.token} r{w.rank} exited {w.proc.returncode} by itself (see "
+                                     f"{self.logs / f'{gen.token}-r{w.rank}.log'})")
+
+    def _gap(self, lines: int, left: int) -> int:
+        """Output lines until the next fault: the rest of the job shared among the faults left."""
+        rest = max(self.s.n - lines, 0)
+        return max(self.s.batch, int(rest / (left + 1) * self.rng.uniform(0.6, 1.0)))
+
+    def _fault(self, kind: str, gen: Generation, lines: int) -> Generation:
+        """Injects one fault; returns the generation running after it."""
+        world = gen.world
+        if kind == "add" and world >= MAX_WORLD:
+            kind = "remove"
+        elif kind == "remove" and world <= 1:
+            kind = "add"
+        live = gen.live()
+        if kind == "kill" and not live:
+            kind = "add" if world < MAX_WORLD else "remove"
+        self.done[kind] += 1
+        where = f"at {lines} output lines"
+        if kind == "coordinator":
+            self._say(f"fault {sum(self.done.values())}: kill -9 of the coordinator {where} ({len(live)} workers "
+                      "running); restarted on the same port")
+            self.coordinator.kill()
+            self.journal.read(self.store)
+            self.riders += [(gen.token, w, self._committed(gen.token, w.rank),
+                             self.lines.of(self._output(gen.token, w.rank)) + self.s.batch + 1) for w in gen.live()]
+            self.coordinator.start()
+            return gen
+        if kind == "kill":
+            victim = self.rng.choice(live)
+            self._say(f"fault {sum(self.done.values())}: kill -9 of {gen.token} r{victim.rank} {where}; the others "
+                      "are stopped")
+            gen.kill(victim)
+            world = self.rng.randint(1, MAX_WORLD)
+        else:
+            world += 1 if kind == "add" else -1
+            self._say(f"fault {sum(self.done.values())}: {kind} a worker {where}: every worker is stopped, "
+                      f"relaunch with {world}")
+        self._between(gen)
+        return self._launch(world)
+
+    def run(self) -> tuple[Audit, dict[str, Any]]:
+        """Runs the job to its end under the faults; returns the audit and the run's figures."""
+        if self.work.is_dir() and any(self.work.iterdir()) and not (self.work / "outputs").is_dir():
+            raise ValueError(f"{self.work} is not empty and holds no earlier demo run: choose another --workdir")
+        shutil.rmtree(self.work, ignore_errors=True)
+        self.outputs.mkdir(parents=True)
+        self.logs.mkdir()
+        self.began = time.monotonic()
+        self.lines = Lines(self.outputs)
+        with open(self.work / "coordinator.log", "a") as clog:
+            self.coordinator = Coordinator(self.store, clog)
+            self.coordinator.start()
+            self._say(f"coordinator: croupier serve at {self.coordinator.address} ({self.store}); job {JOB!r}, "
+                      f"N={self.s.n}, batch {self.s.batch}, {self.s.faults} faults, seed {self.seed}")
+            gen = self._launch(self.s.world)
+            try:
+                gen = self._watch(gen)
+            finally:
+                gen.stop()
+                self._note_failures(gen)
+                self.coordinator.stop()
+        self.journal.read(self.store)
+        self._judge_riders(gen)
+        self.journal.save(self.work / "journal.json")
+        result = audit(self.outputs, self.journal, self.s.n)
+        figures = {
+            "seed": self.seed, "n": self.s.n, "batch": self.s.batch, "faults": dict(self.done),
+            "faults_total": sum(self.done.values()), "launches": len(self.worlds), "worlds": self.worlds,
+            "generations": len(self.journal.generations), "journal_reads": self.journal.reads,
+            "snapshots_read": self.journal.snapshots, "worker_failures": self.failures,
+            "coordinator_deaths": self.coordinator.deaths, "riders": len(self.rode), "rode_through": sum(self.rode),
+            "commit_retries_logged": _retried(self.logs), "commits_only_in_snapshots": self.journal.from_snapshots(),
+            "redealt_batches": self.journal.redealt(), "seconds": round(time.monotonic() - self.began, 1),
+            "audit": dataclasses.asdict(result),
+        }
+        (self.work / "summary.json").write_text(json.dumps(figures, indent=1))
+        return result, figures
+
+    def _watch(self, gen: Generation) -> Generation:
+        """Watches the job until a generation ends by itself, injecting the faults due on the way."""
+        lines = self.lines
+        left = len(self.kinds)
+        due = self._gap(0, left)
+        moved, last = time.monotonic(), 0
+        while True:
+            if not self.coordinator.check():
+                self._say("the coordinator exited by itself; started again")
+            if gen.failed():
+                self._note_failures(gen)
+                self._say(f"{self.failures[-1]}; relaunching")
+                self._between(gen)
+                gen = self._launch(gen.world)
+                continue
+            if not gen.live():
+                return gen  # every worker ran out: the job is done
+            count = lines.poll()
+            if count != last:
+                moved, last = time.monotonic(), count
+            elif time.monotonic() - moved > STALL_S:
+                raise DemoError(f"no output line for {STALL_S:.0f} s at {count} lines ({gen.token}, world "
+                                f"{gen.world}); see {self.logs}")
+            if left and count >= due and self._riders_went_on(gen):
+                gen = self._fault(self.kinds[len(self.kinds) - left], gen, count)
+                left -= 1
+                due = count + self._gap(count, left)
+                moved = time.monotonic()
+                continue
+            gen.wait(POLL_S)
+
+
+def _retried(logs: pathlib.Path) -> int:
+    """Workers whose log says they asked again for a commit the coordinator did not answer."""
+    return sum(b"commit not answered" in p.read_bytes() for p in logs.glob("*.log"))
+
+
+def render(result: Audit, figures: dict[str, Any]) -> str:
+    """The audit's report, ending with the one-line summary."""
+    faults = figures["faults"]
+    by_kind = ", ".join(f"{faults.get(k, 0)} {k}" for k in KINDS)
+    lines = [
+        "",
+        f"audit of {result.files} output files ({result.lines} lines) against the coordinator's journal "
+        f"({figures['journal_reads']} reads, {figures['snapshots_read']} with a snapshot):",
+        f"  samples audited        {result.n}",
+        f"  committed outputs      {result.valid}",
+        f"  distinct samples       {result.samples}",
+        f"  duplicates             {result.duplicates}",
+        f"  missing                {result.missing}",
+        f"  wrong outputs          {result.wrong}",
+        f"  discarded (uncommitted, redone after kills)  {result.discarded} lines ({result.torn} torn)",
+        f"  faults                 {figures['faults_total']} ({by_kind})",
+        f"  generations            {figures['generations']} (worlds {figures['worlds']})",
+        f"  coordinator kills      {figures['faults'].get('coordinator', 0)}: {figures['rode_through']} of the "
+        f"{figures['riders']} workers running through one committed again after it "
+        f"({figures['commit_retries_logged']} retried a commit meanwhile)",
+        f"  journal                commits of {figures['commits_only_in_snapshots']} (generation, rank) pairs known "
+        f"only from snapshots; {figures['redealt_batches']} batches dealt but never committed, dealt again",
+        "",
+        f"infer-demo: {result.n} samples audited: {result.valid} committed outputs, {result.duplicates} duplicates, "
+        f"{result.missing} missing, {result.discarded} lines discarded as uncommitted; {figures['faults_total']} faults "
+        f"({by_kind}); {figures['generations']} generations; {len(figures['worker_failures'])} worker failures",
+    ]
+    return "\n".join(lines)
+
+
+def run(workdir: str = "out/infer-demo", n: int = 20_000, batch: int = 16, faults: int = 8, seed: int | None = None,
+        batch_ms: float = 5.0, world: int = 2) -> int:
+    """Runs the demo; returns its exit status: 0 when exactly once holds, no process failed by itself
+    and every worker running through a coordinator kill committed again after it."""
+    if not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"world must be in 1 .. {MAX_WORLD} (got {world})")
+    if n < 1 or batch < 1 or faults < 0:
+        raise ValueError(f"n and batch must be >= 1 and faults >= 0 (got n={n}, batch={batch}, faults={faults})")
+    seed = seed if seed is not None else random.SystemRandom().randrange(1 << 31)
+    demo = Demo(Settings(workdir, n, batch, faults, seed, batch_ms, world), seed)
+    try:
+        result, figures = demo.run()
+    except DemoError as e:
+        print(f"infer-demo: FAILED: {e}", file=sys.stderr)
+        return 1
+    print(render(result, figures))
+    problems = list(result.violations) + [f"worker failure: {f}" for f in figures["worker_failures"]]
+    problems += [f"coordinator exited by itself (exit {c})" for c in figures["coordinator_deaths"]]
+    if figures["rode_through"] < figures["riders"]:
+        problems.append(f"ride-through: {figures['riders'] - figures['rode_through']} of the {figures['riders']} workers "
+                        "running through a coordinator kill never committed again")
+    if problems:
+        print("infer-demo: FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print("infer-demo: exactly once holds")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m croupier.tools.infer_demo [options]``: the same as ``croupier infer-demo [options]``."""
+    from croupier.tools.cli import main as cli
+
+    return cli(["infer-demo", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
