@@ -318,3 +318,31 @@ def test_restore_refuses_a_job_twice() -> None:
     snap["jobs"].append(snap["jobs"][0])
     with pytest.raises(FormatError, match=r"snapshot job 1: job 'j' appears twice"):
         State.restore(snap)
+
+
+# -- the format-3 fixture (croupier at e5c0cab: progress reports and checkpoint records) ----------------
+
+
+def test_a_coordinator_recovers_the_v3_journal(tmp_path: Path) -> None:
+    """A journal of format 3 (fixtures/make_journal_v3.py) recovers, records and progress included, and goes on."""
+    copy = tmp_path / "journal-v3.db"
+    shutil.copyfile(FIXTURES / "journal-v3.db", copy)
+    gamma = Spec(n=60, seed=5, batch_size=3, permutation="feistel")
+    at_step_4 = Cursor(0, ((24, 60),))
+    core = Coordinator(open_store(f"sqlite:///{copy}"))
+    try:
+        st = core.job("gamma")
+        assert st.spec == gamma
+        assert (st.result.generation, st.result.world, st.result.start) == (2, 3, at_step_4)
+        assert [(c.step, c.cursor, c.origin, c.generation, c.rank) for c in st.checkpoints] == [
+            (4, at_step_4, "gamma-1/0/4", 1, 0)]
+        assert core.checkpoint("gamma", 4)[1].cursor == at_step_4
+        with pytest.raises(Aborted, match="older generation"):
+            core.join(JoinRequest("gamma", gamma, "gamma-1", 2, 0))
+        rest = [i for r in range(3) for i in core.lease("gamma", 2, r, 0, 0, 100).indices.tolist()]
+        assert len(rest) == len(set(rest)) == 36  # what is left of epoch 0, each index once
+        # it goes on in this release's format: a progress report of generation 2 is journaled
+        core.report("gamma", 2, 1, 0, 3, (5, Cursor(0, ((33, 60),)), "gamma-2/0/3"))
+        assert [c.step for c in core.job("gamma").checkpoints] == [4, 5]
+    finally:
+        core.close()
