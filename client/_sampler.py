@@ -665,6 +665,8 @@ class _Base(Sampler[Any]):
                 the epoch's start as ``len()`` counts them (a trainer's batch index + 1, times the
                 batch size for the index sampler). ``StatefulDataLoader`` and ``num_workers=0``
                 need nothing: the sampler has handed out exactly what the loop took.
+                With dynamic dealing, count from this generation's start (its resume) instead:
+                a rank's batches there are its own, not a share of the epoch.
             step: The trainer's global step at this checkpoint (the number of optimizer steps
                 taken since the job's start, as the HF Trainer's ``global_step``, Lightning's
                 ``global_step`` or torchtitan's ``step`` count it), naming the coordinator's record.
@@ -678,7 +680,11 @@ class _Base(Sampler[Any]):
             if self._origin:
                 state["origin"] = self._origin
             return state
-        if self._complete or consumed is None and self._finished():  # the epoch is over
+        # NOTE: an independent worker's (lockstep=False) state is the union of every worker's
+        # commits, which only the coordinator knows: its epoch being over for this worker says
+        # nothing of the others' batches in flight.
+        own = self.spec.dealing == "dynamic" and not self._lockstep
+        if self._complete or consumed is None and self._finished() and not own:  # the epoch is over
             taken = self._taken() if self.spec.dealing == "dynamic" else self._rest(self._epoch)
             return self._stamp(fresh(self.spec, self._epoch + 1), self._epoch + 1, 0, step,
                                (self._epoch, taken * self._unit // self.spec.batch_size))

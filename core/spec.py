@@ -207,6 +207,9 @@ def _validate(s: Spec) -> None:
     _check_int("token_window", s.token_window, 1, 2**31)
     if s.max_tokens is not None:
         _validate_tokens(s)
+    elif s.cost != "sum" or s.token_window != TOKEN_WINDOW:
+        raise ValueError(f"cost and token_window are settings of token-budget batches: they need max_tokens= "
+                         f"(got cost={s.cost!r}, token_window={s.token_window}, max_tokens=None)")
     if s.dealing == "dynamic":
         if s.scope != "global" or s.partition != "strided" or s.tail != "uneven" or s.even_batches:
             raise ValueError(

@@ -169,6 +169,12 @@ class Coordinator:
         with self._cond:
             self._fresh()
             record = self._state.checkpoint(job, step)
+            # NOTE: a record still on its way to disk must not be answered: a relaunch resuming from
+            # it, then a crash that loses it, would skip what it names.
+            target = self._seq
+            while self._durable < target and self._failed is None:
+                self._cond.wait()
+            self._check_ok()
             return self._state.jobs[job].spec, record
 
     def _commit(self, decide: Callable[[], list[Event]], durable: bool) -> list[Event]:

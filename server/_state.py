@@ -414,6 +414,8 @@ class State:
         if checkpoint is not None:
             step, cursor, origin = checkpoint
             own = False
+            if j.spec.dealing == "dynamic" and cursor is not None and cursor.remaining == ((0, j.spec.n),):
+                self._reachable(job, self.generation(job, generation), cursor.epoch)  # its epoch before: all dealt
             if j.spec.dealing == "dynamic" and cursor is not None and cursor.remaining != ((0, j.spec.n),):
                 raise InvalidArgument(f"job {job!r} deals dynamically: its checkpoints' cursors are the coordinator's "
                                       f"to compute (a rank may name only an epoch's start, got {show(cursor)}); report "
@@ -455,6 +457,7 @@ class State:
         p = dynamic.one_rank_plan(j.spec, gen.start, epoch)
         if p is None:  # the epoch just before the generation's fresh start: complete
             return gen.start, []
+        self._reachable(job, gen, epoch)
         book = self._deals(job, epoch)
         # NOTE: a lockstep count may exceed what the rank was dealt: a rank that ran out (DDP's
         # Join) names the trainer's step in the epoch, crediting the others with their batches.
@@ -464,7 +467,33 @@ class State:
         events: list[Event] = []
         if not lockstep and batches > book.committed.get(rank, 0):
             events.append(BatchesCommitted(job, generation, rank, epoch, batches))
+        if not lockstep:
+            # NOTE: a cursor names one epoch. While an earlier epoch still has batches dealt and not
+            # committed (a slow worker), the job's record stays in that epoch: this commit is kept
+            # (BatchesCommitted), but a relaunch redoes the later epoch's work; it never skips any.
+            for e in sorted(j.deals):
+                earlier, pe = j.deals[e], dynamic.one_rank_plan(j.spec, gen.start, e)
+                if e >= epoch or pe is None:
+                    break
+                if any(earlier.committed.get(r, 0) < earlier.dealt(r) for r in earlier.runs):
+                    return dynamic.cursor_after(pe, earlier, dict(earlier.committed)), events
         return dynamic.cursor_after(p, book, dynamic.credits(book, rank, batches, lockstep)), events
+
+    def _reachable(self, job: str, gen: Generation, epoch: int) -> None:
+        """Refuses an epoch a rank of `gen` cannot be in: before its start, or after an epoch whose
+        batches were not all dealt yet (a rank goes on to epoch e + 1 only once e has nothing left)."""
+        assert gen.start is not None
+        if epoch <= gen.start.epoch:
+            return
+        spec = self.jobs[job].spec
+        before = self.jobs[job].deals.get(epoch - 1)
+        p = dynamic.one_rank_plan(spec, gen.start, epoch - 1)
+        if p is not None and (before is None or before.next < dynamic.total(p)):
+            dealt = 0 if before is None else before.next
+            raise FailedPrecondition(
+                f"epoch {epoch} of job {job!r} cannot begin: epoch {epoch - 1} has dealt {dealt} of its "
+                f"{dynamic.total(p)} batches (a rank reaches the next epoch once nothing is left to deal)"
+            )
 
     def _deals(self, job: str, epoch: int) -> EpochDeals:
         """The deals of `epoch` in the job's current generation (empty if none yet)."""
@@ -489,6 +518,7 @@ class State:
         p = dynamic.one_rank_plan(spec, gen.start, epoch)
         if p is None:
             return [], True, []
+        self._reachable(job, gen, epoch)
         book = self._deals(job, epoch)
         try:
             runs, new = dynamic.deal(book, p, rank, first, count)
@@ -551,7 +581,10 @@ class State:
             deals = self.jobs[ev.job].deals
             dynamic.apply_deal(deals.setdefault(ev.epoch, EpochDeals()), ev.rank, ev.first, ev.count)
             for old in [e for e in deals if e <= ev.epoch - dynamic.KEEP_EPOCHS]:
-                del deals[old]
+                b = deals[old]
+                # an epoch with workers' commits (own) is kept while some of its batches are not committed
+                if not b.committed or all(b.committed.get(r, 0) >= b.dealt(r) for r in b.runs):
+                    del deals[old]
         elif isinstance(ev, BatchesCommitted):
             self._generation(ev.job, ev.generation)
             book = self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals())

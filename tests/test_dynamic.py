@@ -131,3 +131,63 @@ def test_cursor_after_credits() -> None:
     assert c.remaining == ((50, 100),)  # rank 0's batches 0, 1, 4; rank 1 has only 2, 3
     c = dynamic.cursor_after(p, book, dynamic.credits(book, 1, 1, lockstep=False))
     assert c.remaining == ((0, 20), (30, 100))
+
+
+def _rest_of_the_epoch(address: str, world: int, token: str) -> list[list[int]]:
+    new = _samplers(address, world, token, lockstep=False)
+    assert all(s.resume_latest() for s in new)
+    assert new[0].epoch == 0
+    ranks = Ranks(new)
+    rest = _drain(ranks, [1] * world, random.Random(4))
+    ranks.close()
+    return [b for r in rest for b in r]
+
+
+def test_a_commit_after_its_loop_ended_keeps_the_others_batches_in_flight(server: Server) -> None:
+    """A worker that commits again once its loop ran out does not declare the epoch done for the others."""
+    ranks = Ranks(_samplers(server.address, 2, "t1", lockstep=False))
+    held = ranks.next(1)  # dealt to worker 1, never committed
+    assert held is not None
+    done: list[list[int]] = []
+    while (b := ranks.next(0)) is not None:
+        done.append(b)
+        ranks.samplers[0].commit()
+    state = ranks.samplers[0].commit()
+    assert state["epoch"] == 0 and sum(b - a for a, b in state["remaining"]) >= len(held)  # and its prefetch
+    ranks.close()
+    seen = Counter(i for b in done + _rest_of_the_epoch(server.address, 2, "t2") for i in b)
+    assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+
+
+def test_a_worker_ahead_in_the_next_epoch_leaves_the_record_in_the_slow_workers_epoch(server: Server) -> None:
+    """Commits of the next epoch while a slow worker still holds batches: the record stays where nothing is skipped."""
+    ranks = Ranks(_samplers(server.address, 2, "t1", lockstep=False, lease_ahead=1))
+    held = ranks.next(1)
+    assert held is not None
+    done: list[list[int]] = []
+    while (b := ranks.next(0)) is not None:
+        done.append(b)
+        ranks.samplers[0].commit()
+    it = iter(ranks.samplers[0])  # worker 0 goes on to epoch 1 and commits a batch of it
+    next(it)
+    state = ranks.samplers[0].commit()
+    assert state["epoch"] == 0  # worker 1's batch of epoch 0 is not committed
+    ranks.close()
+    seen = Counter(i for b in done + _rest_of_the_epoch(server.address, 2, "t2") for i in b)
+    assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
+
+
+def test_an_epoch_whose_previous_one_is_not_all_dealt_is_refused(tmp_path: Path) -> None:
+    from croupier.core.api import JoinRequest
+    from croupier.core.errors import FailedPrecondition
+
+    spec = Spec(n=N, batch_size=B, tail="uneven", dealing="dynamic")
+    core = Coordinator(open_store(f"sqlite:///{tmp_path}/j.db"))
+    core.join(JoinRequest("j", spec, "t", 1, 0))
+    before = core.snapshot_state()
+    with pytest.raises(FailedPrecondition, match="epoch 7 of job 'j' cannot begin: epoch 6 has dealt 0"):
+        core.grant("j", 1, 0, 7, 0, 1)
+    with pytest.raises(FailedPrecondition, match="epoch 50"):
+        core.report("j", 1, 0, 50, 0, (None, None, "o"), lockstep=False)
+    assert core.snapshot_state() == before
+    core.close()
