@@ -5,11 +5,19 @@ from croupier.server._coordinator import Coordinator
 from croupier.server._logs import JsonFormatter, TextFormatter, configure_logging
 from croupier.server._options import ServerOptions
 from croupier.server._service import Server, serve
-from croupier.server._state import GenerationOpened, GenerationStarted, RankJoined, decode_event
+from croupier.server._state import (
+    BatchesCommitted,
+    BatchesDealt,
+    GenerationOpened,
+    GenerationStarted,
+    RankJoined,
+    State,
+    decode_event,
+)
 from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, open_store, redact_url
 
 __all__ = [
-    "Authorizer", "Coordinator", "GenerationOpened", "GenerationStarted", "JsonFormatter", "RankJoined", "Server",
-    "ServerOptions", "Store", "StoreCorrupt", "StoreError", "StoreUnavailable", "TextFormatter", "configure_logging",
-    "decode_event", "open_store", "redact_url", "serve",
+    "Authorizer", "BatchesCommitted", "BatchesDealt", "configure_logging", "Coordinator", "decode_event",
+    "GenerationOpened", "GenerationStarted", "JsonFormatter", "open_store", "RankJoined", "redact_url", "serve",
+    "Server", "ServerOptions", "State", "Store", "StoreCorrupt", "StoreError", "StoreUnavailable", "TextFormatter",
 ]

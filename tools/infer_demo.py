@@ -123,8 +123,7 @@ class Journal:
         """
         import msgpack
 
-        from croupier.server import GenerationOpened, decode_event, open_store
-        from croupier.server._state import BatchesCommitted, BatchesDealt, State
+        from croupier.server import BatchesCommitted, BatchesDealt, GenerationOpened, State, decode_event, open_store
 
         store = open_store(store_url)
         try:
