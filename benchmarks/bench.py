@@ -242,7 +242,6 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
     """Indices/s of DataLoader loops, interleaved: after each epoch's first batch (`NAME`) and over whole epochs
     from `set_epoch` on (`NAME_epoch`); the coordinator calls and protobuf bytes per step of case "croupier"."""
     _import_all()
-    import inspect
 
     from torch.utils.data import BatchSampler, DataLoader
     from torch.utils.data.distributed import DistributedSampler as TorchSampler
@@ -250,7 +249,7 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
     from croupier.client import DistributedBatchSampler, DistributedSampler
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
-    default = inspect.signature(DistributedSampler.__init__).parameters["lease_ahead"].default
+    default = DistributedSampler(10, num_replicas=1, rank=0, address="unused:1")._lease_ahead  # never joins
     assert default == LEASE_INDICES, f"LEASE_INDICES={LEASE_INDICES} but DistributedSampler leases {default}"
     unknown = set(cases) - set(STEADY_CASES)
     if unknown:
