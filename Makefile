@@ -24,7 +24,7 @@ lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/typecheck.py
 
-slow: $(STAMP)  ## the long runs: 5000-example state machine, 200 coordinator kills, 100-fault chaos
+slow: $(STAMP)  ## the long runs: 5000-example state machine, 200 coordinator kills, 100-fault chaos, 30-fault token and dynamic chaos
 	$(PY) -m pytest -q -m slow -s
 
 chaos: $(STAMP)  ## the full chaos run (100 faults), audited

@@ -86,3 +86,15 @@ def test_full_chaos_run_100_faults(tmp_path: pathlib.Path) -> None:
     assert int(m["resizes"]) > 0 and int(m["older"]) > 0
     assert int(m["epochs"]) == 6 and int(m["samples"]) == 6 * 3600
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batching", ["tokens", "dynamic"])
+def test_chaos_run_30_faults_token_budgets_and_dynamic_dealing(tmp_path: pathlib.Path, batching: str) -> None:
+    out, m = chaos(tmp_path / "chaos", "--faults", "30", "--epochs", "4", "--n", "2400", "--batching", batching,
+                   timeout=1800)
+    assert int(m["faults"]) == 30 and int(m["resizes"]) > 0 and int(m["older"]) > 0
+    assert int(m["epochs"]) == 4 and int(m["samples"]) == 4 * 2400
+    assert int(m["missing"]) == 0
+    if batching == "dynamic":
+        assert int(m["dups"]) == 0
