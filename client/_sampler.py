@@ -389,7 +389,7 @@ class _Base(Sampler[Any]):
             self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
                               unit=0 if self.spec.max_tokens else self._unit, origin=self._origin,
-                              epoch=r.start.epoch)
+                              epoch=r.start.epoch, dealing=self.spec.dealing)
             if self._cut_on_join is not None:
                 self._audit.write(t="cut", epoch=self._cut_on_join[0], items=self._cut_on_join[1])
         if self._hint is not None and self._hint == r.start.epoch - 1:

@@ -129,3 +129,25 @@ def test_audit_flags_a_restart_that_did_not_load_the_sampler_state(server: Serve
     assert not reports[0].ok and "UNVERIFIED" in reports[0].why
     out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "audit", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 1
+
+
+@pytest.mark.parametrize("dealing", ["static", "dynamic"])
+def test_an_epoch_ends_when_every_dynamic_rank_ended(tmp_path: pathlib.Path, dealing: str) -> None:
+    """With dynamic dealing one rank out of batches does not end the epoch: the others may still hold some."""
+    from croupier.client._audit_log import AuditLog
+    from croupier.tools.audit import audit_job, load
+
+    n, world = 8, 2
+    for r in range(world):
+        log = AuditLog(tmp_path, "j", "t1", r)
+        log.start(job="j", token="t1", generation=1, world=world, rank=r, n=n, tail="uneven", partition="strided",
+                  unit=2, origin=None, epoch=0, dealing=dealing)
+        log.batch(0, 0, np.array([2 * r, 2 * r + 1], dtype=np.int64))  # 4 of 8 taken, the rest still held
+        if r == 0:
+            log.write(t="end", epoch=0)
+        log.close()
+    (report,) = audit_job("j", load(tmp_path)["j"])
+    if dealing == "dynamic":
+        assert not report.finished and report.ok and report.why.startswith("UNFINISHED"), report
+    else:  # a static rank at its end means the epoch was iterated to its end: the gap is a violation
+        assert report.finished and not report.ok, report

@@ -44,6 +44,7 @@ class Incarnation:
     ends: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> ranks that finished it
     checkpoints: set[str] = dataclasses.field(default_factory=set)  # origins of the states it made
     cuts: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> items taken when the trainer moved on
+    dealing: str = "static"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
         inc = jobs[s["job"]].get(s["token"])
         if inc is None:
             inc = Incarnation(s["token"], s["generation"], s["world"], s["ts"], s.get("origin"), s["n"], s["tail"],
-                              s["partition"], {})
+                              s["partition"], {}, dealing=s.get("dealing", "static"))
             jobs[s["job"]][s["token"]] = inc
         inc.ts = min(inc.ts, s["ts"])
         inc.origin = inc.origin or s.get("origin")
@@ -159,7 +160,11 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             if idx:
                 worlds[e].append(inc.world)
         for e, count in inc.ends.items():
-            if count and (ce is None or e < ce):
+            # NOTE: with static dealing, one rank at its epoch's end means the epoch was iterated to
+            # its end (the ranks step together); with dynamic dealing a rank ends when nothing is left
+            # to deal while others may still hold batches: every rank must have ended.
+            need = inc.world if inc.dealing == "dynamic" else 1
+            if count >= need and (ce is None or e < ce):
                 finished[e] = inc.world
         if ce is not None and ci == 0:
             # A checkpoint at the start of epoch ce: the epochs before it were finished.
@@ -185,7 +190,8 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
         if not done:
             w = max(worlds[e])
             ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
-            why = ("UNFINISHED: no rank reached this epoch's end, so G1 cannot be established for it"
+            why = ("UNFINISHED: no rank reached this epoch's end (with dynamic dealing: not every rank), so G1 "
+                   "cannot be established for it"
                    if ok else f"G1 VIOLATED: {dups} duplicates before the epoch ended")
         else:
             w = finished[e]
