@@ -130,53 +130,55 @@ class _Prefetcher:
                 return
 
     def _run(self) -> None:
-        if self._dealt is not None:
-            try:
-                self._run_dealt()
-            except BaseException as e:  # handed to the consumer, which raises it
-                self._put(e)
-            self._put(_DONE)
-            return
-        client, job, gen, rank, epoch = self._args
-        plan, count = self._plan, self._lease_size
-        missed = False  # the last ask went unanswered
         try:
-            while not self._stop.is_set():
-                got: Grant | None
-                # NOTE: while the coordinator does not answer, each lease still asks, but waits
-                # only _PROBE_S: a stopped (not dead) coordinator never refuses, and a full
-                # _ASK_S per lease could outlast the leases queued ahead of the loop.
-                wait = _PROBE_S if missed else _ASK_S
-                try:
-                    got = client.grant(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
-                    if missed:
-                        log.warning("croupier: the coordinator of job %r answers again (rank %d)", job, rank)
-                    missed = False
-                except Unreachable:
-                    if client.closed:
-                        break
-                    got = None
-                    if not missed:
-                        log.warning("croupier: the coordinator of job %r does not answer; rank %d trains on from its "
-                                    "plan and asks again at every lease", job, rank)
-                    missed = True
-                    self.ungranted += 1
-                idx, sizes = _expander.lease(plan, rank, self._next, count)
-                if got is not None and not _tokens(plan) and (got.batches, got.last_size) != (
-                        len(sizes), sizes[-1] if sizes else 0):
-                    raise RuntimeError(
-                        f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
-                        f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
-                        "coordinator compute different plans (another croupier release?)"
-                    )
-                end = _ends(plan, rank, self._next + len(sizes), count, len(sizes))
-                self._next += len(sizes)
-                self._put(LeaseReply(idx, sizes, end, plan.samples(rank)))
-                if end:
-                    break
+            if self._dealt is not None:
+                self._run_dealt()
+            else:
+                self._run_planned()
         except BaseException as e:  # handed to the consumer, which raises it
             self._put(e)
         self._put(_DONE)
+
+    def _run_planned(self) -> None:
+        """Static dealing: grants of the rank's share, computed here when the coordinator does not answer."""
+        client, job, gen, rank, epoch = self._args
+        plan, count = self._plan, self._lease_size
+        missed = False  # the last ask went unanswered
+        while not self._stop.is_set():
+            got: Grant | None
+            # NOTE: while the coordinator does not answer, each lease still asks, but waits
+            # only _PROBE_S: a stopped (not dead) coordinator never refuses, and a full
+            # _ASK_S per lease could outlast the leases queued ahead of the loop.
+            wait = _PROBE_S if missed else _ASK_S
+            try:
+                got = client.grant(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
+                if missed:
+                    log.warning("croupier: the coordinator of job %r answers again (rank %d)", job, rank)
+                missed = False
+            except Unreachable:
+                if client.closed:
+                    break
+                got = None
+                if not missed:
+                    log.warning("croupier: the coordinator of job %r does not answer; rank %d trains on from its "
+                                "plan and asks again at every lease", job, rank)
+                missed = True
+                self.ungranted += 1
+            idx, sizes = _expander.lease(plan, rank, self._next, count)
+            if got is not None and not _tokens(plan) and (got.batches, got.last_size) != (
+                    len(sizes), sizes[-1] if sizes else 0):
+                raise RuntimeError(
+                    f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
+                    f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
+                    "coordinator compute different plans (another croupier release?)"
+                )
+            end = _ends(plan, rank, self._next + len(sizes), count, len(sizes))
+            self._next += len(sizes)
+            # NOTE: a token plan counts its epoch's samples only by packing the whole epoch; a lease
+            # must not pay that (nothing here reads the count): 0, "not known", as dynamic dealing says.
+            self._put(LeaseReply(idx, sizes, end, 0 if _tokens(plan) else plan.samples(rank)))
+            if end:
+                break
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():

@@ -295,3 +295,19 @@ def test_plans_refuse_what_they_cannot_deal() -> None:
         token_plan(spec, fresh(spec, 0), 0)
     with pytest.raises(ValueError, match="rank"):
         token_plan(spec, fresh(spec, 0), 2).lease(2, 0, 1)
+
+
+def test_a_samplers_first_batch_packs_one_window_not_the_epoch(server) -> None:  # type: ignore[no-untyped-def]
+    """Through the sampler and its coordinator, the first batch packs what one lease needs (the epoch is 50 windows)."""
+    from croupier.client import DistributedBatchSampler
+
+    n = 50 * 256
+    lengths = np.random.default_rng(0).integers(1, 100, n)
+    s = DistributedBatchSampler(n, num_replicas=1, rank=0, address=server.address, job="first", token="t",
+                                lengths=lengths, max_tokens=400, token_window=256, lease_ahead=4)
+    try:
+        next(iter(s))
+        p = s._plan(s._epoch)
+        assert p is not None and p._packs <= 2, p._packs  # type: ignore[attr-defined]
+    finally:
+        s.close()
