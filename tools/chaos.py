@@ -49,12 +49,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import IO, Any, Protocol
 
 import msgpack
 
+from croupier.tools._serve import start_serve
 from croupier.tools.audit import EpochReport, audit, load, render
 from croupier.tools.cluster import descendants, statuses
 
@@ -157,27 +157,10 @@ class Coordinator:
         self.proc: subprocess.Popen[str] | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *(["-v"] if self.verbose else [])]
-        # The store's URL (its password) goes in the environment, not on the command line.
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                env={**os.environ, "CROUPIER_STORE": self.store})
-        self.proc = proc
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("listening on "):
-            proc.kill()
-            proc.wait()
-            raise ChaosError(f"croupier serve --port {self.port} ({self.name}) did not start (exit {proc.returncode}, "
-                             f"first line {line!r}); see {self.log.name}")
-        self.address = line.split()[-1]
+        self.proc, self.address = start_serve(self.port, self.store, self.log,
+                                              f"croupier serve --port {self.port} ({self.name})", ChaosError,
+                                              verbose=self.verbose)
         self.port = int(self.address.rsplit(":", 1)[1])
-        threading.Thread(target=self._drain, args=(proc.stdout,), daemon=True).start()
-
-    def _drain(self, out: IO[str]) -> None:
-        for line in out:
-            self.log.write(line)
-            self.log.flush()
 
     def check(self) -> None:
         """Raises ChaosError if the coordinator died without being killed."""

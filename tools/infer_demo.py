@@ -42,11 +42,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from croupier.tools._serve import start_serve
 from croupier.tools.infer_worker import infer
 
 JOB = "infer"
@@ -274,25 +274,9 @@ class Coordinator:
         self.deaths: list[int] = []  # exit codes of exits nobody asked for
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--store", self.store]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("listening on "):
-            proc.kill()
-            proc.wait()
-            raise DemoError(f"croupier serve --port {self.port} did not start (exit {proc.returncode}, first line "
-                            f"{line!r}); see {self.log.name}")
-        self.proc = proc
-        self.address = line.split()[-1]
+        self.proc, self.address = start_serve(self.port, self.store, self.log, f"croupier serve --port {self.port}",
+                                              DemoError, new_session=True)
         self.port = int(self.address.rsplit(":", 1)[1])
-        threading.Thread(target=self._drain, args=(proc.stdout,), daemon=True).start()
-
-    def _drain(self, out: IO[str]) -> None:
-        for line in out:
-            self.log.write(line)
-            self.log.flush()
 
     def check(self) -> bool:
         """False (and noted) if the coordinator exited by itself; it is started again."""
