@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -234,7 +235,7 @@ def _child_resume(sampler: str, n: int) -> dict[str, Any]:
 
 #: The DataLoader loops of the steady-state child, in the order they run (interleaved per repeat).
 STEADY_CASES = ("torch", "croupier", "croupier_inproc", "torch_batch", "croupier_batch", "torch_batch_items",
-                "croupier_batch_items")
+                "croupier_batch_items", "lazy_reference", "free_batch_items")
 
 
 def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEADY_CASES,
@@ -243,7 +244,7 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
     from `set_epoch` on (`NAME_epoch`); the coordinator calls and protobuf bytes per step of case "croupier"."""
     _import_all()
 
-    from torch.utils.data import BatchSampler, DataLoader
+    from torch.utils.data import BatchSampler, DataLoader, Sampler
     from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
     from croupier.client import DistributedBatchSampler, DistributedSampler
@@ -336,6 +337,29 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
                 done += perm[i : i + BATCH].size
         return done / (time.perf_counter() - t0)
 
+    def reference_loop(batches: bool) -> Loop:
+        """The two reference points, with rank 0's indices made before the loop (not timed):
+        ``batches=False``, the cheapest sampler that makes its Python ints as it goes (int64
+        indices turned into ints a lease at a time, as croupier's sampler must, because making
+        them all at the epoch's start is what makes torch's epoch start O(N)); ``batches=True``,
+        a batch sampler that costs nothing (lists made before the loop), whose rate is the most
+        any batch sampler can reach through this DataLoader."""
+        mine = np.random.default_rng(0).permutation(n)[0::WORLD]  # (n / WORLD,)
+
+        class Lazy(Sampler[int]):
+            def __len__(self) -> int:
+                return int(mine.size)
+
+            def __iter__(self) -> Iterator[int]:
+                return itertools.chain.from_iterable(
+                    mine[i : i + LEASE_INDICES].tolist() for i in range(0, mine.size, LEASE_INDICES))
+
+        if batches:
+            flat = mine.tolist()
+            made = [flat[i : i + BATCH] for i in range(0, len(flat), BATCH)]
+            return DataLoader(batched, batch_sampler=made), lambda e: None, lambda: None
+        return DataLoader(plain, batch_size=BATCH, sampler=Lazy()), lambda e: None, lambda: None
+
     rates: dict[str, list[float]] = {}
     per_step: dict[str, list[float]] = {"rpcs_per_step": [], "bytes_per_step": []}
     with tempfile.TemporaryDirectory() as tmp, _serve_process(f"sqlite:///{tmp}/steady.db") as remote, \
@@ -348,6 +372,8 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
             "croupier_batch": lambda: croupier_loop(remote, True, plain),
             "torch_batch_items": lambda: torch_loop(True, batched),
             "croupier_batch_items": lambda: croupier_loop(remote, True, batched),
+            "lazy_reference": lambda: reference_loop(False),
+            "free_batch_items": lambda: reference_loop(True),
         }
         for _ in range(repeats):
             for name in cases:
@@ -740,6 +766,16 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                     f"{case}; DistributedBatchSampler, one __getitems__ call per batch",
                     _rate(st["croupier_batch_items"]), batch_name, _rate(st["torch_batch_items"]),
                     _x(batch_x, "faster", "slower"), f">= {TARGET_BATCH_X:g}x: {_verdict(batch_x >= TARGET_BATCH_X)}"))
+    lazy_x = st["lazy_reference"] / st["torch"]
+    rows.append(Row("steady state reference: indices/s, DataLoader(sampler=)",
+                    f"{case}; the cheapest sampler that makes its ints as it goes: rank 0's int64 indices made "
+                    f"before the loop, turned into Python ints {LEASE_INDICES:,} at a time", _rate(st["lazy_reference"]),
+                    torch_name, _rate(st["torch"]), _x(lazy_x, "faster", "slower")))
+    free_x = st["free_batch_items"] / st["torch_batch_items"]
+    rows.append(Row("steady state ceiling: indices/s, DataLoader(batch_sampler=), dataset with __getitems__",
+                    f"{case}; a batch sampler that costs nothing (its lists made before the loop): the most any "
+                    "batch sampler reaches through this DataLoader", _rate(st["free_batch_items"]), batch_name,
+                    _rate(st["torch_batch_items"]), _x(free_x, "faster", "slower")))
     for n, ep in res["epoch"].items():
         rows.append(Row("whole epoch: indices/s, first batch included, DataLoader(sampler=)",
                         f"N={_n(n)}, batch {BATCH}; set_epoch + iter + every batch, median epoch; coordinator process",
@@ -821,7 +857,10 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                  f"{_verdict(inproc_x >= TARGET_STEADY_X)}); through batch_sampler= with __getitems__ "
                  f"{_rate(st['croupier_batch_items'])} vs {_rate(st['torch_batch_items'])} (target >= "
                  f"{TARGET_BATCH_X:g}x: {_verdict(batch_x >= TARGET_BATCH_X)}), with __getitem__ only "
-                 f"{_rate(st['croupier_batch'])} vs {_rate(st['torch_batch'])} (both bound by the per-index fetch).")
+                 f"{_rate(st['croupier_batch'])} vs {_rate(st['torch_batch'])} (both bound by the per-index fetch). "
+                 f"References in the same run: a sampler that only turns precomputed int64 indices into ints as it goes "
+                 f"{lazy_x:.2f}x torch; a batch sampler that costs nothing {free_x:.2f}x torch's through batch_sampler= "
+                 f"(the ceiling for any batch sampler here{'' if free_x >= TARGET_BATCH_X else ', below the target'}).")
     notes.append(f"Coordinator traffic of a DistributedSampler: {st['rpcs_per_step']:.4f} RPCs per step per rank "
                  f"(target <= {TARGET_RPCS_PER_STEP:g}: {_verdict(rpcs_ok)}), {st['bytes_per_step']:.2f} bytes of "
                  "protobuf payload per step per rank.")
@@ -922,9 +961,10 @@ def _plot(res: dict[str, Any], path: Path, title: str) -> None:
     st = res["steady"]
     _log_bars(ax[0][2], ["torch\nsampler=", "croupier\nsampler=", "croupier\nin-process\ncoordinator",
                          "torch\nbatch_\nsampler=", "croupier\nbatch_\nsampler=", "torch\nbatch_s.=\ngetitems",
-                         "croupier\nbatch_s.=\ngetitems", "numpy\nfloor"],
+                         "croupier\nbatch_s.=\ngetitems", "reference:\nints made\nas it goes",
+                         "ceiling:\nbatches\nmade before", "numpy\nfloor"],
               [st[k] / 1e6 for k in (*STEADY_CASES, "numpy")],
-              [p_col, c_col, c_col, p_col, c_col, p_col, c_col, f_col], "{:.2f}")
+              [p_col, c_col, c_col, p_col, c_col, p_col, c_col, f_col, f_col, f_col], "{:.2f}")
     ax[0][2].set(title=f"steady state, DataLoader, N={_n(res['steady_n'])}", ylabel="M indices/s")
 
     c, t = res["resume"]

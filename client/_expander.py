@@ -34,6 +34,11 @@ import sys
 import threading
 from typing import IO, Any
 
+try:
+    import fcntl
+except ImportError:  # Windows: pipes keep their size
+    fcntl = None  # type: ignore[assignment]
+
 import numpy as np
 
 from croupier.core.order import Cursor, Plan
@@ -48,6 +53,7 @@ _OK, _ERROR = 0, 1
 #: Plans the helper keeps. Both sides evict the oldest beyond this, in the same order, so the
 #: parent's table of keys always names plans the helper still holds.
 _PLANS = 8
+_PIPE_BYTES = 1 << 20
 
 PlanKey = tuple[Spec, Cursor, int]
 #: Where this process imports the order engine from; the helper must import the same file.
@@ -93,6 +99,7 @@ class _Helper:
                 self._fail(f"it did not start ({type(e).__name__}: {e})")
             self.settled.set()
             return
+        _widen(proc.stdout)
         with self.lock:
             self.proc = proc
             if self.closed:  # the process exits while the helper starts
@@ -157,8 +164,8 @@ class _Helper:
 
     # ---------------------------------------------------------------- a lease
 
-    def lease(self, plan: Plan, rank: int, first: int, count: int, sizes: list[int]) -> np.ndarray | None:
-        """The indices of the lease from the helper, or None when it cannot give them."""
+    def lease(self, plan: Plan, rank: int, first: int, count: int, total: int) -> np.ndarray | None:
+        """The `total` indices of the lease from the helper, or None when it cannot give them."""
         with self.lock:
             if not self.usable or self.proc is None:
                 return None
@@ -185,8 +192,8 @@ class _Helper:
                               _read_exact(stdout, n).decode("utf-8", "replace"))
                     self.keys.clear()
                     return None
-                if status != _OK or n != sum(sizes):
-                    raise ValueError(f"it answered status {status} with {n} indices for a lease of {sum(sizes)}")
+                if status != _OK or n != total:
+                    raise ValueError(f"it answered status {status} with {n} indices for a lease of {total}")
                 idx = np.empty(n, dtype="<i8")  # (n,)
                 _read_exact_into(stdout, idx.data.cast("B"))
             except Exception as e:  # a dead helper (EOFError, BrokenPipeError), or a malformed answer
@@ -255,11 +262,11 @@ def lease(plan: Plan, rank: int, first: int, count: int) -> tuple[np.ndarray, li
     if eligible(plan):
         h = _get()
         if h.usable:
-            sizes = plan.batch_sizes(rank, first, count)
-            if sizes:
-                idx = h.lease(plan, rank, first, count, sizes)
+            batches, last = plan.grant(rank, first, count)
+            if batches:
+                idx = h.lease(plan, rank, first, count, (batches - 1) * plan.spec.batch_size + last)
                 if idx is not None:
-                    return idx, sizes
+                    return idx, [plan.spec.batch_size] * (batches - 1) + [last]
     return plan.lease(rank, first, count)
 
 
@@ -296,6 +303,20 @@ def _process() -> subprocess.Popen[bytes] | None:
 def _evict(table: dict[Any, Any]) -> None:
     while len(table) > _PLANS:
         del table[next(iter(table))]
+
+
+def _widen(stream: IO[bytes] | None) -> None:
+    """Lets the pipe of `stream` hold a whole default lease (65,536 indices, 512 KiB) where the OS allows it."""
+    # NOTE: at Linux's default 64 KiB, a lease crosses the pipe in 8 turns, and at each turn the
+    # prefetch thread must win the GIL back from the training loop (up to a switch interval,
+    # 5 ms); one turn is one wake-up. Capped by /proc/sys/fs/pipe-max-size (1 MiB by default).
+    setsize = getattr(fcntl, "F_SETPIPE_SZ", None) if fcntl is not None else None
+    if stream is None or setsize is None:
+        return
+    try:
+        fcntl.fcntl(stream.fileno(), setsize, _PIPE_BYTES)
+    except OSError:
+        pass  # not allowed here: the default size works, in more turns
 
 
 def _read_exact(stream: IO[bytes], n: int) -> bytes:

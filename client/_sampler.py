@@ -125,7 +125,7 @@ class _Prefetcher:
             end = got.end_of_epoch or not sizes
             self._next += len(sizes)
             if sizes:
-                self._put(LeaseReply(idx, sizes, end, 0))
+                self._put(LeaseReply(idx, sizes, end, 0, checked=True))
             if end:
                 return
 
@@ -176,7 +176,7 @@ class _Prefetcher:
             self._next += len(sizes)
             # NOTE: a token plan counts its epoch's samples only by packing the whole epoch; a lease
             # must not pay that (nothing here reads the count): 0, "not known", as dynamic dealing says.
-            self._put(LeaseReply(idx, sizes, end, 0 if _tokens(plan) else plan.samples(rank)))
+            self._put(LeaseReply(idx, sizes, end, 0 if _tokens(plan) else plan.samples(rank), checked=True))
             if end:
                 break
 
@@ -590,8 +590,8 @@ class _Base(Sampler[Any]):
             self._prefetcher.close()
             self._prefetcher = None
 
-    def _items(self, it: object) -> Iterator[np.ndarray]:
-        """Batches of positions' indices for the active iterator `it`; counts them as yielded."""
+    def _items(self, it: object) -> Iterator[LeaseReply]:
+        """The leases of the active iterator `it`, in order; the caller hands out their items and counts them."""
         if self._empty:
             return
         self._join()
@@ -619,7 +619,6 @@ class _Base(Sampler[Any]):
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
                          self._lease_ahead, self._prefetch, p, dealt)
         self._prefetcher = pf
-        before = self._before
         try:
             while True:
                 pf.progress = (self._epoch, self._taken() * self._unit // self.spec.batch_size)
@@ -634,20 +633,17 @@ class _Base(Sampler[Any]):
                     self._exhausted = True
                     self._log_end()
                     break
-                # The index sampler takes a whole lease at once; the batch sampler one batch at a time.
-                for b in (lease.batches if self._per_batch else [lease.indices]):
-                    if self._audit is not None:
-                        self._audit.batch(self._epoch, before + self._yielded, b)
-                    known = self._known_rest(self._epoch)
-                    if self._per_batch and known is not None and self._taken() + 1 >= known:
-                        # This rank's last batch of the epoch is being handed out. (The index
-                        # sampler hands out a lease item by item; its end is logged once seen.)
-                        self._log_end()
-                    yield b
-                    if self._active is not it:
-                        return
+                yield lease
+                if self._active is not it:
+                    return
         finally:
             pf.close()
+
+    def _log_lease(self, lease: LeaseReply) -> None:
+        """Writes a lease taken by the index sampler to the audit log, as one record: the audit
+        counts how many of its items were handed out from the checkpoints' item counts."""
+        if self._audit is not None:
+            self._audit.batch(self._epoch, self._before + self._yielded, lease.indices)
 
     # ---------------------------------------------------------------- state
 
@@ -1042,8 +1038,9 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         return itertools.chain.from_iterable(self._leases(object()))
 
     def _leases(self, me: object) -> Iterator[Iterator[int]]:
-        for chunk in self._items(me):
-            items = chunk.tolist()
+        for lease in self._items(me):
+            self._log_lease(lease)
+            items = lease.indices.tolist()
             it = iter(items)
             self._chunk, self._chunk_len = it, len(items)
             yield it
@@ -1124,25 +1121,40 @@ class DistributedBatchSampler(_Base, BatchSampler):
         self.sampler = _IndexView(self)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return _Batches(self)
+        return self._batches(object())
+
+    def _batches(self, me: object) -> Iterator[list[int]]:
+        # NOTE: a lease's indices become Python ints in one call, and each batch is a slice of
+        # that list: per batch, a slice and a count, where slicing a numpy batch and converting
+        # it costs several times more.
+        for lease in self._items(me):
+            items = lease.indices.tolist()
+            sizes = lease.sizes
+            # This rank's last batch of the epoch, if it is in this lease: its end is logged as
+            # it is handed out. (Token-budget batches know it only once their plan got there.)
+            known = self._known_rest(self._epoch)
+            last = -1 if known is None else known - 1 - self._yielded
+            o = 0
+            for j, size in enumerate(sizes):
+                b = items[o:o + size]
+                o += size
+                if self._audit is not None:
+                    self._audit.batch(self._epoch, self._before + self._yielded, lease.indices[o - size:o])
+                if j >= last if known is not None else self._ends_here():
+                    self._log_end()
+                self._yielded += 1
+                yield b
+                if self._active is not me:
+                    return
+
+    def _ends_here(self) -> bool:
+        """Whether the batch about to be handed out is this rank's last of the epoch (when that is known yet)."""
+        known = self._known_rest(self._epoch)
+        return known is not None and self._yielded + 1 >= known
 
     def _indices_in(self, epoch: int) -> int:
         p = self._plan(epoch)
         return 0 if p is None else p.samples(self.rank) + self._items_before(epoch) * self.batch_size
-
-
-class _Batches(Iterator[list[int]]):
-    def __init__(self, sampler: DistributedBatchSampler) -> None:
-        self._sampler = sampler
-        self._gen: Iterator[np.ndarray] | None = None
-
-    def __next__(self) -> list[int]:
-        s = self._sampler
-        if self._gen is None:
-            self._gen = s._items(self)
-        b = next(self._gen).tolist()
-        s._yielded += 1
-        return b  # type: ignore[no-any-return]
 
 
 def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None, state: Mapping[str, Any] | None = None,

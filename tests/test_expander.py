@@ -272,3 +272,17 @@ def test_a_forked_child_does_not_use_its_parents_helper(monkeypatch: pytest.Monk
     assert child.exitcode == 0
     _local_forbidden(monkeypatch)
     _same(_expander.lease(p, 1, 2, COUNT), (want, [1] * COUNT))  # the parent's helper still answers in step
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="pipe sizes are set on Linux only")
+def test_a_default_lease_crosses_the_pipe_in_one_turn() -> None:
+    """The helper's answers go through a pipe that holds a whole default lease (512 KiB), so the
+    prefetch thread wakes once per lease rather than once per 64 KiB."""
+    import fcntl
+
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        limit = int(f.read())
+    assert _expander.ready(60.0)
+    proc = _expander._process()
+    assert proc is not None and proc.stdout is not None
+    assert fcntl.fcntl(proc.stdout.fileno(), fcntl.F_GETPIPE_SZ) >= min(limit, 65536 * 8)
