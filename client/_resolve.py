@@ -239,6 +239,17 @@ def embedded_here(address: str) -> bool:
         return any(str(server.address) == address for server, _ in _embedded.values())
 
 
+def embedded_serving(address: str) -> Any | None:
+    """The `Server` embedded in this process at `address` while it serves; None for any other address."""
+    if not _embedded:  # the common case of a remote coordinator, without the lock
+        return None
+    with _embedded_lock:
+        for server, _ in _embedded.values():
+            if str(server.address) == address and server.serving:
+                return server
+    return None
+
+
 def _start_embedded(store_url: str, host: str, job: str | None = None) -> tuple[str, str | None]:
     """Starts (once per process and store) a coordinator in this process; returns its address and,
     for a job's coordinator (`job` given), the secret that the job's ranks call it with."""

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import logging
-import operator
 import os
 import queue
 import threading
@@ -462,9 +462,9 @@ class _Base(Sampler[Any]):
         """Items of the current epoch yielded by this generation."""
         if self._chunk is None:
             return self._yielded
-        # NOTE: the index sampler hands out a chunk through a list iterator, at C speed; how far
-        # it got is what the iterator has left, read only when someone asks.
-        return self._yielded + self._chunk_len - operator.length_hint(self._chunk)
+        # NOTE: the index sampler hands out a chunk through an array iterator, at C speed; how far
+        # it got is the iterator's position, read only when someone asks.
+        return self._yielded + _position(self._chunk, self._chunk_len)
 
     def _finished(self) -> bool:
         """The current epoch is over: its last item was handed out, or the trainer moved on."""
@@ -1040,13 +1040,22 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
     def _leases(self, me: object) -> Iterator[Iterator[int]]:
         for lease in self._items(me):
             self._log_lease(lease)
-            items = lease.indices.tolist()
+            # NOTE: iterating an array makes each Python int as it is taken, in C: no list of the
+            # lease's 65,536 ints is built at once, or freed at once (a few % of a trivial loop).
+            items = array.array("q")
+            items.frombytes(np.ascontiguousarray(lease.indices, dtype=np.int64).data.cast("B"))
             it = iter(items)
             self._chunk, self._chunk_len = it, len(items)
             yield it
             if self._active is me:  # the lease is used up (or the loop let go of this iterator)
-                self._yielded += len(items) - operator.length_hint(it)
+                self._yielded += _position(it, len(items))
                 self._chunk = None
+
+
+def _position(it: Iterator[int], size: int) -> int:
+    """How many items the iterator of an ``array.array`` of `size` items has handed out."""
+    state = it.__reduce__()  # (iter, (array,), position), or (iter, ((),)) once exhausted
+    return int(state[2]) if len(state) > 2 else size
 
 
 class _IndexView(Sampler[int]):

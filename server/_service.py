@@ -267,6 +267,11 @@ class Server:
         return f"{host}:{self.port}"
 
     @property
+    def serving(self) -> bool:
+        """Started or not, it has not been stopped."""
+        return not self._stopped.is_set()
+
+    @property
     def metrics_address(self) -> str | None:
         """HOST:PORT of the HTTP endpoint (``/metrics``, the status page) while it serves; None without one."""
         return None if self.metrics is None else self.metrics.address

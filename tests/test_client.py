@@ -234,3 +234,44 @@ def test_survives_a_coordinator_kill(tmp_path: pathlib.Path, serve_process: type
     assert first + rest == list(ref)
     s.close()
     ref.close()
+
+
+def test_a_rank_beside_its_embedded_coordinator_grants_without_grpc_and_is_still_fenced(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank in the embedded coordinator's own process asks it for grants directly (no gRPC call,
+    whose two halves would share the loop's GIL), with the same checks: a replaced generation is refused."""
+    from croupier.client import _resolve
+    from croupier.v1 import coordinator_pb2_grpc as pb_grpc
+
+    grants = []
+
+    class Counting(pb_grpc.CoordinatorStub):
+        def __init__(self, channel: object) -> None:
+            super().__init__(channel)
+            call = self.Grant
+            self.Grant = lambda *a, **kw: (grants.append(1), call(*a, **kw))[1]  # type: ignore[method-assign]
+
+    monkeypatch.setattr(pb_grpc, "CoordinatorStub", Counting)
+    store = f"sqlite:///{tmp_path}/e.db"
+    address, _ = _resolve._start_embedded(store, "127.0.0.1")
+    try:
+        job = f"beside-{uuid.uuid4().hex}"
+        old = DistributedSampler(2_000, address=address, job=job, token="g1", lease_ahead=16, prefetch=1, num_replicas=1,
+                                 rank=0)
+        assert sorted(old) == list(range(2_000))  # 125 leases
+        it = iter(old)
+        next(it)
+        assert grants == []  # every grant asked in this process, none through gRPC
+        new = DistributedSampler(2_000, address=address, job=job, token="g2", num_replicas=1, rank=0)
+        next(iter(new))  # generation 2 replaces the first
+        with pytest.raises(RuntimeError, match="fenced off"):
+            for _ in it:
+                pass
+        old.close()
+        new.close()
+    finally:
+        with _resolve._embedded_lock:
+            server, _ = _resolve._embedded.pop(store)
+        server.stop(0.5)
+    # Once it stops serving, a rank calls it as any other coordinator (and finds nobody there).
+    assert _resolve.embedded_serving(address) is None
