@@ -110,6 +110,11 @@ def _batched_dataset(n: int) -> Any:
     return BatchIndexed()
 
 
+def _pass_through(batch: Any) -> Any:
+    """A collate_fn that returns the fetched batch as it is."""
+    return batch
+
+
 def _join_others(address: str, job: str, spec: Any, token: str, resume: Any = None) -> None:
     """Joins ranks 1 .. WORLD-1 of a generation without waiting, as the job's other ranks do."""
     from croupier.client._rpc import CoordinatorClient
@@ -235,7 +240,8 @@ def _child_resume(sampler: str, n: int) -> dict[str, Any]:
 
 #: The DataLoader loops of the steady-state child, in the order they run (interleaved per repeat).
 STEADY_CASES = ("torch", "croupier", "croupier_inproc", "torch_batch", "croupier_batch", "torch_batch_items",
-                "croupier_batch_items", "lazy_reference", "free_batch_items")
+                "croupier_batch_items", "lazy_reference", "free_batch_items", "torch_batch_pass", "croupier_batch_pass",
+                "lazy_batch_pass", "free_batch_pass")
 
 
 def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEADY_CASES,
@@ -283,22 +289,22 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
 
     Loop = tuple[Any, Callable[[int], None], Callable[[], None]]  # (loader, set_epoch, close)
 
-    def croupier_loop(address: str, batches: bool, dataset: Any) -> Loop:
+    def croupier_loop(address: str, batches: bool, dataset: Any, collate: Any = None) -> Loop:
         job = f"steady-{next(jobs)}"
         s: Any
         if batches:
             s = DistributedBatchSampler(dataset, BATCH, num_replicas=WORLD, rank=0, address=address, job=job, token="g1")
-            loader = DataLoader(dataset, batch_sampler=s)
+            loader = DataLoader(dataset, batch_sampler=s, collate_fn=collate)
         else:
             s = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job=job, token="g1")
             loader = DataLoader(dataset, batch_size=BATCH, sampler=s)
         _join_others(address, job, s.spec, "g1")
         return loader, s.set_epoch, s.close
 
-    def torch_loop(batches: bool, dataset: Any) -> Loop:
+    def torch_loop(batches: bool, dataset: Any, collate: Any = None) -> Loop:
         s: TorchSampler[int] = TorchSampler(dataset, num_replicas=WORLD, rank=0, shuffle=True, seed=0)
         if batches:
-            loader = DataLoader(dataset, batch_sampler=BatchSampler(s, BATCH, drop_last=False))
+            loader = DataLoader(dataset, batch_sampler=BatchSampler(s, BATCH, drop_last=False), collate_fn=collate)
         else:
             loader = DataLoader(dataset, batch_size=BATCH, sampler=s)
         return loader, s.set_epoch, lambda: None
@@ -337,7 +343,7 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
                 done += perm[i : i + BATCH].size
         return done / (time.perf_counter() - t0)
 
-    def reference_loop(batches: bool) -> Loop:
+    def reference_loop(batches: bool, collate: Any = None, lazy: bool = False) -> Loop:
         """The two reference points, with rank 0's indices made before the loop (not timed):
         ``batches=False``, the cheapest sampler that makes its Python ints as it goes (int64
         indices turned into ints a lease at a time, as croupier's sampler must, because making
@@ -354,10 +360,22 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
                 return itertools.chain.from_iterable(
                     mine[i : i + LEASE_INDICES].tolist() for i in range(0, mine.size, LEASE_INDICES))
 
+        class LazyBatches(Sampler[list[int]]):
+            def __len__(self) -> int:
+                return -(-int(mine.size) // BATCH)
+
+            def __iter__(self) -> Iterator[list[int]]:
+                for i in range(0, mine.size, LEASE_INDICES):
+                    part = mine[i : i + LEASE_INDICES].tolist()
+                    for j in range(0, len(part), BATCH):
+                        yield part[j : j + BATCH]
+
+        if batches and lazy:
+            return DataLoader(batched, batch_sampler=LazyBatches(), collate_fn=collate), lambda e: None, lambda: None
         if batches:
             flat = mine.tolist()
             made = [flat[i : i + BATCH] for i in range(0, len(flat), BATCH)]
-            return DataLoader(batched, batch_sampler=made), lambda e: None, lambda: None
+            return DataLoader(batched, batch_sampler=made, collate_fn=collate), lambda e: None, lambda: None
         return DataLoader(plain, batch_size=BATCH, sampler=Lazy()), lambda e: None, lambda: None
 
     rates: dict[str, list[float]] = {}
@@ -374,6 +392,11 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
             "croupier_batch_items": lambda: croupier_loop(remote, True, batched),
             "lazy_reference": lambda: reference_loop(False),
             "free_batch_items": lambda: reference_loop(True),
+            # A collate_fn that passes the fetched batch through: the loop where the sampler's cost matters most.
+            "torch_batch_pass": lambda: torch_loop(True, batched, _pass_through),
+            "croupier_batch_pass": lambda: croupier_loop(remote, True, batched, _pass_through),
+            "lazy_batch_pass": lambda: reference_loop(True, _pass_through, lazy=True),
+            "free_batch_pass": lambda: reference_loop(True, _pass_through),
         }
         for _ in range(repeats):
             for name in cases:
@@ -776,6 +799,20 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                     f"{case}; a batch sampler that costs nothing (its lists made before the loop): the most any "
                     "batch sampler reaches through this DataLoader", _rate(st["free_batch_items"]), batch_name,
                     _rate(st["torch_batch_items"]), _x(free_x, "faster", "slower")))
+    pass_name = ("steady state: indices/s, DataLoader(batch_sampler=), dataset with __getitems__, collate_fn passing "
+                 "the batch through")
+    pass_x = st["croupier_batch_pass"] / st["torch_batch_pass"]
+    lazy_pass_x = st["lazy_batch_pass"] / st["torch_batch_pass"]
+    free_pass_x = st["free_batch_pass"] / st["torch_batch_pass"]
+    rows.append(Row(pass_name, f"{case}; DistributedBatchSampler (the loop where a batch sampler's own cost weighs most)",
+                    _rate(st["croupier_batch_pass"]), batch_name, _rate(st["torch_batch_pass"]),
+                    _x(pass_x, "faster", "slower")))
+    rows.append(Row(pass_name, f"{case}; reference: the cheapest batch sampler that makes its ints as it goes "
+                    f"({LEASE_INDICES:,} at a time, batches sliced from them)", _rate(st["lazy_batch_pass"]), batch_name,
+                    _rate(st["torch_batch_pass"]), _x(lazy_pass_x, "faster", "slower")))
+    rows.append(Row(pass_name, f"{case}; ceiling: a batch sampler that costs nothing (its lists made before the loop, "
+                    "O(N) at the epoch's start)", _rate(st["free_batch_pass"]), batch_name,
+                    _rate(st["torch_batch_pass"]), _x(free_pass_x, "faster", "slower")))
     for n, ep in res["epoch"].items():
         rows.append(Row("whole epoch: indices/s, first batch included, DataLoader(sampler=)",
                         f"N={_n(n)}, batch {BATCH}; set_epoch + iter + every batch, median epoch; coordinator process",
@@ -848,9 +885,10 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                      f"(target >= {TARGET_START_X:g}x: {_verdict(x8 >= TARGET_START_X)}).")
     notes.append(f"Epoch start flat in N: slowest / fastest = {spread:.2f} over N={_n(ns[0])}..{_n(ns[-1])} "
                  f"(target <= {FLAT_WITHIN:g}: {_verdict(spread <= FLAT_WITHIN)}).")
-    notes.append(f"Resume at N={_n(n)}: {t.seconds / c.seconds:,.0f}x faster than replay "
+    rn, (c, t) = res["resume_n"], res["resume"]
+    notes.append(f"Resume at N={_n(rn)}: {t.seconds / c.seconds:,.0f}x faster than replay "
                  + (f"(target >= {TARGET_RESUME_X:g}x: {_verdict(t.seconds / c.seconds >= TARGET_RESUME_X)})."
-                    if n == 10**8 else "(the target is judged at N=1e8, in the full run)."))
+                    if rn == 10**8 else "(the target is judged at N=1e8, in the full run)."))
     notes.append(f"Steady state through DataLoader(sampler=): croupier {_rate(st['croupier'])} (coordinator process), "
                  f"{_rate(st['croupier_inproc'])} (in-process) vs torch {_rate(st['torch'])} (target >= "
                  f"{TARGET_STEADY_X:g}x: {_verdict(steady_x >= TARGET_STEADY_X)}, "
@@ -860,7 +898,9 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                  f"{_rate(st['croupier_batch'])} vs {_rate(st['torch_batch'])} (both bound by the per-index fetch). "
                  f"References in the same run: a sampler that only turns precomputed int64 indices into ints as it goes "
                  f"{lazy_x:.2f}x torch; a batch sampler that costs nothing {free_x:.2f}x torch's through batch_sampler= "
-                 f"(the ceiling for any batch sampler here{'' if free_x >= TARGET_BATCH_X else ', below the target'}).")
+                 f"(the ceiling for any batch sampler here{'' if free_x >= TARGET_BATCH_X else ', below the target'}). "
+                 f"With a collate_fn that passes the batch through: croupier {pass_x:.2f}x, the cheapest sampler that makes "
+                 f"its ints as it goes {lazy_pass_x:.2f}x, batches made before the epoch {free_pass_x:.2f}x.")
     notes.append(f"Coordinator traffic of a DistributedSampler: {st['rpcs_per_step']:.4f} RPCs per step per rank "
                  f"(target <= {TARGET_RPCS_PER_STEP:g}: {_verdict(rpcs_ok)}), {st['bytes_per_step']:.2f} bytes of "
                  "protobuf payload per step per rank.")
@@ -962,9 +1002,10 @@ def _plot(res: dict[str, Any], path: Path, title: str) -> None:
     _log_bars(ax[0][2], ["torch\nsampler=", "croupier\nsampler=", "croupier\nin-process\ncoordinator",
                          "torch\nbatch_\nsampler=", "croupier\nbatch_\nsampler=", "torch\nbatch_s.=\ngetitems",
                          "croupier\nbatch_s.=\ngetitems", "reference:\nints made\nas it goes",
-                         "ceiling:\nbatches\nmade before", "numpy\nfloor"],
+                         "ceiling:\nbatches\nmade before", "torch\npass-\nthrough", "croupier\npass-\nthrough",
+                         "reference\npass-\nthrough", "ceiling\npass-\nthrough", "numpy\nfloor"],
               [st[k] / 1e6 for k in (*STEADY_CASES, "numpy")],
-              [p_col, c_col, c_col, p_col, c_col, p_col, c_col, f_col, f_col, f_col], "{:.2f}")
+              [p_col, c_col, c_col, p_col, c_col, p_col, c_col, f_col, f_col, p_col, c_col, f_col, f_col, f_col], "{:.2f}")
     ax[0][2].set(title=f"steady state, DataLoader, N={_n(res['steady_n'])}", ylabel="M indices/s")
 
     c, t = res["resume"]

@@ -25,7 +25,8 @@ def test_bench_quick_writes_its_table_and_plot(tmp_path: Path) -> None:
                 "steady state: indices/s, DataLoader(batch_sampler=), dataset with __getitems__",
                 "whole epoch: indices/s, first batch included", "RPCs per training step per rank",
                 "bytes per step per rank", "coordinator capacity: grants/s", "coordinator: grant latency p50 / p99 (paced",
-                "durable commit", "floor: bare numpy loop", "steady state reference", "steady state ceiling"):
+                "durable commit", "floor: bare numpy loop", "steady state reference", "steady state ceiling",
+                "steady state: indices/s, DataLoader(batch_sampler=), dataset with __getitems__, collate_fn passing"):
         assert f"| {row}" in md, row
     # Every target has a verdict in its row, and the coordinator rows carry both rank counts.
     for target in (">= 1x: ", ">= 1.5x: ", "<= 0.01: "):
