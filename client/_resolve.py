@@ -240,8 +240,12 @@ def embedded_here(address: str) -> bool:
 
 
 def embedded_serving(address: str) -> Any | None:
-    """The `Server` embedded in this process at `address` while it serves; None for any other address."""
-    if not _embedded:  # the common case of a remote coordinator, without the lock
+    """The `Server` embedded in this process at `address` while it serves; None for any other address.
+
+    A forked child (a DataLoader worker, a pool process) holds a copy of its parent's server,
+    frozen at the fork and without its journal writer: None there, so it calls the parent's
+    coordinator through gRPC."""
+    if not _embedded or os.getpid() != _PID:  # a remote coordinator (the common case), or a forked child
         return None
     with _embedded_lock:
         for server, _ in _embedded.values():

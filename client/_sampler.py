@@ -9,6 +9,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence, Sized
 from typing import Any
 
@@ -109,6 +110,7 @@ class _Prefetcher:
         assert self._dealt is not None
         missed = False
         while not self._stop.is_set():
+            asked = time.monotonic()
             try:
                 got = client.grant(job, gen, rank, epoch, self._next, self._lease_size,
                                    timeout=_PROBE_S if missed else _ASK_S, progress=self.progress)
@@ -119,6 +121,9 @@ class _Prefetcher:
                     log.warning("croupier: the coordinator of job %r does not answer; rank %d (dynamic dealing) "
                                 "waits for it", job, rank)
                 missed = True
+                # An answer that comes at once (a refused connection, a failed store beside us)
+                # is asked again no sooner than a probe's wait later, not in a loop.
+                self._stop.wait(max(0.0, _PROBE_S - (time.monotonic() - asked)))
                 continue
             missed = False
             idx, sizes = dynamic_lease(self._dealt, list(got.runs))

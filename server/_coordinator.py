@@ -180,6 +180,10 @@ class Coordinator:
     def _commit(self, decide: Callable[[], list[Event]], durable: bool) -> list[Event]:
         """Under the lock: the events `decide` makes of the current state, journaled and applied;
         returns once they are durable when `durable` (a shared store's are, always)."""
+        if self._closing:
+            # NOTE: the writer has stopped or is flushing its last batch: an event decided now
+            # would never be journaled (and a durable commit would wait for it forever).
+            raise Unavailable("the coordinator is shutting down")
         if not self._shared:
             self._check_ok()
             events = decide()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import uuid
+from typing import Any
 
 import pytest
 from _ranks import on_ranks
@@ -275,3 +277,35 @@ def test_a_rank_beside_its_embedded_coordinator_grants_without_grpc_and_is_still
         server.stop(0.5)
     # Once it stops serving, a rank calls it as any other coordinator (and finds nobody there).
     assert _resolve.embedded_serving(address) is None
+
+
+def _forked_child_reads_an_epoch(q: Any) -> None:
+    try:
+        s = DistributedSampler(500, num_replicas=1, rank=0, job="forked-kid", lease_ahead=16, prefetch=1)
+        q.put(sorted(s))
+        s.close()
+    except BaseException as e:  # reported to the parent
+        q.put(repr(e))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_calls_its_parents_embedded_coordinator_through_grpc() -> None:
+    """A child forked after the embedded coordinator started holds a frozen copy of it; its
+    grants must go to the parent's live one (the copy would not know the child's job)."""
+    import multiprocessing
+
+    parent = DistributedSampler(500, num_replicas=1, rank=0, job=f"fork-parent-{uuid.uuid4().hex}", lease_ahead=16,
+                                prefetch=1)
+    assert sorted(parent) == list(range(500))  # the embedded coordinator serves in this process
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_child_reads_an_epoch, args=(q,))
+    p.start()
+    try:
+        got = q.get(timeout=120)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+        parent.close()
+    assert got == list(range(500)), got

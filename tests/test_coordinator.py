@@ -81,3 +81,33 @@ def test_joins_queued_during_a_commit_share_the_next_append() -> None:
         assert store.load().last_seq == (joins + 1) * EVENTS_PER_JOB
     finally:
         core.close()
+
+
+def test_a_closed_coordinator_refuses_to_decide_instead_of_waiting_for_its_writer() -> None:
+    """A caller in the coordinator's own process (a rank beside its embedded coordinator) may reach
+    it while it closes: a commit then is UNAVAILABLE, not a wait for a writer that has stopped."""
+    import pytest
+
+    from croupier.core.errors import Unavailable
+
+    core = Coordinator(MemoryStore())
+    g = core.join(JoinRequest("closing", SPEC, "t", 1, 0))
+    assert g.start is not None
+    core.grant("closing", g.generation, 0, 0, 0, 2, (0, 1))  # a progress report: a commit
+    core.close()
+    done: list[BaseException] = []
+    t = threading.Thread(target=lambda: done.append(_raised(lambda: core.join(JoinRequest("later", SPEC, "t", 1, 0)))),
+                         daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "a join on a closed coordinator waited for its stopped writer"
+    with pytest.raises(Unavailable, match="shutting down"):
+        raise done[0]
+
+
+def _raised(call: object) -> BaseException:
+    try:
+        call()  # type: ignore[operator]
+    except BaseException as e:
+        return e
+    raise AssertionError("no error")
