@@ -180,11 +180,12 @@ class Coordinator:
     def _commit(self, decide: Callable[[], list[Event]], durable: bool) -> list[Event]:
         """Under the lock: the events `decide` makes of the current state, journaled and applied;
         returns once they are durable when `durable` (a shared store's are, always)."""
-        if self._closing:
-            # NOTE: the writer has stopped or is flushing its last batch: an event decided now
-            # would never be journaled (and a durable commit would wait for it forever).
-            raise Unavailable("the coordinator is shutting down")
         if not self._shared:
+            if self._closing:
+                # NOTE: the journal writer has stopped or is flushing its last batch: an event
+                # decided now would never be journaled (a durable commit would wait forever). A
+                # shared store's commits append themselves (its report writer flushes at close).
+                raise Unavailable("the coordinator is shutting down")
             self._check_ok()
             events = decide()
             self._journal(events)
