@@ -41,7 +41,9 @@ except ImportError:  # Windows: pipes keep their size
 
 import numpy as np
 
-from croupier.core.order import Cursor, Plan
+from croupier.core.cursor import Cursor
+from croupier.core.order import Plan
+from croupier.core.plan import EpochPlan, Grant
 from croupier.core.spec import Spec
 
 log = logging.getLogger("croupier")
@@ -234,16 +236,17 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def eligible(plan: Plan) -> bool:
-    """Whether leases of `plan` go to the helper process."""
-    # NOTE: bucket specs carry 8 bytes a sample, too many to send along; the torch order is one
-    # index into a cached randperm, nothing to move off this process (and the helper would
-    # import torch and build the randperm again).
-    return plan.spec.lengths is None and plan.spec.permutation != "torch"
+def eligible(plan: EpochPlan) -> bool:
+    """Whether leases of `plan` go to the helper process: fixed-size batches of a spec without lengths."""
+    # NOTE: the helper holds fixed plans only: a token plan's packed windows and a dynamic plan's
+    # deals stay here (they are not a pure function of a small key). Bucket specs carry 8 bytes a
+    # sample, too many to send along; the torch order is one index into a cached randperm, nothing
+    # to move off this process (and the helper would import torch and build the randperm again).
+    return isinstance(plan, Plan) and plan.spec.lengths is None and plan.spec.permutation != "torch"
 
 
-def lease(plan: Plan, rank: int, first: int, count: int) -> tuple[np.ndarray, list[int]]:
-    """``plan.lease(rank, first, count)``, computed by the helper process when it can.
+def lease(plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
+    """``plan.lease(rank, first, count, grant)``, computed by the helper process when it can.
 
     Thread-safe. The first eligible call starts the helper and computes here, as does every call
     until the helper is ready, every call of a plan that is not eligible, and every call once the
@@ -254,20 +257,22 @@ def lease(plan: Plan, rank: int, first: int, count: int) -> tuple[np.ndarray, li
         rank: The rank whose batches these are.
         first: The first batch of the lease.
         count: At most this many batches (fewer at the epoch's end).
+        grant: The coordinator's grant of these batches, if it answered (a plan the coordinator
+            deals needs it).
 
     Returns:
         The dataset indices of the batches end to end (int64), and the size of each batch:
         bit-identical to ``plan.lease``.
     """
-    if eligible(plan):
+    if isinstance(plan, Plan) and eligible(plan):
         h = _get()
         if h.usable:
-            batches, last = plan.grant(rank, first, count)
+            batches, last = plan.share(rank, first, count)
             if batches:
                 idx = h.lease(plan, rank, first, count, (batches - 1) * plan.spec.batch_size + last)
                 if idx is not None:
                     return idx, [plan.spec.batch_size] * (batches - 1) + [last]
-    return plan.lease(rank, first, count)
+    return plan.lease(rank, first, count, grant)
 
 
 def ready(timeout: float) -> bool:

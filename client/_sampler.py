@@ -24,10 +24,10 @@ from croupier.client._rpc import CoordinatorClient, LeaseReply, Security, Unreac
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, Grant, JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
-from croupier.core.dynamic import lease as dynamic_lease
-from croupier.core.dynamic import one_rank_plan
+from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, is_fresh, show
 from croupier.core.errors import Aborted, CroupierError, NotFound
-from croupier.core.order import Cursor, Plan, bind, epoch_agrees, fresh, is_fresh, plan_epoch, show
+from croupier.core.plan import EpochPlan
+from croupier.core.plans import PlanKind, kind_for, kind_of, plan_epoch
 from croupier.core.spec import TOKEN_WINDOW, Spec
 
 _DONE = object()
@@ -60,20 +60,6 @@ def _dataset_size(dataset: Sized | int) -> int:
     return len(dataset)
 
 
-def _tokens(plan: Plan) -> bool:
-    """Whether `plan` is a token-budget plan (``croupier.core.tokens``), whose batches vary in size."""
-    return hasattr(plan, "known_steps")
-
-
-def _ends(plan: Plan, rank: int, upto: int, asked: int, got: int) -> bool:
-    """Whether `rank` has no batch from `upto` on in `plan` (a token plan learns its end as it goes)."""
-    known = getattr(plan, "known_steps", None)
-    if known is None:
-        return int(plan.nb_r[rank]) <= upto
-    steps = known(rank)
-    return got < asked or (steps is not None and steps <= upto)
-
-
 class _Prefetcher:
     """Prepares batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead.
 
@@ -89,14 +75,13 @@ class _Prefetcher:
     """
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
-                 lease_size: int, depth: int, plan: Plan, dealt: Plan | None = None) -> None:
+                 lease_size: int, depth: int, plan: EpochPlan) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._args = (client, job, generation, rank, epoch)
         self._next = first
         self._lease_size = lease_size
         self._plan = plan
-        self._dealt = dealt  # dynamic dealing: the one-rank plan whose batches the coordinator deals
         self.ungranted = 0  # leases computed while the coordinator did not answer
         #: (epoch, batches) the consumer's loop had taken when it last took a lease: reported with
         #: the next request (the consumer sets it; a tuple is replaced whole)
@@ -104,86 +89,58 @@ class _Prefetcher:
         self._thread = threading.Thread(target=self._run, name=f"croupier-lease-r{rank}-e{epoch}", daemon=True)
         self._thread.start()
 
-    def _run_dealt(self) -> None:
-        """Dynamic dealing: every batch is dealt by the coordinator, so a lease waits for it."""
-        client, job, gen, rank, epoch = self._args
-        assert self._dealt is not None
-        missed = False
-        while not self._stop.is_set():
-            asked = time.monotonic()
-            try:
-                got = client.grant(job, gen, rank, epoch, self._next, self._lease_size,
-                                   timeout=_PROBE_S if missed else _ASK_S, progress=self.progress)
-            except Unreachable:
-                if client.closed:
-                    return
-                if not missed:
-                    log.warning("croupier: the coordinator of job %r does not answer; rank %d (dynamic dealing) "
-                                "waits for it", job, rank)
-                missed = True
-                # An answer that comes at once (a refused connection, a failed store beside us)
-                # is asked again no sooner than a probe's wait later, not in a loop.
-                self._stop.wait(max(0.0, _PROBE_S - (time.monotonic() - asked)))
-                continue
-            missed = False
-            idx, sizes = dynamic_lease(self._dealt, list(got.runs))
-            end = got.end_of_epoch or not sizes
-            self._next += len(sizes)
-            if sizes:
-                self._put(LeaseReply(idx, sizes, end, 0, checked=True))
-            if end:
-                return
-
     def _run(self) -> None:
         try:
-            if self._dealt is not None:
-                self._run_dealt()
-            else:
-                self._run_planned()
+            self._lease_all()
         except BaseException as e:  # handed to the consumer, which raises it
             self._put(e)
         self._put(_DONE)
 
-    def _run_planned(self) -> None:
-        """Static dealing: grants of the rank's share, computed here when the coordinator does not answer."""
+    def _lease_all(self) -> None:
+        """Asks for grants and computes their leases until the rank's epoch ends (or it is stopped)."""
         client, job, gen, rank, epoch = self._args
         plan, count = self._plan, self._lease_size
         missed = False  # the last ask went unanswered
         while not self._stop.is_set():
             got: Grant | None
+            asked = time.monotonic()
             # NOTE: while the coordinator does not answer, each lease still asks, but waits
             # only _PROBE_S: a stopped (not dead) coordinator never refuses, and a full
             # _ASK_S per lease could outlast the leases queued ahead of the loop.
-            wait = _PROBE_S if missed else _ASK_S
             try:
-                got = client.grant(job, gen, rank, epoch, self._next, count, timeout=wait, progress=self.progress)
+                got = client.grant(job, gen, rank, epoch, self._next, count, timeout=_PROBE_S if missed else _ASK_S,
+                                   progress=self.progress)
                 if missed:
                     log.warning("croupier: the coordinator of job %r answers again (rank %d)", job, rank)
                 missed = False
             except Unreachable:
                 if client.closed:
-                    break
-                got = None
+                    return
                 if not missed:
-                    log.warning("croupier: the coordinator of job %r does not answer; rank %d trains on from its "
-                                "plan and asks again at every lease", job, rank)
+                    log.warning("croupier: the coordinator of job %r does not answer; rank %d %s", job, rank,
+                                "waits for it (its batches are dealt there)" if plan.coordinator_deals
+                                else "trains on from its plan and asks again at every lease")
                 missed = True
+                if plan.coordinator_deals:
+                    # An answer that comes at once (a refused connection, a failed store beside us)
+                    # is asked again no sooner than a probe's wait later, not in a loop.
+                    self._stop.wait(max(0.0, _PROBE_S - (time.monotonic() - asked)))
+                    continue
+                got = None
                 self.ungranted += 1
-            idx, sizes = _expander.lease(plan, rank, self._next, count)
-            if got is not None and not _tokens(plan) and (got.batches, got.last_size) != (
-                    len(sizes), sizes[-1] if sizes else 0):
+            idx, sizes = _expander.lease(plan, rank, self._next, count, got)
+            if got is not None and not plan.agrees(got, sizes):
                 raise RuntimeError(
                     f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
                     f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
                     "coordinator compute different plans (another croupier release?)"
                 )
-            end = _ends(plan, rank, self._next + len(sizes), count, len(sizes))
+            end = plan.ends(rank, self._next, count, len(sizes), got)
             self._next += len(sizes)
-            # NOTE: a token plan counts its epoch's samples only by packing the whole epoch; a lease
-            # must not pay that (nothing here reads the count): 0, "not known", as dynamic dealing says.
-            self._put(LeaseReply(idx, sizes, end, 0 if _tokens(plan) else plan.samples(rank), checked=True))
+            if sizes:
+                self._put(LeaseReply(idx, sizes, end, plan.known_samples(rank), checked=True))
             if end:
-                break
+                return
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():
@@ -255,6 +212,7 @@ class _Base(Sampler[Any]):
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None) -> None:
         self.spec = spec
+        self._kind: PlanKind = kind_of(spec)
         self._empty = empty  # N = 0: nothing to deal, no coordinator needed
         self._group = _data_parallel_group(process_group, device_mesh, mesh_dim)
         for name, v in (("num_replicas", num_replicas), ("rank", rank)):
@@ -395,7 +353,7 @@ class _Base(Sampler[Any]):
             self._audit = AuditLog(*self._audit_path)
             self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
-                              unit=0 if self.spec.max_tokens else self._unit, origin=self._origin,
+                              unit=self._unit if self._kind.fixed_batches else 0, origin=self._origin,
                               epoch=r.start.epoch, dealing=self.spec.dealing)
             if self._cut_on_join is not None:
                 self._audit.write(t="cut", epoch=self._cut_on_join[0], items=self._cut_on_join[1])
@@ -404,7 +362,7 @@ class _Base(Sampler[Any]):
             self._complete = True
         self._yielded = 0
 
-    def _plan(self, epoch: int) -> Plan | None:
+    def _plan(self, epoch: int) -> EpochPlan | None:
         world = self._resolve_world()[0]
         if self._start is None:  # before the join: what the generation will start from
             start = bind(self.spec, self._resume or fresh(self.spec, self._hint or 0), world)
@@ -420,23 +378,15 @@ class _Base(Sampler[Any]):
         p = self._plan(epoch)
         if p is None:
             return 0
-        if self.spec.dealing == "dynamic":
-            per_item = self._unit if self._per_batch else 1
-            return -(-p.left // (self.num_replicas * per_item))
-        if _tokens(p):
-            return int(p.steps(self.rank))  # type: ignore[attr-defined]
-        return int(p.nb_r[self.rank]) if self._per_batch else p.samples(self.rank)
+        return p.steps(self.rank) if self._per_batch else p.samples(self.rank)
 
     def _known_rest(self, epoch: int) -> int | None:
         """:meth:`_rest` when it is known without computing the epoch: None for dynamic dealing, and
         for token-budget batches until the rank's leases reached the epoch's end."""
-        if self.spec.dealing == "dynamic":
-            return None
         p = self._plan(epoch)
-        if p is not None and _tokens(p):
-            known: int | None = p.known_steps(self.rank)  # type: ignore[attr-defined]
-            return known
-        return self._rest(epoch)
+        if p is None:
+            return 0
+        return None if p.known_steps(self.rank) is None else self._rest(epoch)
 
     def _items_before(self, epoch: int) -> int:
         """Items of `epoch` this rank had taken before this generation began (its resumed share)."""
@@ -455,8 +405,8 @@ class _Base(Sampler[Any]):
         already dealt in this world's items; for a resume at the same world size that is the
         same number.
         """
-        if is_fresh(self.spec, start) or self.spec.dealing == "dynamic":
-            return 0  # dynamic dealing counts a rank's items from its generation's start
+        if is_fresh(self.spec, start) or self._kind.coordinator_deals:
+            return 0  # a plan the coordinator deals counts a rank's items from its generation's start
         if self._resume is not None and self._resume_items is not None and self._resume.epoch == start.epoch:
             return self._resume_items
         return (self.spec.n - start.left) // (self.num_replicas * self._unit)
@@ -617,12 +567,8 @@ class _Base(Sampler[Any]):
         # A whole number of batches: the index sampler's unit is 1 with batch_size 1, the batch
         # sampler's unit is its batch_size.
         first_batch = self._yielded * self._unit // self.spec.batch_size
-        dealt = None
-        if self.spec.dealing == "dynamic":
-            assert self._start is not None
-            dealt = one_rank_plan(self.spec, self._start, self._epoch)
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p, dealt)
+                         self._lease_ahead, self._prefetch, p)
         self._prefetcher = pf
         try:
             while True:
@@ -686,12 +632,13 @@ class _Base(Sampler[Any]):
         # NOTE: an independent worker's (lockstep=False) state is the union of every worker's
         # commits, which only the coordinator knows: its epoch being over for this worker says
         # nothing of the others' batches in flight.
-        own = self.spec.dealing == "dynamic" and not self._lockstep
+        deals = self._kind.coordinator_deals
+        own = deals and not self._lockstep
         if self._complete or consumed is None and self._finished() and not own:  # the epoch is over
-            taken = self._taken() if self.spec.dealing == "dynamic" else self._rest(self._epoch)
+            taken = self._taken() if deals else self._rest(self._epoch)
             return self._stamp(fresh(self.spec, self._epoch + 1), self._epoch + 1, 0, step,
                                (self._epoch, taken * self._unit // self.spec.batch_size))
-        if self.spec.dealing == "dynamic":
+        if deals:
             return self._dealt_state(consumed, step)
         items = self.items_done if consumed is None else check_int("consumed", consumed, 0, None, ValueError)
         before = self._items_before(self._epoch)
@@ -926,7 +873,7 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
                lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
                token_window: int = TOKEN_WINDOW, dealing: str = "static") -> Spec:
     if permutation is None:
-        permutation = ("bucket" if lengths is not None and max_tokens is None else "feistel") if shuffle else "none"
+        permutation = kind_for(dealing, max_tokens).permutation(shuffle, lengths is not None)
     elif not shuffle and permutation != "none":
         raise ValueError(f"shuffle=False contradicts permutation={permutation!r}; leave permutation unset or use 'none'")
     kw: dict[str, Any] = dict(seed=seed, permutation=permutation, partition=partition, tail=tail, scope=scope,
@@ -1016,11 +963,11 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  security: Security | None = None, dealing: str = "static", lockstep: bool = True) -> None:
         n = _dataset_size(dataset)
         if tail is None:
-            tail = "uneven" if dealing == "dynamic" and not drop_last else "drop" if drop_last else "pad"
+            tail = kind_for(dealing).tail(drop_last, batches=False)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths, dealing=dealing)
         if lease_ahead is None:
-            lease_ahead = 1024 if dealing == "dynamic" else 65536
+            lease_ahead = kind_for(dealing).lease_indices
         self._lockstep = bool(lockstep)
         super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim, join_timeout, security)
@@ -1120,11 +1067,11 @@ class DistributedBatchSampler(_Base, BatchSampler):
             raise ValueError(f"batch_size={batch_size} and max_tokens={max_tokens}: token-budget batches size "
                              "themselves; leave batch_size unset")
         if tail is None:
-            tail = "uneven" if dealing == "dynamic" else "pad"
+            tail = kind_for(dealing, max_tokens).tail(drop_last, batches=True)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
                           scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing)
         if lease_ahead is None:
-            lease_ahead = 2 if dealing == "dynamic" else 16 if max_tokens is not None else 256
+            lease_ahead = kind_for(dealing, max_tokens).lease_batches
         self._lockstep = bool(lockstep)
         self._unit = batch_size or 1
         super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
@@ -1217,7 +1164,7 @@ def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None,
         if p is None:
             out.append([])
             continue
-        idx, sizes = p.lease(r, 0, int(p.nb_r[r]))
+        idx, sizes = p.lease(r, 0, p.steps(r))
         if batch_size is None:
             out.append(idx.tolist())
         else:

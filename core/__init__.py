@@ -1,11 +1,15 @@
-"""croupier's pure core, shared by coordinator and client: spec, orders, plans, checkpoint state, errors, wire.
+"""croupier's pure core, shared by coordinator and client: spec, cursors, orders, plans, checkpoint state, errors, wire.
 
 Nothing here opens a socket or a file: ``import croupier.core`` loads neither grpc nor sqlite3
 (torch only when the ``torch`` permutation is used).
 """
 
 from croupier.core.checkpoint import from_state, to_state
-from croupier.core.order import Cursor, Plan, fresh, order, plan
+from croupier.core.cursor import Cursor, fresh
+from croupier.core.order import Plan, order, plan
+from croupier.core.plan import EpochPlan, Grant
+from croupier.core.plans import KINDS, PlanKind, kind_of, plan_epoch
 from croupier.core.spec import ORDER_VERSION, Spec
 
-__all__ = ["ORDER_VERSION", "Cursor", "Plan", "Spec", "fresh", "from_state", "order", "plan", "to_state"]
+__all__ = ["KINDS", "ORDER_VERSION", "Cursor", "EpochPlan", "Grant", "Plan", "PlanKind", "Spec", "fresh", "from_state",
+           "kind_of", "order", "plan", "plan_epoch", "to_state"]

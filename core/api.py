@@ -11,9 +11,15 @@ import dataclasses
 import numpy as np
 
 from croupier.core.checks import check_int, check_name
+from croupier.core.cursor import Cursor, validate_cursor
 from croupier.core.errors import InvalidArgument
-from croupier.core.order import Cursor, validate_cursor
+from croupier.core.plan import Grant
 from croupier.core.spec import Spec
+
+__all__ = [
+    "CHECKPOINT_HISTORY", "MAX_COUNT", "MAX_JOIN_WAIT_S", "MAX_LEASE_BATCHES", "MAX_LEASE_INDICES", "MAX_NAME", "MAX_WORLD",
+    "CheckpointRecord", "Grant", "JobStatus", "JoinRequest", "JoinResult", "Lease", "RankCursor", "validate_join",
+]
 
 #: The largest world a generation may have.
 MAX_WORLD = 1 << 20
@@ -72,26 +78,6 @@ class Lease:
     end_of_epoch: bool
     epoch_samples: int
     n: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Grant:
-    """Consecutive batches of one rank in one epoch, as positions of the generation's plan.
-
-    The batches are ``first .. first + batches - 1`` of the rank's share; the client computes
-    their indices with :meth:`croupier.core.order.Plan.lease`.
-    """
-
-    batches: int  # how many batches are granted
-    last_size: int  # the last one's size; every other one is full
-    end_of_epoch: bool
-    epoch_samples: int
-    #: dynamic dealing: the global batches dealt, as runs (first, count) in the rank's order
-    runs: tuple[tuple[int, int], ...] = ()
-
-    def sizes(self, batch_size: int) -> list[int]:
-        """The size of each granted batch."""
-        return [batch_size] * (self.batches - 1) + [self.last_size] if self.batches else []
 
 
 #: Checkpoint records a coordinator keeps per job (the oldest go first).

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from croupier.core.errors import FailedPrecondition, InvalidArgument
-from croupier.core.order import Cursor, validate_cursor
+from croupier.core.cursor import Cursor, validate_cursor
 from croupier.core.spec import ORDER_VERSION, Spec
 
 #: The format of the checkpoint state this release writes and reads.

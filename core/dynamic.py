@@ -27,10 +27,13 @@ Two meanings of a checkpoint, chosen by the rank that takes it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
-from croupier.core.order import Cursor, Plan, _merge, fresh, plan, validate_cursor
+from croupier.core.cursor import Cursor, _merge, fresh, validate_cursor
+from croupier.core.order import Plan, plan
+from croupier.core.plan import Grant, Runs
 from croupier.core.spec import Spec
 
 #: Epochs of one generation whose deals the coordinator keeps (older ones are dropped once a
@@ -154,3 +157,85 @@ def lease(p: Plan, runs: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
         parts.append(idx)
         sizes += s
     return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicPlan:
+    """An :class:`croupier.core.plan.EpochPlan` the coordinator deals: a rank's steps are the
+    global batches dealt to it as it asks (see the module).
+
+    Its grants need the coordinator's deal, its leases the grant's runs, and its checkpoints are
+    computed by the coordinator from its deals (:func:`cursor_after`), never by :meth:`advance`.
+    ``steps`` and ``samples`` are estimates: a rank's even share of what is left.
+    """
+
+    spec: Spec
+    cursor: Cursor
+    world: int
+    coordinator_deals = True
+    fixed_batches = True
+
+    @property
+    def global_plan(self) -> Plan:
+        """The one-rank plan whose batches are the epoch's global batches."""
+        return _global_plan(self.spec, self.cursor)
+
+    @property
+    def left(self) -> int:
+        return self.cursor.left
+
+    def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
+        """The grant of the coordinator's deal `dealt` (runs, whether nothing is left after them)."""
+        if dealt is None:
+            raise ValueError("a dynamic plan grants what the coordinator dealt: pass dealt=(runs, end)")
+        runs, end = dealt
+        if not runs:
+            return Grant(0, 0, end, 0)
+        last = self.global_plan.share(0, runs[-1][0] + runs[-1][1] - 1, 1)[1]
+        return Grant(sum(c for _, c in runs), last, end, 0, tuple(runs))
+
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
+        """The indices of the global batches `grant` names."""
+        if grant is None:
+            raise ValueError("a dynamic plan's batches are the coordinator's to deal: a lease needs its grant")
+        return lease(self.global_plan, list(grant.runs))
+
+    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
+        """Always: the lease is computed from the grant itself."""
+        return True
+
+    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
+        """Whether the deal said nothing is left, or dealt nothing."""
+        return grant is None or grant.end_of_epoch or got == 0
+
+    def known_steps(self, rank: int) -> int | None:
+        """None: a rank's steps are known only once the epoch is dealt out."""
+        return None
+
+    def steps(self, rank: int) -> int:
+        """An estimate: `rank`'s even share of the batches left."""
+        return -(-self.left // (self.world * self.spec.batch_size))
+
+    def samples(self, rank: int) -> int:
+        """An estimate: `rank`'s even share of the positions left."""
+        return -(-self.left // self.world)
+
+    def known_samples(self, rank: int) -> int:
+        """0: not known."""
+        return 0
+
+    def advance(self, steps: int) -> Cursor:
+        """Not defined: which batches the ranks took is the coordinator's record (see :func:`cursor_after`)."""
+        raise ValueError("a dynamic plan's checkpoint is computed by the coordinator from its deals (cursor_after)")
+
+
+def dynamic_plan(spec: Spec, cursor: Cursor, world: int) -> DynamicPlan:
+    """The dynamic plan of `cursor`'s remainder for a generation of `world` ranks."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1 (got world={world})")
+    return DynamicPlan(spec, cursor, world)
+
+
+@functools.lru_cache(maxsize=256)
+def _global_plan(spec: Spec, cursor: Cursor) -> Plan:
+    return plan(spec, cursor, 1)

@@ -15,86 +15,15 @@ permutation, which is torch's own randperm), so any point of any epoch is reacha
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 
-from croupier.core.errors import OutOfRange
+from croupier.core.cursor import Cursor, Interval, _merge, _runs, bind, epoch_agrees, fresh, is_fresh, show, validate_cursor
 from croupier.core.permute import PERMUTATIONS
+from croupier.core.plan import Grant, Runs
 from croupier.core.spec import Spec
 
-Interval = tuple[int, int]
-
-
-@dataclasses.dataclass(frozen=True)
-class Cursor:
-    """Where a job is in its data: an epoch and the positions of its order not yet consumed.
-
-    Attributes:
-        epoch: The epoch number, >= 0.
-        remaining: Sorted, disjoint, non-empty ``(start, end)`` intervals of positions of the
-            epoch's order that have not been consumed.
-        base_world: For ``scope="rank"`` specs, the world size the epoch's order was split for
-            (0 until a generation starts the epoch); always 0 for ``scope="global"``.
-    """
-
-    epoch: int
-    remaining: tuple[Interval, ...]
-    base_world: int = 0
-
-    @property
-    def left(self) -> int:
-        """How many positions remain."""
-        return sum(b - a for a, b in self.remaining)
-
-
-def fresh(spec: Spec, epoch: int) -> Cursor:
-    """The cursor at the start of `epoch`."""
-    return Cursor(epoch=epoch, remaining=((0, spec.n),))
-
-
-def is_fresh(spec: Spec, cursor: Cursor) -> bool:
-    """True when nothing of the cursor's epoch has been consumed."""
-    return cursor.remaining == ((0, spec.n),)
-
-
-def epoch_agrees(spec: Spec, cursor: Cursor, epoch: int) -> bool:
-    """Whether ``set_epoch(epoch)`` agrees with resuming at `cursor`.
-
-    It does for the cursor's own epoch, and for the epoch just before a fresh start (that epoch
-    is complete: its loop gets no batches and moves on).
-    """
-    return epoch == cursor.epoch or (epoch == cursor.epoch - 1 and is_fresh(spec, cursor))
-
-
-def bind(spec: Spec, cursor: Cursor, world: int) -> Cursor:
-    """Fixes the epoch's layout for a generation of `world` ranks (``scope="rank"`` only)."""
-    if spec.scope == "rank" and cursor.base_world == 0:
-        return dataclasses.replace(cursor, base_world=world)
-    return cursor
-
-
-def validate_cursor(spec: Spec, cursor: Cursor) -> None:
-    """Raises ValueError, naming the value, if `cursor` cannot belong to a job with `spec`."""
-    if isinstance(cursor.epoch, bool) or not isinstance(cursor.epoch, int) or cursor.epoch < 0:
-        raise ValueError(f"cursor epoch must be an int >= 0 (got epoch={cursor.epoch!r})")
-    prev = 0
-    for iv in cursor.remaining:
-        if len(iv) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in iv):
-            raise ValueError(f"cursor intervals must be pairs of ints (got {iv!r})")
-        a, b = iv
-        if not (prev <= a < b <= spec.n):
-            raise ValueError(
-                f"cursor intervals must be sorted, disjoint, non-empty and inside [0, {spec.n}) "
-                f"(got {list(cursor.remaining)!r})"
-            )
-        prev = b
-    if not cursor.remaining:
-        raise ValueError("cursor has no remaining positions; a finished epoch is the next epoch's fresh cursor")
-    if spec.scope == "global" and cursor.base_world != 0:
-        raise ValueError(f"base_world must be 0 for scope='global' (got base_world={cursor.base_world})")
-    if cursor.base_world < 0:
-        raise ValueError(f"base_world must be >= 0 (got base_world={cursor.base_world})")
+__all__ = ["Cursor", "Interval", "Plan", "bind", "epoch_agrees", "fresh", "is_fresh", "order", "plan", "show", "validate_cursor"]
 
 
 # --------------------------------------------------------------------------- the order
@@ -173,7 +102,11 @@ def batch_counts(spec: Spec, n_r: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How one epoch's remainder is dealt to `world` ranks. Cheap to make: O(world)."""
+    """How one epoch's remainder is dealt to `world` ranks as fixed-size batches: an
+    :class:`croupier.core.plan.EpochPlan`. Cheap to make: O(world)."""
+
+    coordinator_deals = False
+    fixed_batches = True
 
     spec: Spec
     cursor: Cursor
@@ -226,7 +159,7 @@ class Plan:
             return None
         return order(self.spec, self.cursor.epoch, pos, self.cursor.base_world)
 
-    def lease(self, rank: int, first: int, count: int) -> tuple[np.ndarray, list[int]]:
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
         """Batches first .. first + count - 1 of `rank` (fewer at the epoch's end), laid end to end.
 
         One vectorised pass over all the batches, so the per-call cost of the order is paid once.
@@ -234,7 +167,7 @@ class Plan:
         Returns:
             The dataset indices of the batches, concatenated, and the size of each batch.
         """
-        batches, last = self.grant(rank, first, count)
+        batches, last = self.share(rank, first, count)
         if not batches:
             return np.zeros(0, dtype=np.int64), []
         b = self.spec.batch_size
@@ -245,17 +178,42 @@ class Plan:
 
     def batch_sizes(self, rank: int, first: int, count: int) -> list[int]:
         """The sizes of batches first .. first + count - 1 of `rank` (fewer at the epoch's end)."""
-        batches, last = self.grant(rank, first, count)
+        batches, last = self.share(rank, first, count)
         return [self.spec.batch_size] * (batches - 1) + [last] if batches else []
 
-    def grant(self, rank: int, first: int, count: int) -> tuple[int, int]:
+    def share(self, rank: int, first: int, count: int) -> tuple[int, int]:
         """How many of batches first .. first + count - 1 `rank` has, and the last one's size
-        (every other one is full): a grant, in O(1)."""
+        (every other one is full), in O(1)."""
         stop = min(first + count, int(self.nb_r[rank]))
         if stop <= first:
             return 0, 0
         b = self.spec.batch_size
         return stop - first, min(stop * b, int(self.n_r[rank])) - (stop - 1) * b
+
+    def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
+        """The coordinator's answer to `rank` asking for batches first .. first + count - 1, in O(1)."""
+        batches, last = self.share(rank, first, count)
+        return Grant(batches, last, int(self.nb_r[rank]) <= first + batches, self.samples(rank))
+
+    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
+        """Whether a lease of `sizes` is the grant's batches (the same count, the same last size)."""
+        return (grant.batches, grant.last_size) == (len(sizes), sizes[-1] if sizes else 0)
+
+    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
+        """Whether `rank` has no batch from ``first + got`` on."""
+        return int(self.nb_r[rank]) <= first + got
+
+    def known_steps(self, rank: int) -> int | None:
+        """`rank`'s batches: always known, in O(1)."""
+        return int(self.nb_r[rank])
+
+    def steps(self, rank: int) -> int:
+        """`rank`'s batches, in O(1)."""
+        return int(self.nb_r[rank])
+
+    def known_samples(self, rank: int) -> int:
+        """:meth:`samples`, always known."""
+        return self.samples(rank)
 
     def samples(self, rank: int) -> int:
         """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""
@@ -330,56 +288,3 @@ def plan(spec: Spec, cursor: Cursor, world: int) -> Plan:
     cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     starts = np.array([a for a, _ in cursor.remaining], dtype=np.int64)
     return Plan(spec, cursor, world, left, t, n_r, batch_counts(spec, n_r), cum, starts)
-
-
-def _runs(v: np.ndarray) -> list[Interval]:
-    """Sorted int array -> list of maximal [a, b) runs of consecutive values."""
-    if v.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(v) != 1)
-    starts = np.concatenate([[v[0]], v[breaks + 1]])
-    ends = np.concatenate([v[breaks], [v[-1]]]) + 1
-    return list(zip(starts.tolist(), ends.tolist()))
-
-
-def _merge(ints: list[Interval]) -> list[Interval]:
-    out: list[Interval] = []
-    for a, b in sorted(ints):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def show(c: Cursor | None) -> str:
-    """A short rendering of a cursor for error messages."""
-    if c is None:
-        return "None"
-    rem = [list(iv) for iv in c.remaining]
-    shown = str(rem) if len(rem) <= 4 else f"{str(rem[:2])[:-1]}, ..., {rem[-1]}]"
-    return f"(epoch {c.epoch}, remaining {shown}, {c.left} positions)"
-
-
-@functools.lru_cache(maxsize=256)
-def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> Plan | None:
-    """The plan of `epoch` for a generation of `world` ranks that resumed at `start`.
-
-    Returns None for the epoch just before a fresh start (it is complete); raises OutOfRange
-    for an epoch before the generation's resume point. A spec with ``max_tokens`` gets a
-    :class:`croupier.core.tokens.TokenPlan`, which answers the same questions (lazily).
-    """
-    if spec.max_tokens is not None:
-        from croupier.core.tokens import token_plan_epoch
-
-        return token_plan_epoch(spec, start, world, epoch)  # type: ignore[return-value]
-    if epoch == start.epoch:
-        return plan(spec, start, world)
-    if epoch > start.epoch:
-        return plan(spec, bind(spec, fresh(spec, epoch), world), world)
-    if epoch == start.epoch - 1 and is_fresh(spec, start):
-        return None
-    raise OutOfRange(
-        f"epoch {epoch} is before this generation's resume point {show(start)}; "
-        "set_epoch must not go back before the checkpoint the job resumed from"
-    )

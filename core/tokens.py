@@ -59,15 +59,15 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
-import functools
 import heapq
 import threading
 
 import numpy as np
 
 from croupier.core import feistel as _feistel
-from croupier.core.errors import OutOfRange
-from croupier.core.order import Cursor, Interval, _merge, _runs, fresh, is_fresh, order, show
+from croupier.core.cursor import Cursor, Interval, _merge, _runs, fresh
+from croupier.core.order import order
+from croupier.core.plan import Grant, Runs
 from croupier.core.spec import Spec
 
 #: Tells the batch shuffle's keys apart from every other key croupier derives: the bytes of
@@ -143,8 +143,12 @@ class TokenPlan:
     """How one epoch's remainder is dealt to `world` ranks as token-budget batches (see the module).
 
     Making one is O(number of the cursor's intervals): nothing is packed until a lease needs it.
-    Safe to share between threads.
+    Safe to share between threads. An :class:`croupier.core.plan.EpochPlan` whose steps are the
+    ranks' token-budget batches.
     """
+
+    coordinator_deals = False
+    fixed_batches = False
 
     spec: Spec
     cursor: Cursor
@@ -335,7 +339,29 @@ class TokenPlan:
 
     # ------------------------------------------------------------------ dealing
 
-    def lease(self, rank: int, first: int, count: int) -> tuple[np.ndarray, list[int]]:
+    def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
+        """The coordinator's answer: the steps asked, whatever they are.
+
+        NOTE: this plan learns where a rank's steps end only by packing the epoch; the coordinator
+        does not pack: it grants the steps asked, and the client's plan says where the epoch ends.
+        """
+        return Grant(count, 0, False, 0)
+
+    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
+        """Always: the grant names no sizes (see :meth:`grant`)."""
+        return True
+
+    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
+        """Whether `rank` has no step after this lease: it got fewer than asked, or the packing
+        reached the epoch's end and its steps stop here."""
+        known = self.known_steps(rank)
+        return got < count or known is not None and known <= first + got
+
+    def known_samples(self, rank: int) -> int:
+        """0: a lease must not pay for counting the epoch's samples (that packs the whole epoch)."""
+        return 0
+
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
         """Steps first .. first + count - 1 of `rank` (fewer at the epoch's end).
 
         Returns:
@@ -412,22 +438,3 @@ class TokenPlan:
 def token_plan(spec: Spec, cursor: Cursor, world: int) -> TokenPlan:
     """How `cursor`'s remainder is dealt to `world` ranks as token-budget batches; packs nothing."""
     return TokenPlan(spec, cursor, world)
-
-
-@functools.lru_cache(maxsize=64)
-def token_plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> TokenPlan | None:
-    """The token plan of `epoch` for a generation of `world` ranks that resumed at `start`.
-
-    Returns None for the epoch just before a fresh start (it is complete); raises OutOfRange
-    for an epoch before the generation's resume point. Cached: the same call returns the same plan.
-    """
-    if epoch == start.epoch:
-        return token_plan(spec, start, world)
-    if epoch > start.epoch:
-        return token_plan(spec, fresh(spec, epoch), world)
-    if epoch == start.epoch - 1 and is_fresh(spec, start):
-        return None
-    raise OutOfRange(
-        f"epoch {epoch} is before this generation's resume point {show(start)}; "
-        "set_epoch must not go back before the checkpoint the job resumed from"
-    )

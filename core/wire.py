@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from croupier.core.api import CheckpointRecord
+from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument
-from croupier.core.order import Cursor
 from croupier.core.spec import TOKEN_WINDOW, Spec
 from croupier.v1 import coordinator_pb2 as pb
 

@@ -14,7 +14,8 @@ from croupier.server._state import (
     State,
     decode_event,
 )
-from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, open_store, redact_url
+from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, redact_url
+from croupier.server._stores import open_store
 
 __all__ = [
     "Authorizer", "BatchesCommitted", "BatchesDealt", "configure_logging", "Coordinator", "decode_event",

@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from croupier.core import dynamic
 from croupier.core.api import (
     MAX_COUNT,
     MAX_JOIN_WAIT_S,
@@ -24,8 +23,10 @@ from croupier.core.api import (
     RankCursor,
 )
 from croupier.core.checks import check_int
+from croupier.core.cursor import Cursor
 from croupier.core.errors import CroupierError, InvalidArgument, ResourceExhausted, Unavailable
-from croupier.core.order import Cursor, Plan, plan_epoch
+from croupier.core.plan import EpochPlan
+from croupier.core.plans import plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
 from croupier.server._state import Event, GenerationOpened, GenerationStarted, JobRegistered
@@ -331,7 +332,7 @@ class Coordinator:
     # ---------------------------------------------------------------- reads
 
     def _plan(self, what: str, job: str, generation: int, rank: int, epoch: int, first: int,
-              count: int) -> tuple[Spec, Plan | None]:
+              count: int) -> tuple[Spec, EpochPlan | None]:
         """Checks a lease or grant request (fencing first) and returns the plan of its epoch."""
         check_int(f"{what} count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
@@ -351,43 +352,39 @@ class Coordinator:
             )
         return spec, plan_epoch(spec, start, world, epoch)
 
+    def _grant(self, p: EpochPlan, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Grant:
+        """The plan's grant; for a plan the coordinator deals, after the deal is durable."""
+        if p.coordinator_deals:
+            return p.grant(rank, first, count, self.deal(job, generation, rank, epoch, first, count))
+        return p.grant(rank, first, count)
+
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
               progress: tuple[int, int] | None = None) -> Lease:
-        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end).
+        """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end),
+        with their indices computed here (the Lease RPC; samplers ask for grants instead).
 
         `progress` (epoch, batches) is the rank's report of how far its loop got (see :meth:`report`).
         """
         spec, p = self._plan("lease", job, generation, rank, epoch, first, count)
         if progress is not None:
             self.report(job, generation, rank, *progress)
-        if spec.dealing == "dynamic":
-            runs, end = self.deal(job, generation, rank, epoch, first, count)
-            p1 = dynamic.one_rank_plan(spec, self._start_of(job, generation), epoch)
-            if p1 is None or not runs:
-                return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
-            with self._compute:
-                idx, sizes = dynamic.lease(p1, runs)
-            return Lease(idx, sizes, end, 0, spec.n)
         if p is None:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
+        g = self._grant(p, job, generation, rank, epoch, first, count)
         with self._compute:
-            idx, sizes = p.lease(rank, first, count)
-        if spec.max_tokens is not None:  # the plan knows its end only once its leases reached it
-            known = p.known_steps(rank)  # type: ignore[attr-defined]
-            return Lease(idx, sizes, len(sizes) < count or known is not None and known <= first + len(sizes), 0, spec.n)
-        end = int(p.nb_r[rank]) <= first + len(sizes)
-        return Lease(idx, sizes, end, p.samples(rank), spec.n)
+            idx, sizes = p.lease(rank, first, count, g)
+        return Lease(idx, sizes, p.ends(rank, first, count, len(sizes), g), p.known_samples(rank), spec.n)
 
     def deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
-             count: int) -> tuple[list[tuple[int, int]], bool]:
+             count: int) -> tuple[tuple[tuple[int, int], ...], bool]:
         """Dynamic dealing: batches first .. first + count - 1 of `rank`'s sequence in `epoch`, as
         runs of global batches (new ones are durable before this returns), and whether the epoch
         has nothing left to deal."""
-        out: list[tuple[list[tuple[int, int]], bool]] = []
+        out: list[tuple[tuple[tuple[int, int], ...], bool]] = []
 
         def decide() -> list[Event]:
             runs, end, events = self._state.decide_deal(job, generation, rank, epoch, first, count)
-            out[:] = [(runs, end)]
+            out[:] = [(tuple(runs), end)]
             return events
 
         with self._cond:
@@ -404,29 +401,9 @@ class Coordinator:
         spec, p = self._plan("grant", job, generation, rank, epoch, first, count)
         if progress is not None:
             self.report(job, generation, rank, *progress)
-        if spec.dealing == "dynamic":
-            runs, end = self.deal(job, generation, rank, epoch, first, count)
-            batches = sum(c for _, c in runs)
-            last = 0
-            if runs:
-                p1 = dynamic.one_rank_plan(spec, self._start_of(job, generation), epoch)
-                assert p1 is not None
-                last = p1.grant(0, runs[-1][0] + runs[-1][1] - 1, 1)[1]
-            return Grant(batches, last, end, 0, tuple(runs))
         if p is None:
             return Grant(0, 0, True, 0)
-        if spec.max_tokens is not None:
-            # NOTE: a token-budget plan learns its end only by packing the epoch; the coordinator
-            # does not: it grants the steps asked, and the client's plan says where the epoch ends.
-            return Grant(count, 0, False, 0)
-        batches, last = p.grant(rank, first, count)
-        return Grant(batches, last, int(p.nb_r[rank]) <= first + batches, p.samples(rank))
-
-    def _start_of(self, job: str, generation: int) -> Cursor:
-        with self._cond:
-            start = self._state.generation(job, generation).start
-        assert start is not None
-        return start
+        return self._grant(p, job, generation, rank, epoch, first, count)
 
     def job(self, job: str) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
@@ -471,18 +448,14 @@ class Coordinator:
 def _share(spec: Spec, start: Cursor | None, world: int, rank: int, epoch: int,
            dealt: dict[tuple[int, int], int]) -> int:
     """A rank's batches in `epoch` as far as the coordinator knows them without computing: its
-    share of a static plan, what it was dealt so far (dynamic), its steps once known (token budgets)."""
+    steps when the plan knows them, else what it was dealt so far (0 when nothing was)."""
     if start is None:
         return 0
-    if spec.dealing == "dynamic":
-        return dealt.get((epoch, rank), 0)
     p = plan_epoch(spec, start, world, epoch)
     if p is None:
         return 0
-    known = getattr(p, "known_steps", None)
-    if known is not None:
-        return int(known(rank) or 0)
-    return int(p.nb_r[rank])
+    known = p.known_steps(rank)
+    return known if known is not None else dealt.get((epoch, rank), 0)
 
 
 def _log_join(req: JoinRequest, events: list[Event]) -> None:

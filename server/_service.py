@@ -33,7 +33,8 @@ from croupier.server._auth import Authorizer, Credential, allow
 from croupier.server._coordinator import Coordinator
 from croupier.server._metrics import Metrics
 from croupier.server._options import ServerOptions
-from croupier.server._store import Store, open_store
+from croupier.server._store import Store
+from croupier.server._stores import open_store
 from croupier.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("croupier.server")

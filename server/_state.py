@@ -28,9 +28,10 @@ from croupier.core.api import (
     validate_join,
 )
 from croupier.core.checks import check_int, check_name
+from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, show, validate_cursor
 from croupier.core.dynamic import EpochDeals
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
-from croupier.core.order import Cursor, bind, epoch_agrees, fresh, show, validate_cursor
+from croupier.core.plans import kind_of
 from croupier.core.spec import ORDER_VERSION, Spec
 
 # --------------------------------------------------------------------------- requests and events
@@ -414,13 +415,14 @@ class State:
         if checkpoint is not None:
             step, cursor, origin = checkpoint
             own = False
-            if j.spec.dealing == "dynamic" and cursor is not None and cursor.remaining == ((0, j.spec.n),):
+            deals = kind_of(j.spec).coordinator_deals
+            if deals and cursor is not None and cursor.remaining == ((0, j.spec.n),):
                 self._reachable(job, self.generation(job, generation), cursor.epoch)  # its epoch before: all dealt
-            if j.spec.dealing == "dynamic" and cursor is not None and cursor.remaining != ((0, j.spec.n),):
+            if deals and cursor is not None and cursor.remaining != ((0, j.spec.n),):
                 raise InvalidArgument(f"job {job!r} deals dynamically: its checkpoints' cursors are the coordinator's "
                                       f"to compute (a rank may name only an epoch's start, got {show(cursor)}); report "
                                       "the rank's progress without one")
-            if j.spec.dealing == "dynamic" and cursor is None:
+            if deals and cursor is None:
                 cursor, more = self._dynamic_checkpoint(job, generation, rank, epoch, batches, lockstep)
                 events += more
                 own = not lockstep
@@ -511,7 +513,7 @@ class State:
         gen = self.generation(job, generation)
         assert gen.start is not None
         spec = self.jobs[job].spec
-        if spec.dealing != "dynamic":
+        if not kind_of(spec).coordinator_deals:
             raise FailedPrecondition(f"job {job!r} deals statically (dealing={spec.dealing!r})")
         check_int("rank", rank, 0, gen.world, InvalidArgument)
         check_int("epoch", epoch, 0, MAX_COUNT, InvalidArgument)

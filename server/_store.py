@@ -4,7 +4,7 @@ This module is the interface: the :class:`Store` protocol and the invariants eve
 MUST keep, the errors, what a store reads back (:class:`Recovered`), the argument checks
 every backend shares, and opening a store from its URL. Each backend lives in a module of its
 own: ``memory://`` in ``_memory_store``, ``sqlite:///`` in ``_sqlite_store``,
-``postgresql://`` in ``_pg_store``; :func:`open_store` imports the one a URL names when it is
+``postgresql://`` in ``_pg_store``; ``croupier.server._stores.open_store`` imports the one a URL names when it is
 asked for it.
 """
 
@@ -31,13 +31,12 @@ __all__ = [
     "check_records",
     "check_seq",
     "check_snapshot_seq",
-    "open_store",
     "parse_url",
     "record_crc",
     "redact_url",
 ]
 
-#: URL schemes :func:`open_store` accepts.
+#: URL schemes ``croupier.server._stores.open_store`` accepts.
 SCHEMES = ("memory://", "sqlite:///", "postgresql://", "postgres://")
 
 
@@ -462,42 +461,3 @@ def parse_url(url: str) -> tuple[str, str]:
             )
         return "postgresql", url
     raise ValueError(f"unsupported store URL {shown}: supported schemes are {', '.join(SCHEMES)}")
-
-
-def open_store(url: str) -> Store:
-    """Opens the store a URL names; see :func:`parse_url` for the URL forms.
-
-    The backend's module is imported here, so importing this module loads no backend (no
-    ``sqlite3``, no ``psycopg``).
-
-    Args:
-        url: ``memory://``, ``sqlite:///PATH`` or ``postgresql://...``.
-
-    Returns:
-        The open, verified store.
-
-    Raises:
-        ValueError: If the URL is not one of the supported forms.
-        StoreCorrupt: If the store's contents could not be verified.
-        StoreVersionError: If the store was written with a newer schema.
-        StoreUnavailable: If the store cannot be created, opened, locked or reached, or its
-            backend's driver is not installed.
-    """
-    scheme, path = parse_url(url)
-    if scheme == "memory":
-        from croupier.server._memory_store import MemoryStore
-
-        return MemoryStore(url)
-    if scheme == "postgresql":
-        try:
-            from croupier.server._pg_store import PostgresStore
-        except ImportError as exc:
-            raise StoreUnavailable(
-                f"store {redact_url(url)}: the PostgreSQL store needs psycopg 3 and psycopg_pool "
-                f"(pip install 'croupier[postgres]'): {exc}"
-            ) from exc
-
-        return PostgresStore(url)
-    from croupier.server._sqlite_store import SqliteStore
-
-    return SqliteStore(url, path)

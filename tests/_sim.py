@@ -10,7 +10,8 @@ from typing import Any
 
 from croupier.core.api import JoinRequest
 from croupier.core.checkpoint import from_state, to_state
-from croupier.core.order import Plan, plan_epoch
+from croupier.core.order import Plan
+from croupier.core.plans import plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._state import State
 

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from croupier.server._state import GenerationOpened, GenerationStarted, decode_event
-from croupier.server._store import open_store
+from croupier.server._stores import open_store
 from croupier.tools import chaos
 
 if TYPE_CHECKING:

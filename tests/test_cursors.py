@@ -15,7 +15,7 @@ from croupier.core.order import Cursor
 from croupier.server._coordinator import Coordinator
 from croupier.server._service import Server
 from croupier.server._state import State
-from croupier.server._store import open_store
+from croupier.server._stores import open_store
 
 N = 1000
 

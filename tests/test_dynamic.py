@@ -16,7 +16,7 @@ from croupier.core.order import fresh
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
 from croupier.server._service import Server
-from croupier.server._store import open_store
+from croupier.server._stores import open_store
 
 N, B = 1000, 8
 

@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from croupier.client import _expander
-from croupier.core.order import Cursor, Plan, fresh, plan_epoch
+from croupier.core.order import Cursor, Plan, fresh
+from croupier.core.plans import plan_epoch
 from croupier.core.spec import Spec
 
 COUNT = 3  # batches a lease: small, so the epochs below take several leases and end mid-lease

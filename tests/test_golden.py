@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from _sim import batches_of
 
-from croupier.core import ORDER_VERSION
+from croupier.core import ORDER_VERSION, plans
 from croupier.core import feistel as _feistel
 from croupier.core import permute as _permute
-from croupier.core.order import Cursor, order, plan, plan_epoch
+from croupier.core.order import Cursor, order, plan
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, SCOPES, TAILS, Spec
 
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "orders.json").read_text())
@@ -27,7 +27,7 @@ _CACHES: tuple[Callable[[], None], ...] = (
     _permute._window_key.cache_clear,
     _permute._bucket_window.cache_clear,
     _permute._torch_randperm.cache_clear,
-    plan_epoch.cache_clear,
+    plans.cache_clear,
 )
 
 

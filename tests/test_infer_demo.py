@@ -17,7 +17,7 @@ import pytest
 from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
-from croupier.server._store import open_store
+from croupier.server._stores import open_store
 from croupier.tools.infer_demo import JOB, Journal, audit
 
 N, BATCH, FAULTS = 2000, 4, 5

@@ -32,7 +32,8 @@ from croupier.server._state import (
     decode_event,
     encode_event,
 )
-from croupier.server._store import StoreCorrupt, open_store
+from croupier.server._store import StoreCorrupt
+from croupier.server._stores import open_store
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SPEC = Spec(n=50, seed=2, batch_size=5)

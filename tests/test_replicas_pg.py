@@ -14,7 +14,7 @@ from croupier.client._rpc import CoordinatorClient
 from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
 from croupier.server._state import GenerationOpened, decode_event
-from croupier.server._store import open_store
+from croupier.server._stores import open_store
 
 pytestmark = pytest.mark.e2e
 pytest_plugins = ["_postgres"]

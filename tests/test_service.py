@@ -211,7 +211,7 @@ def test_a_grant_names_the_batches_a_lease_serves(client: CoordinatorClient) -> 
 
 
 def _plan_of(client: CoordinatorClient, spec: Any) -> Any:
-    from croupier.core.order import plan_epoch
+    from croupier.core.plans import plan_epoch
     _, r = client.get_job("j")
     return plan_epoch(spec, r.start, r.world, r.start.epoch)
 
@@ -256,7 +256,7 @@ class FailingStore:
 
 def test_unavailable_when_the_store_fails(tmp_path: pathlib.Path) -> None:
     from croupier.server._coordinator import Coordinator
-    from croupier.server._store import open_store
+    from croupier.server._stores import open_store
 
     store = FailingStore(open_store(f"sqlite:///{tmp_path}/s.db"))
     core = Coordinator(store)  # type: ignore[arg-type]

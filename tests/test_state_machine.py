@@ -630,7 +630,8 @@ def test_exactly_once_under_chaos_long() -> None:
 
 # ---------------------------------------------------------------------- the test can fail
 
-PLANTED = settings(SETTINGS, max_examples=200, database=None, phases=[Phase.generate])
+# NOTE: one failure is enough: a planted bug found two ways would otherwise come back as an ExceptionGroup.
+PLANTED = settings(SETTINGS, max_examples=200, database=None, phases=[Phase.generate], report_multiple_bugs=False)
 
 
 def _forget_one_rank(self: Plan, consumed):  # type: ignore[no-untyped-def]

@@ -33,10 +33,10 @@ from croupier.server._store import (
     StoreCorrupt,
     StoreUnavailable,
     StoreVersionError,
-    open_store,
     parse_url,
     redact_url,
 )
+from croupier.server._stores import open_store
 
 if TYPE_CHECKING:
     from _postgres import Postgres
@@ -462,7 +462,7 @@ class TestSqliteStore(StoreContract):
                 [
                     sys.executable,
                     "-c",
-                    f"from croupier.server._store import open_store; open_store({store.url!r})",
+                    f"from croupier.server._stores import open_store; open_store({store.url!r})",
                 ],
                 capture_output=True,
                 text=True,
@@ -864,7 +864,8 @@ def test_two_threads_racing_for_one_seq_one_wins(postgres_url: str) -> None:
 REPLICA = textwrap.dedent(
     """
     import sys
-    from croupier.server._store import StoreConflict, open_store
+    from croupier.server._store import StoreConflict
+    from croupier.server._stores import open_store
 
     url, name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     store = open_store(url)
@@ -1069,7 +1070,7 @@ def test_the_interface_loads_no_backend() -> None:
     """Importing the interface loads no backend; open_store loads the one a URL names, and only it."""
     code = (
         "import sys\n"
-        "from croupier.server._store import open_store\n"
+        "from croupier.server._stores import open_store\n"
         "loaded = lambda: [m for m in ('sqlite3', 'psycopg', 'psycopg_pool', 'croupier.server._sqlite_store', "
         "'croupier.server._pg_store', 'croupier.server._memory_store') if m in sys.modules]\n"
         "print(loaded())\n"
@@ -1090,7 +1091,7 @@ def test_the_interface_loads_no_backend() -> None:
 CHILD = textwrap.dedent(
     """
     import random, sys
-    from croupier.server._store import open_store
+    from croupier.server._stores import open_store
 
     url, round_no, max_batch, snapshot_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     store = open_store(url)

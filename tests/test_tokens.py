@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from croupier.core.errors import OutOfRange
 from croupier.core.order import Cursor, fresh, order, validate_cursor
+from croupier.core.plans import plan_epoch as token_plan_epoch
 from croupier.core.spec import Spec
-from croupier.core.tokens import TokenPlan, token_plan, token_plan_epoch
+from croupier.core.tokens import TokenPlan, token_plan
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TAILS = ("uneven", "drop", "pad")

@@ -1,0 +1,121 @@
+"""The registry of plans: every way of dealing an epoch, and the one function that picks an epoch's plan.
+
+A way of dealing is a module with a class satisfying :class:`croupier.core.plan.EpochPlan` and
+one :class:`PlanKind` entry in :data:`KINDS`. Everything that depends on the way of dealing
+(which plan a spec gets, the defaults of the samplers' arguments) is read here; the
+coordinator and the client ask the plan itself for everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+from croupier.core.cursor import Cursor, bind, fresh, is_fresh, show
+from croupier.core.dynamic import dynamic_plan
+from croupier.core.errors import OutOfRange
+from croupier.core.order import plan as fixed_plan
+from croupier.core.plan import EpochPlan
+from croupier.core.spec import Spec
+from croupier.core.tokens import token_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanKind:
+    """One way of dealing an epoch.
+
+    Attributes:
+        name: The kind's name (in docs, logs and the audit log).
+        make: Builds the plan of a cursor's remainder for a world; MUST be pure (and may cache).
+        coordinator_deals: The plans' ``coordinator_deals`` (the coordinator decides each batch).
+        fixed_batches: The plans' ``fixed_batches`` (batches of ``spec.batch_size``).
+        lease_indices: The index sampler's default lease, in batches of one index.
+        lease_batches: The batch sampler's default lease, in batches.
+    """
+
+    name: str
+    make: Callable[[Spec, Cursor, int], EpochPlan]
+    coordinator_deals: bool
+    fixed_batches: bool
+    lease_indices: int
+    lease_batches: int
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        # A sampler keeps its kind and is pickled into DataLoader workers: a kind travels by name.
+        return kind_named, (self.name,)
+
+    def permutation(self, shuffle: bool, lengths: bool) -> str:
+        """The default permutation of a sampler that names none (``lengths``: it was given lengths)."""
+        if not shuffle:
+            return "none"
+        # NOTE: a fixed or dynamic plan given lengths buckets by them (d9d's length bucketing);
+        # token budgets read lengths as token counts and shuffle the whole epoch.
+        return "bucket" if lengths and self.fixed_batches else "feistel"
+
+    def tail(self, drop_last: bool, batches: bool) -> str:
+        """The default tail of a sampler that names none (``batches``: the batch sampler, whose
+        ``drop_last`` is about its own last batch, not the epoch's tail)."""
+        if self.coordinator_deals:  # batches go to whoever asks: nothing to pad or drop across ranks
+            return "drop" if drop_last and not batches else "uneven"
+        return "drop" if drop_last and not batches else "pad"
+
+
+# NOTE: fixed plans are O(world) to make and are asked for on every grant: a large cache. Token
+# plans keep the windows they packed (up to a few MB each): a smaller one.
+FIXED = PlanKind("fixed", functools.lru_cache(maxsize=256)(fixed_plan), False, True, 65536, 256)
+TOKENS = PlanKind("tokens", functools.lru_cache(maxsize=64)(token_plan), False, False, 65536, 16)
+DYNAMIC = PlanKind("dynamic", functools.lru_cache(maxsize=256)(dynamic_plan), True, True, 1024, 2)
+#: Every way of dealing, by name.
+KINDS: dict[str, PlanKind] = {k.name: k for k in (FIXED, TOKENS, DYNAMIC)}
+
+
+def kind_named(name: str) -> PlanKind:
+    """The registered kind called `name`."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"no way of dealing is called {name!r} (known: {sorted(KINDS)})") from None
+
+
+def kind_for(dealing: str, max_tokens: int | None = None) -> PlanKind:
+    """The way of dealing of a spec's ``dealing`` and ``max_tokens`` settings (the one rule)."""
+    if dealing == "dynamic":
+        return DYNAMIC
+    return TOKENS if max_tokens is not None else FIXED
+
+
+def kind_of(spec: Spec) -> PlanKind:
+    """The way of dealing of `spec`."""
+    return kind_for(spec.dealing, spec.max_tokens)
+
+
+def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> EpochPlan | None:
+    """The plan of `epoch` for a generation of `world` ranks that resumed at `start`.
+
+    The generation's first epoch is `start`'s remainder; every later epoch starts fresh.
+
+    Returns:
+        The plan, or None for the epoch just before a fresh start (it is complete).
+
+    Raises:
+        OutOfRange: `epoch` is before the generation's resume point.
+    """
+    if epoch == start.epoch:
+        cursor = start
+    elif epoch > start.epoch:
+        cursor = bind(spec, fresh(spec, epoch), world)
+    elif epoch == start.epoch - 1 and is_fresh(spec, start):
+        return None
+    else:
+        raise OutOfRange(
+            f"epoch {epoch} is before this generation's resume point {show(start)}; "
+            "set_epoch must not go back before the checkpoint the job resumed from"
+        )
+    return kind_of(spec).make(spec, cursor, world)
+
+
+def cache_clear() -> None:
+    """Forgets every cached plan (tests that change an order under the engine)."""
+    for kind in KINDS.values():
+        kind.make.cache_clear()  # type: ignore[attr-defined]
