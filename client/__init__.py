@@ -7,18 +7,19 @@ from typing import TYPE_CHECKING, Any
 from croupier.client._rpc import CoordinatorClient, Security
 
 if TYPE_CHECKING:
-    from croupier.client._sampler import DistributedBatchSampler, DistributedSampler, shards
+    from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
+    from croupier.client._shards import shards
 
 __all__ = ["CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Security", "shards"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator
 #: (``croupier status``, ``croupier health``: a probe runs often) should not wait for.
-_SAMPLERS = ("DistributedBatchSampler", "DistributedSampler", "shards")
+_SAMPLERS = {"DistributedBatchSampler": "_sampler", "DistributedSampler": "_sampler", "shards": "_shards"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _SAMPLERS:
-        from croupier.client import _sampler
+        import importlib
 
-        return getattr(_sampler, name)
+        return getattr(importlib.import_module(f"croupier.client.{_SAMPLERS[name]}"), name)
     raise AttributeError(f"module 'croupier.client' has no attribute {name!r}")

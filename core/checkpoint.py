@@ -5,27 +5,36 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.cursor import Cursor, validate_cursor
+from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.spec import ORDER_VERSION, Spec
 
-#: The format of the checkpoint state this release writes and reads.
-VERSION = 2
-#: Formats of earlier releases: format version -> (the release that wrote it, its order version).
+#: The format of the checkpoint state this release writes. Format 3 added ``items``.
+VERSION = 3
+#: Formats this release reads: format 2 is format 3 without ``items``.
+READS = (2, 3)
+#: Formats of earlier releases it refuses: format version -> (the release that wrote it, its order version).
 #: Format 1 had no ``order`` key; its orders are order version 1.
 PAST_FORMATS: dict[int, tuple[str, int]] = {1: ("croupier 0.1", 1)}
 _KEYS = {"version", "order", "job", "fingerprint", "epoch", "remaining", "base_world"}
-#: Keys a state may carry beyond the cursor: ``origin`` names the checkpoint for the audit log.
-_OPTIONAL = {"origin"}
+#: Keys a state may carry beyond the cursor: ``items`` counts what the checkpointing rank had
+#: taken of the state's epoch (format 3); ``origin`` names the checkpoint for the audit log.
+_OPTIONAL = {"items", "origin"}
 
 
-def to_state(job: str, spec: Spec, cursor: Cursor) -> dict[str, Any]:
+def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, origin: str | None = None) -> dict[str, Any]:
     """The checkpoint state of `job` at `cursor`: what a sampler's ``state_dict()`` returns.
 
     It names positions of the epoch's order, not per-rank lists, so it loads under any world
     size; it holds one interval for strided partitions and at most one per rank otherwise.
+
+    Args:
+        items: The items (indices, or batches) of the cursor's epoch the checkpointing rank had
+            taken, as its ``len()`` counts them: a resumed sampler's ``len()`` and ``items_done``
+            go on from it. None when not known (a state made without a sampler).
+        origin: Names the checkpoint for the audit log (``token/epoch/items``).
     """
-    return {
+    state: dict[str, Any] = {
         "version": VERSION,
         "order": ORDER_VERSION,
         "job": job,
@@ -34,6 +43,11 @@ def to_state(job: str, spec: Spec, cursor: Cursor) -> dict[str, Any]:
         "remaining": [[a, b] for a, b in cursor.remaining],
         "base_world": cursor.base_world,
     }
+    if items is not None:
+        state["items"] = items
+    if origin is not None:
+        state["origin"] = origin
+    return state
 
 
 def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
@@ -49,7 +63,7 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
     if not state:
         return None
     # The format comes first: an older format has other keys, and is refused by its version.
-    if "version" in state and state["version"] != VERSION:
+    if "version" in state and state["version"] not in READS:
         raise FailedPrecondition(_other_format(state))
     missing = sorted(_KEYS - set(state))
     unknown = sorted(set(state) - _KEYS - _OPTIONAL)
@@ -79,7 +93,50 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
         validate_cursor(spec, cursor)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"checkpoint state is malformed: {e}") from None
+    if "items" in state:
+        items = state["items"]
+        if isinstance(items, bool) or not isinstance(items, int) or items < 0:
+            raise InvalidArgument(f"checkpoint state's items must be an int >= 0 (got items={items!r})")
     return cursor
+
+
+def items_of(state: Mapping[str, Any], cursor: Cursor | None) -> int | None:
+    """The items of `cursor`'s epoch the checkpointing rank had taken, from a state :func:`from_state` read.
+
+    Format 3 carries them as ``items``. A format-2 state (G9: it keeps loading) named them only
+    in its origin, ``token/epoch/items``, which is read here, for that format alone.
+    """
+    if cursor is None:
+        return None
+    if state.get("version") != 2:
+        items = state.get("items")
+        return items if isinstance(items, int) else None
+    return _origin_items(state.get("origin"), cursor.epoch)
+
+
+def state_of_record(job: str, spec: Spec, cursor: Cursor, origin: str) -> dict[str, Any]:
+    """The checkpoint state of a record the coordinator keeps (a cursor and the origin it was saved with).
+
+    NOTE: the coordinator's records name a checkpoint by its origin, ``token/epoch/items``, which
+    is where their item count is read (the journal's checkpoint events have no field of their own).
+    """
+    state = to_state(job, spec, cursor, origin=origin or None)
+    items = _origin_items(origin, cursor.epoch)
+    if items is not None:
+        state["items"] = items
+    return state
+
+
+def _origin_items(origin: Any, epoch: int) -> int | None:
+    """The item count an origin ``token/epoch/items`` names for `epoch`, or None."""
+    if not isinstance(origin, str):
+        return None
+    parts = origin.rsplit("/", 2)
+    try:
+        at, items = int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        return None
+    return items if at == epoch and items >= 0 else None
 
 
 def _remedy(state: Mapping[str, Any]) -> str:

@@ -505,17 +505,17 @@ def kill_and_resize(server: Server, case: Case) -> Run:
 
 
 def check_states_agree(run: Run) -> None:
-    """Every W1 rank still in its epoch saves rank 0's state, apart from "origin".
+    """Every W1 rank still in its epoch saves rank 0's state, apart from "origin" and "items" (the rank's own).
 
     A rank that has had its last batch (a short share: uneven tails, chunked parts) reports its
     own epoch as finished; the job's checkpoint is rank 0's, which always has the most batches.
     """
     # A rank's epoch ends once its last batch is handed out (no call past it needed).
     ended = [e or len(got) >= int(run.plan1.nb_r[r]) for r, (e, got) in enumerate(zip(run.ended, run.w1_batches))]
-    ref = {k: v for k, v in run.states[0].items() if k != "origin"}
+    ref = {k: v for k, v in run.states[0].items() if k not in ("origin", "items")}
     for r, st in enumerate(run.states):
         if ended[0] or not ended[r]:  # once rank 0's epoch has ended, every rank's has
-            assert {k: v for k, v in st.items() if k != "origin"} == ref, f"rank {r}'s state differs from rank 0's"
+            assert {k: v for k, v in st.items() if k not in ("origin", "items")} == ref, f"rank {r}'s state differs from rank 0's"
 
 
 def check_cursor(run: Run) -> None:

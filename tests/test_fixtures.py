@@ -24,7 +24,7 @@ SAMPLERS: dict[str, type[DistributedSampler] | type[DistributedBatchSampler]] = 
 def test_the_fixtures_are_all_there() -> None:
     """Both releases' states of every order kind that changed or may change: none may go missing."""
     names = {p.name for p in FIXTURES}
-    for v in (1, 2):
+    for v in (1, 2, 3):
         assert {f"checkpoint-v{v}-{kind}.json" for kind in ("feistel", "bucket", "torch")} <= names
 
 
@@ -54,7 +54,7 @@ def test_a_fixture_loads_and_yields_the_rest_of_its_epoch_or_is_refused(path: pa
 
 
 def test_this_release_refuses_croupier_0_1_states_and_loads_its_own() -> None:
-    """What the test above allows either way, pinned for this release: format 1 refused, format 2 read."""
+    """What the test above allows either way, pinned for this release: format 1 refused, formats 2 and 3 read."""
     by_name = {p.name: json.loads(p.read_text()) for p in FIXTURES}
     old = by_name["checkpoint-v1-bucket.json"]
     s = DistributedBatchSampler(num_replicas=1, rank=0, job=old["job"], **old["args"])
@@ -62,7 +62,7 @@ def test_this_release_refuses_croupier_0_1_states_and_loads_its_own() -> None:
         s.load_state_dict(old["state"])
     assert str(e.value).startswith(
         "checkpoint state format version 1 (croupier 0.1, order version 1) is from an earlier release; "
-        "this release reads format 2 with order version 2; restart epoch 2"
+        "this release reads format 3 with order version 2; restart epoch 2"
     )
     s.close()
     # Why: the same settings and the same positions left, under this release's bucket order, are other batches.
@@ -72,4 +72,24 @@ def test_this_release_refuses_croupier_0_1_states_and_loads_its_own() -> None:
     s = DistributedBatchSampler(num_replicas=1, rank=0, job=new["job"], **new["args"])
     s.load_state_dict(new["state"])
     assert list(s) == new["rest"]
+    s.close()
+
+
+def test_a_resume_counts_its_items_from_the_state_not_from_its_origin() -> None:
+    """Format 3 carries the checkpointing rank's items as a field: ``len()`` and ``items_done`` read it."""
+    fx = json.loads((FIXTURES[0].parent / "checkpoint-v3-feistel.json").read_text())
+    world = fx["written_at_world"]
+    for items, expect in ((5, 5), (None, fx["state"]["items"])):  # None: no field, the positions taken count
+        state = {k: v for k, v in fx["state"].items() if k != "origin" and k != "items"}
+        if items is not None:
+            state["items"] = items
+        s = DistributedSampler(num_replicas=world, rank=0, job=fx["job"], **fx["args"])
+        try:
+            s.load_state_dict(state)
+            assert s.items_done == expect
+        finally:
+            s.close()
+    s = DistributedSampler(num_replicas=world, rank=0, job=fx["job"], **fx["args"])
+    with pytest.raises(ValueError, match="items must be an int >= 0"):
+        s.load_state_dict({**fx["state"], "items": -1})
     s.close()

@@ -214,7 +214,7 @@ def test_checkpoint_state_round_trip_and_refusals() -> None:
 
 def test_checkpoint_states_of_other_versions_are_refused_naming_both() -> None:
     """A state of croupier 0.1 (format 1, no order key) or of other orders names positions of other orders."""
-    assert (VERSION, ORDER_VERSION) == (2, 2) and PAST_FORMATS[1] == ("croupier 0.1", 1)
+    assert (VERSION, ORDER_VERSION) == (3, 2) and PAST_FORMATS[1] == ("croupier 0.1", 1)
     st = to_state("j", SPEC, Cursor(3, ((5, 9),)))
     assert st["version"] == VERSION and st["order"] == ORDER_VERSION
     v1 = {k: v for k, v in st.items() if k != "order"} | {"version": 1}
@@ -222,14 +222,14 @@ def test_checkpoint_states_of_other_versions_are_refused_naming_both() -> None:
         from_state("j", SPEC, v1)
     assert str(e.value) == (
         "checkpoint state format version 1 (croupier 0.1, order version 1) is from an earlier release; this release "
-        "reads format 2 with order version 2; restart epoch 3 (load an empty state and call set_epoch(3)) or use "
+        "reads format 3 with order version 2; restart epoch 3 (load an empty state and call set_epoch(3)) or use "
         "the release that wrote it"
     )
     for other in (1, 3):
         with pytest.raises(FailedPrecondition) as e:
             from_state("j", SPEC, {**st, "order": other})
-        assert f"has order version {other} (format 2)" in str(e.value)
-        assert "reads format 2 with order version 2" in str(e.value) and "set_epoch(3)" in str(e.value)
+        assert f"has order version {other} (format 3)" in str(e.value)
+        assert "reads format 3 with order version 2" in str(e.value) and "set_epoch(3)" in str(e.value)
     with pytest.raises(FailedPrecondition, match="format version 'x' is not a known format"):
         from_state("j", SPEC, {**st, "version": "x"})
 

@@ -248,8 +248,9 @@ class World:
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint state without its "origin" (which names the rank's incarnation and progress)."""
-    return {k: v for k, v in state.items() if k != "origin"}
+    """A checkpoint state without what names the checkpointing rank: its "origin" (incarnation and
+    progress) and its "items" (its own count, which ranks of uneven shares do not share)."""
+    return {k: v for k, v in state.items() if k not in ("origin", "items")}
 
 
 class Elastic(RuleBasedStateMachine):

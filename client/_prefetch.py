@@ -1,0 +1,123 @@
+"""The prefetcher: one rank's leases of one epoch, asked of the coordinator and computed ahead of the loop, in a thread."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from croupier.client import _expander
+from croupier.client._rpc import CoordinatorClient, LeaseReply, Unreachable
+from croupier.core.api import Grant
+from croupier.core.plan import EpochPlan
+
+log = logging.getLogger("croupier")
+_DONE = object()
+#: How long a lease waits for the coordinator's answer before the rank computes it itself; and
+#: that wait while the coordinator is not answering.
+_ASK_S, _PROBE_S = 1.0, 0.25
+
+
+class _Prefetcher:
+    """Prepares batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead.
+
+    Every lease is asked of the coordinator, which fences replaced generations, as a grant: which
+    batches of the generation's plan the rank takes (a few bytes), not their indices. The
+    indices are computed from the plan by this process's lease helper process
+    (`croupier.client._expander`: in a thread here the computation would contend for the GIL
+    with the training loop; ``CROUPIER_EXPANDER=0`` computes here instead). When the coordinator
+    does not answer within 1 s (0.25 s while it keeps not answering),
+    the rank computes the lease from its plan, the same code the coordinator runs (its data
+    cannot have changed: only a join changes it, and a join needs the coordinator), and asks
+    again at the next lease; a lease refused as fenced stops it.
+    """
+
+    def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
+                 lease_size: int, depth: int, plan: EpochPlan) -> None:
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._args = (client, job, generation, rank, epoch)
+        self._next = first
+        self._lease_size = lease_size
+        self._plan = plan
+        self.ungranted = 0  # leases computed while the coordinator did not answer
+        #: (epoch, batches) the consumer's loop had taken when it last took a lease: reported with
+        #: the next request (the consumer sets it; a tuple is replaced whole)
+        self.progress: tuple[int, int] | None = None
+        self._thread = threading.Thread(target=self._run, name=f"croupier-lease-r{rank}-e{epoch}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._lease_all()
+        except BaseException as e:  # handed to the consumer, which raises it
+            self._put(e)
+        self._put(_DONE)
+
+    def _lease_all(self) -> None:
+        """Asks for grants and computes their leases until the rank's epoch ends (or it is stopped)."""
+        client, job, gen, rank, epoch = self._args
+        plan, count = self._plan, self._lease_size
+        missed = False  # the last ask went unanswered
+        while not self._stop.is_set():
+            got: Grant | None
+            asked = time.monotonic()
+            # NOTE: while the coordinator does not answer, each lease still asks, but waits
+            # only _PROBE_S: a stopped (not dead) coordinator never refuses, and a full
+            # _ASK_S per lease could outlast the leases queued ahead of the loop.
+            try:
+                got = client.grant(job, gen, rank, epoch, self._next, count, timeout=_PROBE_S if missed else _ASK_S,
+                                   progress=self.progress)
+                if missed:
+                    log.warning("croupier: the coordinator of job %r answers again (rank %d)", job, rank)
+                missed = False
+            except Unreachable:
+                if client.closed:
+                    return
+                if not missed:
+                    log.warning("croupier: the coordinator of job %r does not answer; rank %d %s", job, rank,
+                                "waits for it (its batches are dealt there)" if plan.coordinator_deals
+                                else "trains on from its plan and asks again at every lease")
+                missed = True
+                if plan.coordinator_deals:
+                    # An answer that comes at once (a refused connection, a failed store beside us)
+                    # is asked again no sooner than a probe's wait later, not in a loop.
+                    self._stop.wait(max(0.0, _PROBE_S - (time.monotonic() - asked)))
+                    continue
+                got = None
+                self.ungranted += 1
+            idx, sizes = _expander.lease(plan, rank, self._next, count, got)
+            if got is not None and not plan.agrees(got, sizes):
+                raise RuntimeError(
+                    f"the coordinator granted {got.batches} batches (the last of {got.last_size}) from batch "
+                    f"{self._next} of epoch {epoch}, but this rank's plan has {len(sizes)}: the client and the "
+                    "coordinator compute different plans (another croupier release?)"
+                )
+            end = plan.ends(rank, self._next, count, len(sizes), got)
+            self._next += len(sizes)
+            if sizes:
+                self._put(LeaseReply(idx, sizes, end, plan.known_samples(rank), checked=True))
+            if end:
+                return
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def get(self) -> LeaseReply | None:
+        """The next lease; None after the last one."""
+        item = self._q.get()
+        if item is _DONE:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._stop.set()
