@@ -421,7 +421,8 @@ async def _drive_forever() -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from croupier.core.wire import CHANNEL_OPTIONS, unpack_indices
+    from croupier.client import CHANNEL_OPTIONS
+    from croupier.core.wire import unpack_indices
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -557,7 +558,8 @@ async def _join_job(address: str, job: str, spec: Any, world: int) -> int:
     """Joins all `world` ranks of a job at once (no long poll); returns its started generation."""
     import grpc
 
-    from croupier.core.wire import CHANNEL_OPTIONS, spec_to_proto
+    from croupier.client import CHANNEL_OPTIONS
+    from croupier.core.wire import spec_to_proto
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -606,8 +608,9 @@ async def _commits(address: str, count: int, concurrent: int, floor: BareSqlite 
     """
     import grpc
 
+    from croupier.client import CHANNEL_OPTIONS
     from croupier.core.spec import Spec
-    from croupier.core.wire import CHANNEL_OPTIONS, spec_to_proto
+    from croupier.core.wire import spec_to_proto
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -70,7 +70,7 @@ async def _drive_forever() -> None:
     """
     import grpc
 
-    from croupier.core.wire import CHANNEL_OPTIONS
+    from croupier.client import CHANNEL_OPTIONS
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
     loop = asyncio.get_running_loop()
@@ -144,8 +144,9 @@ async def _joins(addresses: Sequence[str], count: int, concurrent: int) -> dict[
     """
     import grpc
 
+    from croupier.client import CHANNEL_OPTIONS
     from croupier.core.spec import Spec
-    from croupier.core.wire import CHANNEL_OPTIONS, spec_to_proto
+    from croupier.core.wire import spec_to_proto
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from croupier.client._rpc import CoordinatorClient, Security
+from croupier.client._rpc import CHANNEL_OPTIONS, CoordinatorClient, Security
 
 if TYPE_CHECKING:
     from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
     from croupier.client._shards import shards
 
-__all__ = ["CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Security", "shards"]
+__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Security", "shards"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator
 #: (``croupier status``, ``croupier health``: a probe runs often) should not wait for.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from croupier.client._progress import EpochLife
 from croupier.client._resolve import agree, dist_ready, resolve_job, resolve_world, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Security
 from croupier.client._world import _data_parallel_group, _first_of_its_rank
+from croupier.core import settings
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, JoinRequest
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, is_fresh
@@ -70,7 +70,7 @@ class _Base(Sampler[Any]):
                 f"(at most {MAX_LEASE_BATCHES} batches and {MAX_LEASE_INDICES} indices)"
             )
         if join_timeout is None:
-            join_timeout = float(os.environ.get("CROUPIER_JOIN_TIMEOUT") or 600.0)
+            join_timeout = settings.get_float("CROUPIER_JOIN_TIMEOUT")
         if not join_timeout > 0:
             raise ValueError(f"join_timeout must be > 0 seconds (got {join_timeout!r})")
         self._join_timeout = join_timeout
@@ -97,7 +97,7 @@ class _Base(Sampler[Any]):
         self._prefetcher: _Prefetcher | None = None
         self._origin: str | None = None  # the loaded checkpoint state's origin, for the audit log
         self._token_used = ""
-        self._audit_dir = audit_dir or os.environ.get("CROUPIER_AUDIT_DIR") or None
+        self._audit_dir = audit_dir or settings.get("CROUPIER_AUDIT_DIR")
         self._audit: AuditLog | None = None
         self._audit_path: tuple[str, str, str, int] | None = None  # where this rank's audit log is, once joined
 

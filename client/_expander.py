@@ -41,6 +41,7 @@ except ImportError:  # Windows: pipes keep their size
 
 import numpy as np
 
+from croupier.core import settings
 from croupier.core.cursor import Cursor
 from croupier.core.order import Plan
 from croupier.core.plan import EpochPlan, Grant
@@ -79,7 +80,7 @@ class _Helper:
 
     def start(self) -> None:
         """Starts the helper process in a background thread; `settled` is set once it is ready or failed."""
-        if os.environ.get(_ENV, "1").strip() == "0":
+        if (settings.get(_ENV) or "1").strip() == "0":
             self.settled.set()
             return
         atexit.register(self.shutdown)

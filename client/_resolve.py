@@ -21,6 +21,7 @@ import uuid
 import weakref
 from typing import Any
 
+from croupier.core import settings
 from croupier.core.api import MAX_WORLD
 from croupier.core.checks import check_int
 
@@ -138,7 +139,7 @@ def resolve_job(job: str | None, spec: Any) -> tuple[str, bool]:
     the same name, since it runs the same program.
     """
     if job is None:
-        job = os.environ.get("CROUPIER_JOB") or None
+        job = settings.get("CROUPIER_JOB")
     if job is not None:
         if not isinstance(job, str) or not job or len(job) > 256:
             raise ValueError(f"job must be a non-empty string of at most 256 characters (got job={job!r})")
@@ -151,7 +152,7 @@ def resolve_job(job: str | None, spec: Any) -> tuple[str, bool]:
 
 
 def _store_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("CROUPIER_STATE_DIR") or pathlib.Path(tempfile.gettempdir()) / "croupier")
+    return pathlib.Path(settings.get("CROUPIER_STATE_DIR") or pathlib.Path(tempfile.gettempdir()) / "croupier")
 
 
 def _reachable_host() -> str:
@@ -206,8 +207,8 @@ def agree(token: str | None, address: str | None, job: str, num_replicas: int) -
     Raises:
         ValueError: several ranks, no process group, and the token or address not given.
     """
-    token = token or os.environ.get("CROUPIER_TOKEN") or None
-    address = address or os.environ.get("CROUPIER_ADDRESS") or None
+    token = token or settings.get("CROUPIER_TOKEN")
+    address = address or settings.get("CROUPIER_ADDRESS")
     if token and address:
         return token, address, None
     dist = _dist()

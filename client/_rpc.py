@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
 import threading
 import time
@@ -17,11 +16,11 @@ import numpy as np
 
 from croupier.client import _resolve
 from croupier.core import errors as E
-from croupier.core.api import CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
+from croupier.core import settings
+from croupier.core.api import MAX_MESSAGE_BYTES, CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
 from croupier.core.wire import (
-    CHANNEL_OPTIONS,
     checkpoint_to_proto,
     cursor_from_proto,
     cursor_to_proto,
@@ -33,6 +32,24 @@ from croupier.core.wire import (
 )
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
+
+# The client's gRPC settings (the server's are its own). The client pings only while a call is in
+# flight, and at most every 5 min: gRPC's default for the least time a server accepts between a
+# client's pings. A client that pings more often than its server accepts is sent GOAWAY
+# "too_many_pings" (a croupier server behind a proxy, or another server's defaults); the client's
+# liveness comes from its calls' deadlines, not from pings.
+#: gRPC's default ``grpc.http2.min_recv_ping_interval_without_data_ms`` for servers.
+GRPC_DEFAULT_MIN_PING_INTERVAL_MS = 300_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
+#: The options of every channel a croupier client opens.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", GRPC_DEFAULT_MIN_PING_INTERVAL_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 0),
+]
+
 
 T = TypeVar("T")
 log = logging.getLogger("croupier")
@@ -112,12 +129,11 @@ class Security:
 
     @classmethod
     def from_env(cls) -> Security:
-        env = os.environ
-        ca, cert = env.get("CROUPIER_TLS_CA") or None, env.get("CROUPIER_TLS_CERT") or None
-        key = env.get("CROUPIER_TLS_KEY") or None
-        name = env.get("CROUPIER_TLS_SERVER_NAME") or None
-        tls = bool(ca or cert or name) or env.get("CROUPIER_TLS", "").lower() in ("1", "true", "yes")
-        return cls(tls, ca, cert, key, name, env.get("CROUPIER_CREDENTIAL") or None)
+        get = settings.get
+        ca, cert, key = get("CROUPIER_TLS_CA"), get("CROUPIER_TLS_CERT"), get("CROUPIER_TLS_KEY")
+        name = get("CROUPIER_TLS_SERVER_NAME")
+        tls = bool(ca or cert or name) or settings.flag("CROUPIER_TLS")
+        return cls(tls, ca, cert, key, name, get("CROUPIER_CREDENTIAL"))
 
     def __repr__(self) -> str:  # never show the secret
         shown = "set" if self.credential else None

@@ -13,7 +13,7 @@ from torch.utils.data.distributed import DistributedSampler as _TorchDistributed
 
 from croupier.client._base import _Base, _position
 from croupier.client._rpc import Security
-from croupier.client._shards import _dataset_size, _make_spec
+from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec
 from croupier.core.plans import kind_for
 from croupier.core.spec import TOKEN_WINDOW
 
@@ -49,16 +49,29 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             (default when shuffling: O(1) memory, instant start at any size), ``"window"``,
             ``"bucket"`` (with ``lengths``), ``"none"``.
         partition: ``"strided"`` (torch), ``"chunked"`` (d9d) or ``"contiguous"`` (DGL).
-        tail: Overrides ``drop_last``: ``"pad"``, ``"drop"``, ``"uneven"`` or ``"pad_last"``.
+        tail: Overrides ``drop_last``: ``"pad"``, ``"drop"``, ``"uneven"`` or ``"pad_last"`` (a
+            ``drop_last=True`` beside another tail warns: it does nothing).
+        scope: ``"global"`` (default) shuffles the whole epoch, then deals it; ``"rank"`` splits
+            first and shuffles within each rank's part (DGL ``DistributedItemSampler``; needs
+            ``partition="chunked"`` or ``"contiguous"``).
+        buffer_size: The window of ``permutation="window"`` (shuffle within windows of this many
+            positions, DGL's buffer) and ``"bucket"`` (sort each window by length); None: one
+            window. Warns with any other permutation, where it does nothing.
+        pack_size: ``permutation="bucket"``: cut each sorted window into packs of this many
+            samples and shuffle the packs (d9d's length bucketing). Warns with another permutation.
+        lengths: Each sample's length (any int sequence of N values): the sort key of
+            ``permutation="bucket"``, the default permutation when lengths are given.
         token: Names this incarnation of the job's world (default: from torchrun / torch.distributed).
-        lease_ahead: Indices leased per call to the coordinator.
+        lease_ahead: Items per lease, in the unit ``len()`` counts (indices here, batches for
+            :class:`DistributedBatchSampler`): how many one call to the coordinator asks for.
+            Default: 65,536 (1,024 with ``dealing="dynamic"``, so that ranks share the tail).
         prefetch: Leases kept ready ahead of use.
         audit_dir: Write an audit log of what this rank receives under this directory, for
             ``croupier audit`` (default CROUPIER_AUDIT_DIR; off when neither is set).
         process_group: The data-parallel group, when the job is larger than its data-parallel
             world (tensor or pipeline parallelism): `num_replicas` and `rank` come from it, and
             every process of one data-parallel rank receives the same batches.
-        device_mesh: Instead of `process_group`, a ``DeviceMesh`` and its data-parallel
+        device_mesh, mesh_dim: Instead of `process_group`, a ``DeviceMesh`` and its data-parallel
             dimension `mesh_dim` (a name or an index).
         join_timeout: Seconds the first batch waits for the other ranks of its generation before
             raising ``TimeoutError`` naming them (default ``CROUPIER_JOIN_TIMEOUT``, else 600);
@@ -66,6 +79,15 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         security: TLS and credential settings to reach the coordinator (:class:`Security`;
             default from ``CROUPIER_TLS_*`` and ``CROUPIER_CREDENTIAL``). A copy of the sampler
             (pickle, a DataLoader worker) carries them, secret included.
+        dealing: ``"static"`` (default): when a generation starts, the rest of the epoch is dealt
+            to its ranks by the partition, so a rank computes its own batches and trains on
+            through a coordinator outage. ``"dynamic"``: the coordinator hands the next batches
+            to whichever rank asks (stragglers take fewer; the tail is ``"uneven"``); a rank
+            waits for the coordinator, and its checkpoint is computed there.
+        lockstep: With ``dealing="dynamic"``: True (default) for data-parallel training, whose
+            ranks step together (a checkpoint credits every rank with the caller's count);
+            False for independent workers (inference, preprocessing) that each ``commit()``
+            their own progress. Warns with static dealing, where it does nothing.
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -86,6 +108,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, dealing: str = "static", lockstep: bool = True) -> None:
         n = _dataset_size(dataset)
+        _check_sampler_args(kind_for(dealing), drop_last, tail, lockstep, batches=False)
         if tail is None:
             tail = kind_for(dealing).tail(drop_last, batches=False)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
@@ -159,6 +182,15 @@ class DistributedBatchSampler(_Base, BatchSampler):
             ``BatchSampler`` and DGL's meaning). The epoch's tail across ranks is ``tail``.
         tail: ``"pad"`` (default, as torch's DistributedSampler), ``"drop"``, ``"uneven"``, ``"pad_last"``.
         even_batches: Every rank gets the same number of batches (DGL ``drop_uneven_inputs``).
+        max_tokens: Token-budget batches instead of ``batch_size``: each batch is as many samples
+            as fit in this budget by `cost`, given each sample's token count in ``lengths``
+            (formed within windows of `token_window` positions of the epoch's order, shuffled by
+            batch). Leave ``batch_size`` unset.
+        cost: What a batch costs against `max_tokens`: ``"sum"`` (its lengths added up) or
+            ``"padded"`` (its longest length times its size, what a padded tensor holds).
+        token_window: Positions of the epoch's order one packing window holds (default 4,096).
+        lease_ahead: Batches per lease (``len()``'s unit here). Default: 256 (16 with
+            `max_tokens`, 2 with ``dealing="dynamic"``).
         Other arguments: as :class:`DistributedSampler`; ``lengths`` with ``permutation="bucket"``,
             ``buffer_size`` and ``pack_size`` gives d9d's length bucketing.
     """
@@ -184,6 +216,7 @@ class DistributedBatchSampler(_Base, BatchSampler):
         if batch_size is not None and max_tokens is not None:
             raise ValueError(f"batch_size={batch_size} and max_tokens={max_tokens}: token-budget batches size "
                              "themselves; leave batch_size unset")
+        _check_sampler_args(kind_for(dealing, max_tokens), drop_last, tail, lockstep, batches=True)
         if tail is None:
             tail = kind_for(dealing, max_tokens).tail(drop_last, batches=True)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence, Sized
 from typing import Any
 
@@ -10,9 +11,9 @@ from torch.utils.data import Sampler
 
 from croupier.core.api import MAX_WORLD
 from croupier.core.checkpoint import from_state
-from croupier.core.checks import check_int
+from croupier.core.checks import check_bool, check_int
 from croupier.core.cursor import bind, epoch_agrees, fresh, show
-from croupier.core.plans import kind_for, plan_epoch
+from croupier.core.plans import PlanKind, kind_for, plan_epoch
 from croupier.core.spec import TOKEN_WINDOW, Spec
 
 
@@ -41,8 +42,16 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
                drop_last_batch: bool, even_batches: bool, scope: str, buffer_size: int | None, pack_size: int | None,
                lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
                token_window: int = TOKEN_WINDOW, dealing: str = "static") -> Spec:
+    check_bool("shuffle", shuffle)
     if permutation is None:
         permutation = kind_for(dealing, max_tokens).permutation(shuffle, lengths is not None)
+    # NOTE: a seed beside shuffle=False does nothing but is not warned about: torch's sampler takes
+    # both quietly, and loaders built as DistributedSampler(ds, shuffle=is_train, seed=seed) are common.
+    if buffer_size is not None and permutation not in ("window", "bucket"):
+        _no_effect(f"buffer_size={buffer_size!r}",
+                   f"only permutation 'window' and 'bucket' have windows (got permutation={permutation!r})")
+    if pack_size is not None and permutation != "bucket":
+        _no_effect(f"pack_size={pack_size!r}", f"only permutation 'bucket' makes packs (got permutation={permutation!r})")
     elif not shuffle and permutation != "none":
         raise ValueError(f"shuffle=False contradicts permutation={permutation!r}; leave permutation unset or use 'none'")
     kw: dict[str, Any] = dict(seed=seed, permutation=permutation, partition=partition, tail=tail, scope=scope,
@@ -81,6 +90,7 @@ def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None,
         state: A checkpoint state: the rest of its epoch, dealt to `num_replicas` ranks.
         batch_size: None for the index sampler's shares (lists of indices); else the batch
             sampler's (lists of batches), with its meaning of ``drop_last`` and ``tail``.
+        even_batches: With `batch_size`: every rank gets the same number of batches.
         Other arguments: as the samplers'.
 
     Raises:
@@ -115,3 +125,19 @@ def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None,
         else:
             out.append([b.tolist() for b in np.split(idx, np.cumsum(sizes)[:-1])] if sizes else [])
     return out
+
+
+def _no_effect(what: str, why: str) -> None:
+    """Warns of a legal argument that changes nothing (pointing at the caller of the sampler's constructor)."""
+    warnings.warn(f"croupier: {what} has no effect: {why}", UserWarning, stacklevel=4)
+
+
+def _check_sampler_args(kind: PlanKind, drop_last: bool, tail: str | None, lockstep: bool, batches: bool) -> None:
+    """The samplers' own switches: bools, and the combinations that do nothing (warned)."""
+    check_bool("drop_last", drop_last)
+    check_bool("lockstep", lockstep)
+    if not batches and drop_last and tail is not None and tail != "drop":
+        _no_effect("drop_last=True", f"tail={tail!r} decides the epoch's tail")
+    if not lockstep and not kind.coordinator_deals:
+        _no_effect("lockstep=False", f"it is a setting of dealing='dynamic'; a {kind.name} plan is dealt when the "
+                                     "generation starts, and every rank's checkpoint is computed alike")

@@ -17,8 +17,9 @@ from croupier.core.plan import Grant
 from croupier.core.spec import Spec
 
 __all__ = [
-    "CHECKPOINT_HISTORY", "MAX_COUNT", "MAX_JOIN_WAIT_S", "MAX_LEASE_BATCHES", "MAX_LEASE_INDICES", "MAX_NAME", "MAX_WORLD",
-    "CheckpointRecord", "Grant", "JobStatus", "JoinRequest", "JoinResult", "Lease", "RankCursor", "validate_join",
+    "CHECKPOINT_HISTORY", "MAX_COUNT", "MAX_JOIN_WAIT_S", "MAX_LEASE_BATCHES", "MAX_LEASE_INDICES", "MAX_MESSAGE_BYTES",
+    "MAX_NAME", "MAX_WORLD", "CheckpointRecord", "Grant", "JobStatus", "JoinRequest", "JoinResult", "Lease", "RankCursor",
+    "validate_join",
 ]
 
 #: The largest world a generation may have.
@@ -32,6 +33,8 @@ MAX_LEASE_INDICES = 1 << 24
 MAX_JOIN_WAIT_S = 30.0
 #: Epochs, batches and generations are below this.
 MAX_COUNT = 2**62
+#: The largest message either end sends or receives (a join carries the spec's lengths: 8 bytes a sample).
+MAX_MESSAGE_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from croupier.core import feistel as _feistel
-from croupier.core.spec import Spec
+from croupier.core.spec import PERMUTATIONS, Spec
 
 # A permutation maps (spec, epoch, positions, windows) -> indices. `windows` is the list of
 # window boundaries the shuffle must stay inside: [0, n] for a global shuffle, or the
@@ -115,10 +115,14 @@ def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -
     return out
 
 
-PERMUTATIONS: dict[str, Permutation] = {
+#: The kernel of each order, by its name in ``croupier.core.spec.PERMUTATIONS`` (the one list of names).
+KERNELS: dict[str, Permutation] = {
     "none": _identity,
     "torch": _torch,
     "feistel": _feistel_global,
     "window": _keyed_shuffle,
     "bucket": _bucket,
 }
+
+if tuple(KERNELS) != PERMUTATIONS:  # pragma: no cover - a kernel added here must be named in spec.py, and the other way round
+    raise ImportError(f"croupier.core.permute has kernels {list(KERNELS)} but the spec names {list(PERMUTATIONS)}")

@@ -10,7 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from croupier.core.checks import check_bool, check_choice, check_int
+
+#: The names of the orders (``croupier.core.permute`` holds one kernel for each name, no other).
 PERMUTATIONS = ("none", "torch", "feistel", "window", "bucket")
+#: The orders that shuffle within each rank's part (``scope="rank"``).
+RANK_SCOPE_PERMUTATIONS = ("feistel", "window", "none")
 PARTITIONS = ("strided", "chunked", "contiguous")
 TAILS = ("pad", "drop", "uneven", "pad_last")
 SCOPES = ("global", "rank")
@@ -158,34 +163,20 @@ class Spec:
         return hashlib.sha256(blob).hexdigest()[:32]
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int (got {name}={value!r})")
-    if value < lo or (hi is not None and value >= hi):
-        bound = f"[{lo}, {hi})" if hi is not None else f">= {lo}"
-        raise ValueError(f"{name} must be {bound} (got {name}={value})")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)} (got {name}={value!r})")
-
-
 def _validate(s: Spec) -> None:
-    _check_int("n", s.n, 1, MAX_N + 1)
-    _check_int("seed", s.seed, 0, 2**63)
-    _check_choice("permutation", s.permutation, PERMUTATIONS)
-    _check_choice("partition", s.partition, PARTITIONS)
-    _check_choice("tail", s.tail, TAILS)
-    _check_choice("scope", s.scope, SCOPES)
-    _check_int("batch_size", s.batch_size, 1, 2**31)
-    for name in ("drop_last_batch", "even_batches"):
-        if not isinstance(getattr(s, name), bool):
-            raise TypeError(f"{name} must be a bool (got {name}={getattr(s, name)!r})")
+    check_int("n", s.n, 1, MAX_N + 1)
+    check_int("seed", s.seed, 0, 2**63)
+    check_choice("permutation", s.permutation, PERMUTATIONS)
+    check_choice("partition", s.partition, PARTITIONS)
+    check_choice("tail", s.tail, TAILS)
+    check_choice("scope", s.scope, SCOPES)
+    check_int("batch_size", s.batch_size, 1, 2**31)
+    check_bool("drop_last_batch", s.drop_last_batch)
+    check_bool("even_batches", s.even_batches)
     if s.buffer_size is not None:
-        _check_int("buffer_size", s.buffer_size, 1)
+        check_int("buffer_size", s.buffer_size, 1)
     if s.pack_size is not None:
-        _check_int("pack_size", s.pack_size, 1)
+        check_int("pack_size", s.pack_size, 1)
     if s.permutation == "bucket":
         if s.lengths is None or s.pack_size is None or s.buffer_size is None:
             raise ValueError(
@@ -202,9 +193,9 @@ def _validate(s: Spec) -> None:
         if s.permutation != "bucket" and s.max_tokens is None:
             raise ValueError(f"lengths are only used by permutation='bucket' or max_tokens= (got "
                              f"permutation={s.permutation!r}, max_tokens=None)")
-    _check_choice("cost", s.cost, COSTS)
-    _check_choice("dealing", s.dealing, DEALINGS)
-    _check_int("token_window", s.token_window, 1, 2**31)
+    check_choice("cost", s.cost, COSTS)
+    check_choice("dealing", s.dealing, DEALINGS)
+    check_int("token_window", s.token_window, 1, 2**31)
     if s.max_tokens is not None:
         _validate_tokens(s)
     elif s.cost != "sum" or s.token_window != TOKEN_WINDOW:
@@ -223,14 +214,14 @@ def _validate(s: Spec) -> None:
         if s.partition == "strided":
             raise ValueError("scope='rank' (split first, then shuffle each part) needs partition "
                              "'chunked' or 'contiguous' (got partition='strided')")
-        if s.permutation not in ("feistel", "window", "none"):
-            raise ValueError(f"scope='rank' supports permutation 'feistel', 'window' or 'none' "
+        if s.permutation not in RANK_SCOPE_PERMUTATIONS:
+            raise ValueError(f"scope='rank' supports permutation {', '.join(map(repr, RANK_SCOPE_PERMUTATIONS))} "
                              f"(got permutation={s.permutation!r})")
 
 
 def _validate_tokens(s: Spec) -> None:
     assert s.max_tokens is not None
-    _check_int("max_tokens", s.max_tokens, 1, 2**62)
+    check_int("max_tokens", s.max_tokens, 1, 2**62)
     if s.lengths is None:
         raise ValueError(f"max_tokens={s.max_tokens} needs lengths= (each sample's token count)")
     if s.batch_size != 1 or s.drop_last_batch or s.even_batches:

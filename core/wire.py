@@ -1,4 +1,4 @@
-"""Conversions between the domain types and API v1 messages, and the channel settings both ends share."""
+"""Conversions between the domain types and API v1 messages (the gRPC settings of each end are its own)."""
 
 from __future__ import annotations
 
@@ -13,36 +13,6 @@ from croupier.core.spec import TOKEN_WINDOW, Spec
 from croupier.v1 import coordinator_pb2 as pb
 
 SERVICE = "croupier.v1.Coordinator"
-MAX_MESSAGE_BYTES = 256 << 20
-
-# Keepalive. The server pings idle clients every 30 s (a dead client's connection is dropped) and
-# accepts pings from clients as often as every 15 s. The client pings only while a call is in
-# flight, and at most every 5 min: gRPC's default for the least time a server accepts between a
-# client's pings. A client that pings more often than its server accepts is sent GOAWAY
-# "too_many_pings" (a croupier server behind a proxy, or another server's defaults); the
-# client's liveness comes from its calls' deadlines, not from pings.
-KEEPALIVE_TIME_MS = 30_000
-KEEPALIVE_TIMEOUT_MS = 10_000
-#: gRPC's default ``grpc.http2.min_recv_ping_interval_without_data_ms`` for servers.
-GRPC_DEFAULT_MIN_PING_INTERVAL_MS = 300_000
-CLIENT_KEEPALIVE_TIME_MS = GRPC_DEFAULT_MIN_PING_INTERVAL_MS
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.so_reuseport", 0),
-]
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 0),
-]
 
 
 def spec_to_proto(s: Spec) -> pb.Spec:

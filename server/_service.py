@@ -18,7 +18,6 @@ from grpc_reflection.v1alpha import reflection
 from croupier.core import errors as E
 from croupier.core.api import JoinRequest, JoinResult
 from croupier.core.wire import (
-    SERVER_OPTIONS,
     SERVICE,
     checkpoint_from_proto,
     cursor_from_proto,
@@ -31,6 +30,7 @@ from croupier.core.wire import (
 )
 from croupier.server._auth import Authorizer, Credential, allow
 from croupier.server._coordinator import Coordinator
+from croupier.server._grpc import SERVER_OPTIONS
 from croupier.server._metrics import Metrics
 from croupier.server._options import ServerOptions
 from croupier.server._store import Store

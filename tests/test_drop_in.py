@@ -18,8 +18,9 @@ from torch.utils.data import BatchSampler, DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from croupier.client import DistributedBatchSampler, DistributedSampler, shards
-from croupier.core.wire import CHANNEL_OPTIONS, GRPC_DEFAULT_MIN_PING_INTERVAL_MS, SERVER_OPTIONS
+from croupier.client._rpc import CHANNEL_OPTIONS, GRPC_DEFAULT_MIN_PING_INTERVAL_MS
 from croupier.server import Server
+from croupier.server._grpc import SERVER_OPTIONS
 from croupier.tools.audit import audit, verdict
 
 

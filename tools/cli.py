@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from croupier.core import settings
 from croupier.core.order import fresh, plan
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
 from croupier.server import StoreError
@@ -102,8 +102,7 @@ def _health_cmd(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from croupier.client import Security
-    from croupier.core.wire import CHANNEL_OPTIONS
+    from croupier.client import CHANNEL_OPTIONS, Security
 
     try:
         channel = Security.from_env().channel(args.address, CHANNEL_OPTIONS)
@@ -132,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
     # NOTE: the store's URL may carry a password: $CROUPIER_STORE keeps it out of the command line
     # (and out of a pod spec's args; a Kubernetes Secret fills the variable).
-    s.add_argument("--store", default=os.environ.get("CROUPIER_STORE", "sqlite:///croupier.db"),
+    s.add_argument("--store", default=settings.get("CROUPIER_STORE"),
                    help="memory://, sqlite:///relative.db, sqlite:////absolute.db or "
                         "postgresql://USER:PASSWORD@HOST:PORT/DB (shared by several replicas) "
                         "(default $CROUPIER_STORE, else sqlite:///croupier.db)")

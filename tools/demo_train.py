@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.core import settings
 
 
 def synthetic(n: int) -> TensorDataset:
@@ -98,7 +99,7 @@ def main() -> None:
     init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    node = os.environ.get("CROUPIER_DEMO_NODE", "")
+    node = settings.get("CROUPIER_DEMO_NODE") or ""
 
     data = synthetic(cfg["n"])
     extra = {"lease_ahead": cfg["lease_ahead"]} if "lease_ahead" in cfg else {}

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from croupier.core import settings
+
 #: How long a commit keeps being retried while the coordinator does not answer.
 COMMIT_PATIENCE_S = 120.0
 
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from croupier.client import DistributedBatchSampler
 
-    rank, token = int(os.environ["RANK"]), os.environ["CROUPIER_TOKEN"]
+    rank, token = int(os.environ["RANK"]), settings.get("CROUPIER_TOKEN")
     sampler = DistributedBatchSampler(args.n, args.batch, dealing="dynamic", lockstep=False, lease_ahead=2, prefetch=1)
     resumed = sampler.resume_latest()
     if sampler.epoch > 0:

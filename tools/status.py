@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
+from croupier.core import settings
 from croupier.core.api import JobStatus, RankCursor
 from croupier.core.errors import CroupierError, NotFound, Unavailable
 
@@ -243,7 +243,7 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
     from croupier.client import CoordinatorClient
 
     out = sys.stdout if out is None else out
-    address = address or os.environ.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
+    address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
     tty = out.isatty()
     client = CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S)
     try:
