@@ -14,11 +14,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
+# NOTE: the in-process tests run on both cores (pytest-xdist); the end-to-end runs, which start
+# processes of their own and measure stalls, run one at a time.
 test: lint  ## everything CI runs: lint, types, and the whole default suite (end-to-end runs included)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 -m "not slow and not e2e" --durations=10
+	$(PY) -m pytest -q -m "e2e and not slow" --durations=25
 
 check: lint  ## the fast lane for the edit loop: lint, types, the in-process tests
-	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -m "not slow and not e2e and not exhaustive"
+	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -n 2 -m "not slow and not e2e and not exhaustive"
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,9 @@
 The source folders (core/, server/, ...) install as croupier.core, croupier.server, ... through
 setuptools' package-dir, which mypy cannot follow; so this lays out a tree of links named as the
 packages are imported (croupier/core -> core/, ...) and points mypy at it.
+
+NOTE: the tree of links and mypy's caches stay in the checkout (.typecheck/, ignored by git), at
+the same paths from run to run, so that a second run checks only what changed (seconds, not a minute).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LINKS = {"core": "core", "server": "server", "client": "client", "tools": "tools", "integrations": "integrations",
@@ -20,17 +22,23 @@ STRICT = ["croupier.core", "croupier.server", "croupier.client", "croupier.integ
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="croupier-mypy-") as tmp:
-        pkg = pathlib.Path(tmp) / "croupier"
-        pkg.mkdir()
-        for name, folder in LINKS.items():
-            (pkg / name).symlink_to(ROOT / folder, target_is_directory=True)
-        env = {**os.environ, "MYPYPATH": tmp}
-        base = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--explicit-package-bases"]
-        codes = []
-        strict = base + ["--strict"] + [a for p in STRICT for a in ("-p", p)]
-        codes.append(subprocess.run(strict, cwd=tmp, env=env).returncode)
-        codes.append(subprocess.run(base + ["-p", "croupier.tools"], cwd=tmp, env=env).returncode)
+    work = ROOT / ".typecheck"
+    pkg = work / "croupier"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for name, folder in LINKS.items():
+        link = pkg / name
+        if not (link.is_symlink() and link.resolve() == (ROOT / folder).resolve()):
+            if link.is_symlink():
+                link.unlink()
+            link.symlink_to(ROOT / folder, target_is_directory=True)
+    env = {**os.environ, "MYPYPATH": str(work)}
+    base = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--explicit-package-bases"]
+    codes = []
+    # Two runs with other options: each keeps its own cache.
+    strict = base + ["--strict", "--cache-dir", str(work / "cache-strict")] + [a for p in STRICT for a in ("-p", p)]
+    codes.append(subprocess.run(strict, cwd=work, env=env).returncode)
+    codes.append(subprocess.run(base + ["--cache-dir", str(work / "cache-tools"), "-p", "croupier.tools"], cwd=work,
+                                env=env).returncode)
     return max(codes)
 
 

@@ -18,17 +18,21 @@ from croupier.client._rpc import CoordinatorClient
 pytestmark = pytest.mark.e2e  # several processes
 
 HERE = pathlib.Path(__file__).resolve().parent
-OUTAGE_S = 30.0
-WORLD, BATCH, STEPS = 3, 4, 2400  # at 20 ms of compute a step, the run outlasts the outage twice over
-N = WORLD * BATCH * STEPS
+WORLD, BATCH = 3, 4
 #: The longest a rank may go without a step: steps take ~25 ms; a rank that waits for the
 #: coordinator at all waits at least a lease's timeout (0.25 s) per lease.
 STALL_S = 1.0
 
 
-def test_three_ranks_train_through_a_30_s_coordinator_outage(tmp_path: pathlib.Path, serve_process: type) -> None:
+# NOTE: the 30 s outage is in `make slow`; the suite stops the coordinator for 10 s.
+@pytest.mark.parametrize("outage_s", [10.0, pytest.param(30.0, marks=pytest.mark.slow)])
+def test_three_ranks_train_through_a_coordinator_outage(tmp_path: pathlib.Path, serve_process: type,
+                                                         outage_s: float) -> None:
+    # At 20 ms of compute a step, the run outlasts the outage twice over.
+    steps = 100 + int(outage_s * 80)
+    n = WORLD * BATCH * steps
     coordinator = serve_process(f"sqlite:///{tmp_path}/coordinator.db")
-    args = ["--logdir", str(tmp_path), "--tag", "run", "--n", str(N), "--batch-size", str(BATCH), "--step-ms", "20",
+    args = ["--logdir", str(tmp_path), "--tag", "run", "--n", str(n), "--batch-size", str(BATCH), "--step-ms", "20",
             "--mark-at", "100", "--lease-ahead", "256"]  # a lease of 256 indices lasts 64 steps
     env = {**os.environ, "CROUPIER_JOB": "outage", "CROUPIER_ADDRESS": coordinator.address, "OMP_NUM_THREADS": "1",
            "TRAINER_ARGS": " ".join(args)}
@@ -44,7 +48,7 @@ def test_three_ranks_train_through_a_30_s_coordinator_outage(tmp_path: pathlib.P
         os.kill(coordinator.proc.pid, signal.SIGSTOP)  # stopped: it holds its port and answers nothing
         t0 = time.time()
         try:
-            ranks.wait(timeout=OUTAGE_S)  # the outage's length; the ranks must not end inside it
+            ranks.wait(timeout=outage_s)  # the outage's length; the ranks must not end inside it
             raise AssertionError(f"the ranks ended during the outage (exit {ranks.returncode})")
         except subprocess.TimeoutExpired:
             pass
@@ -69,7 +73,7 @@ def test_three_ranks_train_through_a_30_s_coordinator_outage(tmp_path: pathlib.P
 
     trained = [i for recs in logs.values() for rec in recs if "indices" in rec for i in rec["indices"]]
     counts = collections.Counter(trained)
-    assert sorted(counts) == list(range(N)) and max(counts.values()) == 1, "not exactly once"  # N divides evenly
+    assert sorted(counts) == list(range(n)) and max(counts.values()) == 1, "not exactly once"  # n divides evenly
 
     # Back, the coordinator hears from every rank again (progress rides on the next leases).
     with CoordinatorClient(coordinator.address) as c:

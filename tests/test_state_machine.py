@@ -57,8 +57,8 @@ JOB = "job"
 MAX_WORLD = 8
 #: Replaced generations whose samplers stay open as zombies; older ones are closed (their tokens stay known).
 ZOMBIE_GENERATIONS = 2
-# The default takes about two minutes on two cores; CROUPIER_SM_EXAMPLES changes it; `make slow` runs the long test.
-EXAMPLES = int(os.environ.get("CROUPIER_SM_EXAMPLES", "250"))
+# The default takes about a minute on two cores; CROUPIER_SM_EXAMPLES changes it; `make slow` runs the long test.
+EXAMPLES = int(os.environ.get("CROUPIER_SM_EXAMPLES", "150"))
 STEPS = int(os.environ.get("CROUPIER_SM_STEPS", "30"))
 
 #: What the runs of this process did, printed at the end (pytest -s) for the record.
