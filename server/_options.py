@@ -21,7 +21,9 @@ class ServerOptions:
         max_jobs: Jobs the coordinator holds at most; a join that would register one more is
             RESOURCE_EXHAUSTED.
         max_world: Largest world size a join may name.
-        max_request_bytes: Largest request message the server accepts.
+        max_request_bytes: Largest request message the server accepts; a larger one is
+            RESOURCE_EXHAUSTED with a message naming ``--max-request-bytes`` (counted in the
+            metrics), or, past twice the limit, refused by gRPC itself before it is read.
         max_concurrent_joins: Joins in progress at once (a join waits for its generation to
             start); one more is RESOURCE_EXHAUSTED at once, so that a flood of joins cannot take
             every serving thread from the jobs that train.

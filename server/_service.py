@@ -198,9 +198,15 @@ def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
     return (m.progress.epoch, m.progress.batches) if m.HasField("progress") else None
 
 
-def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMethodHandler[Any, Any]:
+def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message], max_request_bytes: int) -> grpc.RpcMethodHandler[Any, Any]:
     def call(raw: bytes, context: grpc.ServicerContext) -> Message:
         try:
+            if len(raw) > max_request_bytes:
+                raise E.ResourceExhausted(
+                    f"a request of {len(raw)} bytes is over this coordinator's limit of {max_request_bytes} bytes "
+                    f"(croupier serve --max-request-bytes {max_request_bytes}; a join carries 8 bytes a sample when "
+                    "its spec has lengths)"
+                )
             return fn(raw, context)
         except E.CroupierError as err:
             _abort(context, err)
@@ -208,6 +214,12 @@ def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message]) -> grpc.RpcMe
     # Requests arrive as raw bytes so that a malformed one is INVALID_ARGUMENT, not INTERNAL.
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None,
                                                response_serializer=lambda m: m.SerializeToString())
+
+
+def _grpc_receive_limit(max_request_bytes: int) -> int:
+    """gRPC's receive limit for a coordinator that accepts `max_request_bytes`: twice it (at least 1 MiB
+    more), within what a signed 32-bit length holds."""
+    return min(max(2 * max_request_bytes, max_request_bytes + (1 << 20)), (1 << 31) - 1)
 
 
 class Server:
@@ -243,10 +255,14 @@ class Server:
         self.metrics = Metrics(self.core, RPCS, o.metrics_host, o.metrics_port) if o.metrics_port is not None else None
         if self.metrics is not None:  # first: it times and counts every call, however it ends
             interceptors.append(self.metrics.interceptor)
+        # NOTE: gRPC's own size check refuses with a message that names no option, before any of
+        # croupier's code (the metrics included) sees the call. So gRPC lets through up to twice the
+        # limit, and the handler refuses what is over it by name, counted as RESOURCE_EXHAUSTED; a
+        # request past twice the limit is still refused by gRPC itself, unread.
         grpc_options = [kv for kv in SERVER_OPTIONS if kv[0] != "grpc.max_receive_message_length"]
-        grpc_options.append(("grpc.max_receive_message_length", o.max_request_bytes))
+        grpc_options.append(("grpc.max_receive_message_length", _grpc_receive_limit(o.max_request_bytes)))
         self._grpc = grpc.server(self._pool, options=grpc_options, interceptors=interceptors)
-        handlers = {name: _handler(getattr(servicer, name)) for name in RPCS}
+        handlers = {name: _handler(getattr(servicer, name), o.max_request_bytes) for name in RPCS}
         self._grpc.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)

@@ -110,3 +110,30 @@ def test_a_job_larger_than_the_join_limit_still_starts(tmp_path: pathlib.Path) -
             assert {r.generation for r in out} == {1} and all(r.start is not None for r in out)
             with pytest.raises(ValueError, match="--max-jobs 1"):
                 c.join_started(JoinRequest("second", SPEC, "t", 1, 0), timeout=60)
+
+
+@pytest.mark.parametrize("over", [1, 40_000])
+def test_a_request_over_the_size_limit_names_the_option_and_is_counted(tmp_path: pathlib.Path, over: int) -> None:
+    """Refused as RESOURCE_EXHAUSTED by croupier, not by gRPC's own check: the message names the option,
+    the metrics count it, and nothing changes."""
+    from croupier.server import Server, ServerOptions
+
+    limit = 65_536
+    opts = ServerOptions(max_request_bytes=limit, metrics_port=0)
+    spec = Spec.with_lengths([5] * 20_000, seed=1, buffer_size=100, pack_size=10)  # its lengths: a join of ~160 kB
+    with Server(f"sqlite:///{tmp_path}/c.db", options=opts) as server:
+        assert server.metrics is not None
+        before = server.core.snapshot_state()
+        m = pb.JoinRequest(request_id="x", job="big", spec=spec_to_proto(spec), token="t", world=1, rank=0)
+        raw = m.SerializeToString()
+        raw = raw[: limit + over] if over < len(raw) - limit else raw  # just over the limit, or well over it
+        assert len(raw) > limit
+        with grpc.insecure_channel(server.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(f"/{SERVICE}/Join")(raw, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"--max-request-bytes {limit}" in e.value.details() and f"{len(raw)} bytes" in e.value.details()
+        counted = server.metrics.registry.get_sample_value(
+            "croupier_rpc_calls_total", {"method": "Join", "code": "RESOURCE_EXHAUSTED"})
+        assert counted == 1
+        assert server.core.snapshot_state() == before
