@@ -30,12 +30,12 @@ _tokens = itertools.count()
 
 
 class G1Violation(AssertionError):
-    """The indices a job trained on in an epoch break SPEC.md's G1 for its tail policy."""
+    """The indices a job trained on in an epoch break G1 (docs/guarantees.md) for its tail policy."""
 
 
 def allowance(tail: str, partition: str, final: int, worlds: Iterable[int], batch_size: int = 1,
               drop_last_batch: bool = False, even_batches: bool = False) -> tuple[int, int]:
-    """(missing, repeats) that SPEC.md's G1 allows an epoch that a world of `final` ranks completed.
+    """(missing, repeats) that G1 (docs/guarantees.md) allows an epoch that a world of `final` ranks completed.
 
     Args:
         tail, partition: The spec's.

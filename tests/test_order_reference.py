@@ -1,4 +1,4 @@
-"""The spdl, d9d and DGL behaviours documented in ../shared/reference/, reproduced by the order engine."""
+"""The spdl, d9d and DGL behaviours croupier reproduces (their samplers' documented rules, restated in each test), checked against the order engine."""
 
 from __future__ import annotations
 

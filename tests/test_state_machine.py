@@ -4,7 +4,7 @@ A hypothesis state machine runs a lockstep data-parallel job: a real coordinator
 gRPC on 127.0.0.1, over a memory store) and one real ``DistributedSampler`` or
 ``DistributedBatchSampler`` per rank, each leasing a few batches ahead in its prefetch thread.
 Batches come from ``Coordinator.lease`` over gRPC and checkpoints from the samplers'
-``state_dict``; the test computes neither. It audits G1 (SPEC.md) after every step and at every
+``state_dict``; the test computes neither. It audits G1 (docs/guarantees.md) after every step and at every
 finished epoch, with the allowances of ``_sim.allowance``.
 """
 
@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import hypothesis.errors
 import msgpack
 import pytest
 from _ranks import Ranks
@@ -58,7 +59,7 @@ MAX_WORLD = 8
 #: Replaced generations whose samplers stay open as zombies; older ones are closed (their tokens stay known).
 ZOMBIE_GENERATIONS = 2
 # The default takes about a minute on two cores; CROUPIER_SM_EXAMPLES changes it; `make slow` runs the long test.
-EXAMPLES = int(os.environ.get("CROUPIER_SM_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("CROUPIER_SM_EXAMPLES", "100"))
 STEPS = int(os.environ.get("CROUPIER_SM_STEPS", "30"))
 
 #: What the runs of this process did, printed at the end (pytest -s) for the record.
@@ -254,7 +255,7 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
 
 
 class Elastic(RuleBasedStateMachine):
-    """Drives one job through everything SPEC.md's G1 must survive and audits it after each step."""
+    """Drives one job through everything G1 (docs/guarantees.md) must survive and audits it after each step."""
 
     setup: Setup
 
@@ -632,6 +633,10 @@ def test_exactly_once_under_chaos_long() -> None:
 # ---------------------------------------------------------------------- the test can fail
 
 # NOTE: one failure is enough: a planted bug found two ways would otherwise come back as an ExceptionGroup.
+# Hypothesis replays a failing case before it reports it; the machine drives real threads, so the
+# replay may draw differently (Flaky: the first run failed, which is the catch) where it would
+# otherwise raise the audit's AssertionError.
+CAUGHT = (AssertionError, hypothesis.errors.Flaky)
 PLANTED = settings(SETTINGS, max_examples=200, database=None, phases=[Phase.generate], report_multiple_bugs=False)
 
 
@@ -653,7 +658,7 @@ def test_broken_restriping_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state machine can fail: a re-striping (behind the samplers' state_dict) that drops a rank's remainder is found."""
     monkeypatch.setattr(Plan, "_virtual_left", _forget_one_rank)
     monkeypatch.setattr(sys.modules[__name__], "KINDS", ["index", "batch"])  # the plans it breaks
-    with pytest.raises(AssertionError):
+    with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
 
@@ -669,7 +674,7 @@ def test_a_rank_dropped_from_a_dynamic_checkpoint_is_caught(monkeypatch: pytest.
 
     monkeypatch.setattr(dynamic, "credits", credits)
     monkeypatch.setattr(sys.modules[__name__], "KINDS", ["dynamic"])
-    with pytest.raises(AssertionError):
+    with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
 
@@ -678,7 +683,7 @@ def test_a_token_checkpoint_one_round_ahead_is_caught(monkeypatch: pytest.Monkey
     real = TokenPlan.advance
     monkeypatch.setattr(TokenPlan, "advance", lambda self, j: real(self, j + 1 if j else j))
     monkeypatch.setattr(sys.modules[__name__], "KINDS", ["tokens"])
-    with pytest.raises(AssertionError):
+    with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
 
@@ -693,5 +698,5 @@ def test_state_dict_off_by_one_is_caught(monkeypatch: pytest.MonkeyPatch, off: i
         return real(self, consumed)
 
     monkeypatch.setattr(_sampler._Base, "state_dict", state_dict)
-    with pytest.raises(AssertionError):
+    with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
