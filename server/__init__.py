@@ -2,8 +2,10 @@
 
 from croupier.server._auth import Authorizer
 from croupier.server._coordinator import Coordinator
+from croupier.server._journal import JournalRead, read_journal
 from croupier.server._logs import JsonFormatter, TextFormatter, configure_logging
 from croupier.server._options import ServerOptions
+from croupier.server._progress import JobView, RankView, job_view
 from croupier.server._service import Server, serve
 from croupier.server._state import (
     BatchesCommitted,
@@ -12,13 +14,13 @@ from croupier.server._state import (
     GenerationStarted,
     RankJoined,
     State,
-    decode_event,
 )
 from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, redact_url
 from croupier.server._stores import open_store
 
 __all__ = [
-    "Authorizer", "BatchesCommitted", "BatchesDealt", "configure_logging", "Coordinator", "decode_event",
-    "GenerationOpened", "GenerationStarted", "JsonFormatter", "open_store", "RankJoined", "redact_url", "serve",
-    "Server", "ServerOptions", "State", "Store", "StoreCorrupt", "StoreError", "StoreUnavailable", "TextFormatter",
+    "Authorizer", "BatchesCommitted", "BatchesDealt", "configure_logging", "Coordinator", "GenerationOpened",
+    "GenerationStarted", "job_view", "JobView", "JournalRead", "JsonFormatter", "open_store", "RankJoined", "RankView",
+    "read_journal", "redact_url", "serve", "Server", "ServerOptions", "State", "Store", "StoreCorrupt", "StoreError",
+    "StoreUnavailable", "TextFormatter",
 ]

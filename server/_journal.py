@@ -12,6 +12,7 @@ number and why.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -19,7 +20,7 @@ import msgpack
 from croupier.server._state import Event, FormatError, State, decode_event, encode_event
 from croupier.server._store import Recovered, Store, StoreCorrupt
 
-__all__ = ["pack_event", "pack_snapshot", "recover", "replay"]
+__all__ = ["JournalRead", "pack_event", "pack_snapshot", "read_journal", "recover", "replay"]
 
 
 def pack_event(ev: Event) -> bytes:
@@ -88,3 +89,47 @@ def replay(store: Store, rec: Recovered, state: State | None = None) -> State:
             why = f"its {type(ev).__name__} event does not follow the records before it ({type(exc).__name__}: {exc})"
             raise _corrupt(store, what, why) from exc
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class JournalRead:
+    """What a store holds, decoded: the state of its snapshot (None without one) and every event after it.
+
+    Attributes:
+        snapshot: The state the latest snapshot holds, or None when the store has none.
+        snapshot_seq: The last record the snapshot covers (0 without one).
+        events: ``(seq, event)`` of every record after the snapshot, in journal order.
+    """
+
+    snapshot: State | None
+    snapshot_seq: int
+    events: list[tuple[int, Event]]
+
+
+def read_journal(store: Store, since: int = 0) -> JournalRead:
+    """The events a store holds after record `since`, all of them while it holds them (else its
+    latest snapshot and the records after it, as :meth:`Store.read_since` says).
+
+    The public way for tools and tests to read a journal: nothing outside this module unpacks its
+    framing. The store is read, not changed.
+
+    Raises:
+        StoreCorrupt: a record or the snapshot cannot be read (the message names which, and why).
+        StoreUnavailable: the store cannot be read.
+    """
+    rec = store.read_since(since)
+    snapshot = None
+    if rec.snapshot is not None:
+        what = f"the snapshot at seq {rec.snapshot_seq}"
+        try:
+            snapshot = State.restore(_unpack(store, what, rec.snapshot))
+        except FormatError as exc:
+            raise _corrupt(store, what, str(exc)) from exc
+    events = []
+    for seq, payload in rec.records:
+        what = f"journal record {seq}"
+        try:
+            events.append((seq, decode_event(_unpack(store, what, payload))))
+        except FormatError as exc:
+            raise _corrupt(store, what, str(exc)) from exc
+    return JournalRead(snapshot, rec.snapshot_seq, events)

@@ -1,4 +1,5 @@
-"""Where a job's ranks stand, as the metrics and the status page show it: a pure function of a job's status."""
+"""Where a job's ranks stand: the one pure function of a job's status (epoch, progress, slowest rank,
+batches behind) that the metrics, the status page and ``croupier status`` all show."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ class JobView:
         waiting_for: Ranks the generation still waits for.
         epoch: The job's epoch: the highest any rank of the generation reported (None before
             any report).
-        progress: The fraction of `epoch` done by the ranks in it: their batches taken over their
-            batches in `epoch`, in [0, 1] (0 before any report).
+        done: Batches of `epoch` taken by the ranks in it (0 before any report).
+        total: Batches those ranks have in `epoch` (0 before any report).
+        progress: The fraction of `epoch` done by the ranks in it, ``done / total`` in [0, 1] (0
+            before any report).
         reported: Ranks that have reported.
         ranks: The ranks that reported, by rank; for a world above :data:`PER_RANK_MAX_WORLD`
             only the :data:`PER_RANK_MAX_WORLD` slowest.
@@ -66,6 +69,8 @@ class JobView:
     started: bool
     waiting_for: int
     epoch: int | None
+    done: int
+    total: int
     progress: float
     reported: int
     ranks: tuple[RankView, ...]
@@ -98,7 +103,7 @@ def job_view(name: str, status: JobStatus) -> JobView:
     world = status.result.world
     epoch = max((c.epoch for c in cursors), default=None)
     current = [c for c in cursors if c.epoch == epoch]
-    total = sum(c.batches_in_epoch for c in current)
+    done, total = sum(c.batches for c in current), sum(c.batches_in_epoch for c in current)
     lead = max(cursors, key=lambda c: (c.epoch, c.batches, -c.rank), default=None)
     ranks = () if lead is None else tuple(
         RankView(c.rank, c.epoch, c.batches, c.batches_in_epoch, _fraction(c.batches, c.batches_in_epoch), lag(c, lead),
@@ -113,8 +118,8 @@ def job_view(name: str, status: JobStatus) -> JobView:
     activity = times + [c.recorded_ms for c in status.checkpoints]
     return JobView(
         name=name, generation=status.result.generation, world=world, started=status.result.start is not None,
-        waiting_for=len(status.result.waiting_for), epoch=epoch,
-        progress=min(1.0, sum(c.batches for c in current) / total) if total else 0.0,
+        waiting_for=len(status.result.waiting_for), epoch=epoch, done=done, total=total,
+        progress=min(1.0, done / total) if total else 0.0,
         reported=len(ranks), ranks=shown,
         lag=(min(lags), float(statistics.median(lags)), max(lags)) if lags else None,
         slowest=slowest, report_ms=(min(times), float(statistics.median(times)), max(times)) if times else None,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import pytest
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
+from croupier.tools._serve import start_serve
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -42,22 +41,11 @@ def client(server: Server) -> Iterator[CoordinatorClient]:
 
 
 class ServeProcess:
-    """`croupier serve` in a child process; the first stdout line gives its address."""
+    """`croupier serve` in a child process (started as the tools start one); its log is kept in a temporary file."""
 
     def __init__(self, store: str, port: int = 0, extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
-        env = {**os.environ, **(extra_env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--store", store,
-             *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("listening on "):
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            self.proc.wait(timeout=10)
-            raise RuntimeError(f"croupier serve did not start (exit {self.proc.returncode}): {line!r} {err}")
-        self.address = line.split()[-1]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="croupier-serve-", suffix=".log")
+        self.proc, self.address = start_serve(port, store, self.log, args=args, env=extra_env)
         self.port = int(self.address.rsplit(":", 1)[1])
 
     def kill(self) -> None:

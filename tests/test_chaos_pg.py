@@ -10,11 +10,9 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
-import msgpack
 import pytest
 
-from croupier.server._state import GenerationOpened, GenerationStarted, decode_event
-from croupier.server._stores import open_store
+from croupier.server import GenerationOpened, GenerationStarted, open_store, read_journal
 from croupier.tools import chaos
 
 if TYPE_CHECKING:
@@ -54,13 +52,12 @@ def _journal(url: str) -> tuple[list[tuple[int, str]], set[int]]:
     """(number, token) of every generation job 'chaos' opened, in journal order, and the generations started."""
     store = open_store(url)
     try:
-        rec = store.read_since(0)  # every record: load() would start after the latest snapshot
+        rec = read_journal(store)  # every record: load() would start after the latest snapshot
     finally:
         store.close()
     assert rec.snapshot is None, "the journal was pruned: the run is too long for this check"
     opened, started = [], set()
-    for _, payload in rec.records:
-        ev = decode_event(msgpack.unpackb(payload))
+    for _, ev in rec.events:
         if isinstance(ev, GenerationOpened) and ev.job == chaos.JOB:
             opened.append((ev.generation, ev.token))
         elif isinstance(ev, GenerationStarted) and ev.job == chaos.JOB:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 import threading
 
-import msgpack
 import pytest
 from _ranks import on_ranks
 
@@ -13,8 +12,7 @@ from croupier.client import DistributedSampler
 from croupier.client._rpc import CoordinatorClient
 from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
-from croupier.server._state import GenerationOpened, decode_event
-from croupier.server._stores import open_store
+from croupier.server import GenerationOpened, open_store, read_journal
 
 pytestmark = pytest.mark.e2e
 pytest_plugins = ["_postgres"]
@@ -26,10 +24,8 @@ def _generations(url: str, job: str) -> list[tuple[int, str]]:
     """(number, token) of every generation the journal opened for `job`, in journal order."""
     store = open_store(url)
     try:
-        rec = store.load()
         out = []
-        for _, payload in rec.records:
-            ev = decode_event(msgpack.unpackb(payload))
+        for _, ev in read_journal(store).events:
             if isinstance(ev, GenerationOpened) and ev.job == job:
                 out.append((ev.generation, ev.token))
         return out

@@ -25,11 +25,10 @@ import os
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
+from croupier.tools._serve import start_serve
 from croupier.tools.audit import audit, load, render, verdict
 from croupier.tools.cluster import Cluster, statuses
 
@@ -67,15 +66,8 @@ class _Standalone:
     """`croupier serve` in a process of its own, on a SQLite store in the work directory."""
 
     def __init__(self, work: pathlib.Path, log: Any) -> None:
-        cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--store", f"sqlite:///{work / 'coordinator.db'}"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("listening on "):
-            self.close()
-            raise RuntimeError(f"croupier serve did not start: {line!r}")
-        self.address = line.split()[-1]
+        self.proc, self.address = start_serve(0, f"sqlite:///{work / 'coordinator.db'}", log, "the demo's coordinator",
+                                              RuntimeError, new_session=True)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -43,7 +43,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from typing import IO, Any
 
 from croupier.tools._serve import start_serve
@@ -121,20 +120,18 @@ class Journal:
 
         The store MUST NOT be open elsewhere (a SQLite store is locked by its running coordinator).
         """
-        import msgpack
-
-        from croupier.server import BatchesCommitted, BatchesDealt, GenerationOpened, State, decode_event, open_store
+        from croupier.server import BatchesCommitted, BatchesDealt, GenerationOpened, open_store, read_journal
 
         store = open_store(store_url)
         try:
-            rec = store.read_since(0)
+            rec = read_journal(store)
         finally:
             store.close()
         self.reads += 1
         dealt: dict[str, int] = {}  # this read's count: a record read again must not count twice
         if rec.snapshot is not None:
             self.snapshots += 1
-            j = State.restore(msgpack.unpackb(rec.snapshot)).jobs.get(job)
+            j = rec.snapshot.jobs.get(job)
             if j is not None and j.generation is not None:
                 g = j.generation
                 self._open(g.token, g.number, g.world)
@@ -143,9 +140,8 @@ class Journal:
                     self._commit(g.number, rank, batches, logged=False)
                 for rank in (book.runs if book else {}):
                     dealt[f"{g.number}/{rank}"] = book.dealt(rank) if book else 0
-        for _, payload in rec.records:
+        for _, ev in rec.events:
             self.records += 1
-            ev = decode_event(msgpack.unpackb(payload))
             if getattr(ev, "job", None) != job:
                 continue
             if isinstance(ev, GenerationOpened):
@@ -665,14 +661,3 @@ def run(workdir: str = "out/infer-demo", n: int = 20_000, batch: int = 16, fault
         return 1
     print("infer-demo: exactly once holds")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m croupier.tools.infer_demo [options]``: the same as ``croupier infer-demo [options]``."""
-    from croupier.tools.cli import main as cli
-
-    return cli(["infer-demo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

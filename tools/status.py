@@ -14,11 +14,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from croupier.core import settings
-from croupier.core.api import JobStatus, RankCursor
+from croupier.core.api import JobStatus
 from croupier.core.errors import CroupierError, NotFound, Unavailable
 
 if TYPE_CHECKING:
     from croupier.client import CoordinatorClient
+    from croupier.server import RankView
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 #: Seconds between two tables of ``--watch`` when it names none.
@@ -47,33 +48,21 @@ class Summary:
     epoch: int | None
     done: int
     total: int
-    slowest: RankCursor | None
+    slowest: RankView | None
     behind: int
     silent: tuple[int, ...]
     last_ms: int | None
 
 
 def summarize(st: JobStatus) -> Summary:
-    """The :class:`Summary` of a job's status."""
-    ranks = st.ranks
-    reported = {c.rank for c in ranks}
+    """The :class:`Summary` of a job's status: the coordinator's own arithmetic (``croupier.server.job_view``,
+    as its metrics and status page count), and the ranks that never reported."""
+    from croupier.server import job_view  # here: `croupier health` and `status` start without the server's imports
+
+    v = job_view("", st)
+    reported = {c.rank for c in st.ranks}
     silent = tuple(r for r in range(st.result.world) if r not in reported)
-    times = [c.reported_ms for c in ranks] + [c.recorded_ms for c in st.checkpoints]
-    last = max(times) if times else None
-    if not ranks:
-        return Summary(None, 0, 0, None, 0, silent, last)
-    epoch = max(c.epoch for c in ranks)
-    current = [c for c in ranks if c.epoch == epoch]
-    slow = min(ranks, key=lambda c: (c.epoch, c.batches, c.rank))
-    lead = max(ranks, key=lambda c: (c.epoch, c.batches, -c.rank))
-    if lead.epoch == slow.epoch:
-        behind = lead.batches - slow.batches
-    else:
-        # NOTE: counted in the slow rank's epochs (its share of every epoch is the same size within a
-        # generation); what it has left of its epoch, the epochs in between, and what the lead took.
-        behind = (slow.batches_in_epoch - slow.batches) + (lead.epoch - slow.epoch - 1) * slow.batches_in_epoch + lead.batches
-    return Summary(epoch, sum(c.batches for c in current), sum(c.batches_in_epoch for c in current), slow, behind,
-                   silent, last)
+    return Summary(v.epoch, v.done, v.total, v.slowest, v.slowest.lag if v.slowest else 0, silent, v.last_ms)
 
 
 def ago(ms: int | None, now_ms: int) -> str:
