@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,11 +29,13 @@ from croupier.core.errors import CroupierError, InvalidArgument, ResourceExhaust
 from croupier.core.plan import EpochPlan
 from croupier.core.plans import plan_epoch
 from croupier.core.spec import Spec
+from croupier.server._events import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
-from croupier.server._state import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._store import Store, StoreConflict, StoreError, StoreUnavailable
 
 log = logging.getLogger("croupier.server")
+#: What a decision returns beside its events.
+T = TypeVar("T")
 
 class Coordinator:
     """Holds the jobs: every change is journaled to the store before anyone is answered.
@@ -102,11 +105,12 @@ class Coordinator:
         """Decides, journals and applies a join; answers once durable and the generation started or `wait_s` passed."""
         if not 0 <= wait_s <= MAX_JOIN_WAIT_S:
             raise InvalidArgument(f"join wait must be in [0, {MAX_JOIN_WAIT_S}] s (got {wait_s})")
-        def decide() -> list[Event]:
+        def decide() -> tuple[list[Event], list[Event]]:
             if self.max_jobs is not None and req.job not in self._state.jobs and len(self._state.jobs) >= self.max_jobs:
                 raise ResourceExhausted(f"this coordinator holds {len(self._state.jobs)} jobs, its limit (croupier serve "
                                         f"--max-jobs {self.max_jobs}); job {req.job!r} is not one of them")
-            return self._state.decide_join(req)
+            events = self._state.decide_join(req)
+            return events, events
 
         with self._cond:
             events = self._commit(decide, durable=True)
@@ -154,15 +158,9 @@ class Coordinator:
                     self._reports[key] = (epoch, batches, _now_ms())
                     self._cond.notify_all()
                 return None
-            out: list[Cursor] = []
-
-            def decide() -> list[Event]:
-                out.clear()
-                return self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint,
-                                                 lockstep, out)
-
-            self._commit(decide, durable=checkpoint is not None)
-            return out[-1] if checkpoint is not None else None
+            return self._commit(
+                lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint, lockstep),
+                durable=checkpoint is not None)
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest
@@ -178,9 +176,11 @@ class Coordinator:
             self._check_ok()
             return self._state.jobs[job].spec, record
 
-    def _commit(self, decide: Callable[[], list[Event]], durable: bool) -> list[Event]:
-        """Under the lock: the events `decide` makes of the current state, journaled and applied;
-        returns once they are durable when `durable` (a shared store's are, always)."""
+    def _commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
+        """Under the lock: `decide` of the current state returns its value and its events; the events
+        are journaled and applied, and the value returned once they are durable when `durable` (a
+        shared store's are, always). On a shared store a conflict decides again, on what the other
+        replicas wrote."""
         if not self._shared:
             if self._closing:
                 # NOTE: the journal writer has stopped or is flushing its last batch: an event
@@ -188,19 +188,19 @@ class Coordinator:
                 # shared store's commits append themselves (its report writer flushes at close).
                 raise Unavailable("the coordinator is shutting down")
             self._check_ok()
-            events = decide()
+            value, events = decide()
             self._journal(events)
             if durable:
                 target = self._seq
                 while self._durable < target and self._failed is None:
                     self._cond.wait()
                 self._check_ok()
-            return events
+            return value
         for _ in range(_CONFLICTS):
             self._fresh()
-            events = decide()
+            value, events = decide()
             if not events:
-                return events
+                return value
             try:
                 last = self.store.append_at(self._seq, [pack_event(ev) for ev in events])
             except StoreConflict:
@@ -223,7 +223,7 @@ class Coordinator:
                 except StoreError as e:  # a snapshot only shortens recovery
                     log.warning("store %s: snapshot at %d not written: %s", self.store.url, self._seq, e)
             self._cond.notify_all()
-            return events
+            return value
         raise Unavailable(f"the coordinator's store {self.store.url} kept changing under this replica "
                           f"({_CONFLICTS} conflicting writes in a row); retry")
 
@@ -309,14 +309,14 @@ class Coordinator:
                     return
                 reports, self._reports = self._reports, {}
 
-                def decide(reports: dict[tuple[str, int, int], tuple[int, int, int]] = reports) -> list[Event]:
+                def decide(reports: dict[tuple[str, int, int], tuple[int, int, int]] = reports) -> tuple[None, list[Event]]:
                     events: list[Event] = []
                     for (job, gen, rank), (epoch, batches, at) in reports.items():
                         try:
-                            events += self._state.decide_report(job, gen, rank, epoch, batches, at)
+                            events += self._state.decide_report(job, gen, rank, epoch, batches, at)[1]
                         except CroupierError:  # fenced or gone meanwhile: nothing to report
                             pass
-                    return events
+                    return None, events
 
                 try:
                     self._commit(decide, durable=True)
@@ -380,16 +380,8 @@ class Coordinator:
         """Dynamic dealing: batches first .. first + count - 1 of `rank`'s sequence in `epoch`, as
         runs of global batches (new ones are durable before this returns), and whether the epoch
         has nothing left to deal."""
-        out: list[tuple[tuple[tuple[int, int], ...], bool]] = []
-
-        def decide() -> list[Event]:
-            runs, end, events = self._state.decide_deal(job, generation, rank, epoch, first, count)
-            out[:] = [(tuple(runs), end)]
-            return events
-
         with self._cond:
-            self._commit(decide, durable=True)
-        return out[0]
+            return self._commit(lambda: self._state.decide_deal(job, generation, rank, epoch, first, count), durable=True)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
               progress: tuple[int, int] | None = None) -> Grant:

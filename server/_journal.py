@@ -17,7 +17,8 @@ from typing import Any
 
 import msgpack
 
-from croupier.server._state import Event, FormatError, State, decode_event, encode_event
+from croupier.server._events import Event, FormatError, decode_event, encode_event
+from croupier.server._state import State
 from croupier.server._store import Recovered, Store, StoreCorrupt
 
 __all__ = ["JournalRead", "pack_event", "pack_snapshot", "read_journal", "recover", "replay"]

@@ -160,7 +160,7 @@ def test_a_new_generation_forgets_the_old_worlds_cursors() -> None:
     for r in range(2):
         for ev in state.decide_join(JoinRequest("j", spec, "t1", 2, r)):
             state.apply(ev)
-    for ev in state.decide_report("j", 1, 0, 0, 3, 1, (3, Cursor(0, ((3, N),), 0), "t1/0/3")):
+    for ev in state.decide_report("j", 1, 0, 0, 3, 1, (3, Cursor(0, ((3, N),), 0), "t1/0/3"))[1]:
         state.apply(ev)
     assert state.jobs["j"].progress == {0: (0, 3, 1)}
     restored = State.restore(state.snapshot())

@@ -20,18 +20,18 @@ from croupier.core.errors import Aborted
 from croupier.core.order import Cursor, fresh, plan
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
-from croupier.server._journal import pack_event, pack_snapshot
-from croupier.server._state import (
+from croupier.server._events import (
     FORMAT_VERSION,
     FormatError,
     GenerationOpened,
     GenerationStarted,
     JobRegistered,
     RankJoined,
-    State,
     decode_event,
     encode_event,
 )
+from croupier.server._journal import pack_event, pack_snapshot
+from croupier.server._state import State
 from croupier.server._store import StoreCorrupt
 from croupier.server._stores import open_store
 

@@ -17,7 +17,8 @@ from croupier.core.errors import (
 )
 from croupier.core.order import Cursor, fresh
 from croupier.core.spec import ORDER_VERSION, Spec
-from croupier.server._state import State, decode_event, encode_event
+from croupier.server._events import decode_event, encode_event
+from croupier.server._state import State
 
 SPEC = Spec(n=100, seed=1, batch_size=4)
 
