@@ -6,7 +6,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 import numpy as np
 
@@ -25,25 +24,27 @@ from croupier.core.api import (
 )
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
-from croupier.core.errors import CroupierError, InvalidArgument, ResourceExhausted, Unavailable
+from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from croupier.core.plan import EpochPlan
 from croupier.core.plans import plan_epoch
 from croupier.core.spec import Spec
+from croupier.server._commits import T, commits_for
 from croupier.server._events import Event, GenerationOpened, GenerationStarted, JobRegistered
-from croupier.server._journal import pack_event, pack_snapshot, recover, replay
-from croupier.server._store import Store, StoreConflict, StoreError, StoreUnavailable
+from croupier.server._journal import pack_snapshot, recover
+from croupier.server._store import Store, StoreError
 
 log = logging.getLogger("croupier.server")
-#: What a decision returns beside its events.
-T = TypeVar("T")
 
 class Coordinator:
     """Holds the jobs: every change is journaled to the store before anyone is answered.
 
-    Joins apply their events at once, in order, and wait until the store has made them durable
-    (a writer thread commits everything queued in one append, so concurrent joins share one
-    fsync). That writer is the one group-commit layer and the store's only caller after
-    recovery, as the Store contract requires. Leases are read-only and never touch the store.
+    Joins apply their events at once, in order, and wait until the store has made them durable.
+    How events reach the store is the store's commit protocol (croupier.server._commits): one
+    writer thread with group commit for a single-writer store (concurrent joins share one fsync;
+    it is the store's only caller after recovery, as the Store contract requires), or appends at
+    the seq applied, with a conflict deciding again, for replicas on a shared store. A grant
+    touches the store when it carries a progress report (journaled without waiting) and, with
+    dynamic dealing, when it deals batches (journaled before the answer).
     A snapshot of the whole state is written every ``snapshot_every`` events so that recovery
     replays a short journal.
 
@@ -66,9 +67,6 @@ class Coordinator:
             StoreUnavailable: If the store could not be read.
         """
         self.store = store
-        #: Several coordinators (replicas) share the store: decisions are appended at the seq
-        #: this one has read up to, and a conflict makes it read and decide again.
-        self._shared = bool(getattr(store, "shared", False))
         self.snapshot_every = snapshot_every
         self.max_jobs = max_jobs
         try:
@@ -79,8 +77,6 @@ class Coordinator:
         self._seq = rec.last_seq
         self._durable = self._seq
         self._since_snapshot = len(rec.records)
-        self._pending: list[bytes] = []
-        self._snapshots: list[tuple[int, bytes]] = []
         self._failed: str | None = None
         self._closing = False
         self._cond = threading.Condition()
@@ -91,10 +87,9 @@ class Coordinator:
         #: Called by the writer thread after each journal append with (seconds it took, records);
         #: it MUST be quick and MUST NOT raise (the metrics set it).
         self.on_commit: Callable[[float, int], None] | None = None
-        #: progress reports not journaled yet (shared store): (job, generation, rank) -> (epoch, batches, ms)
-        self._reports: dict[tuple[str, int, int], tuple[int, int, int]] = {}
-        loop = self._report_loop if self._shared else self._write_loop
-        self._writer = threading.Thread(target=loop, name="croupier-journal", daemon=True)
+        #: How decisions reach the store: one writer with group commit, or replicas on a shared store.
+        self._commits = commits_for(self)
+        self._writer = threading.Thread(target=self._commits.run, name="croupier-journal", daemon=True)
         self._writer.start()
         log.info("recovered %d jobs from %s (snapshot at %d, %d journal records)",
                  len(self._state.jobs), store.url, rec.snapshot_seq, len(rec.records))
@@ -125,15 +120,13 @@ class Coordinator:
                     break
                 # NOTE: on a shared store the other ranks may join through other replicas, whose
                 # events this one reads from the database: it looks every 50 ms while it waits.
-                self._cond.wait(min(left, _SHARED_POLL_S) if self._shared else left)
+                poll = self._commits.join_poll_s
+                self._cond.wait(left if poll is None else min(left, poll))
                 self._fresh()
                 result = self._state.join_result(req.job, req.rank)
             if result.start is not None and self._durable < self._seq:
                 # The start we saw may be another rank's event still on its way to disk.
-                target = self._seq
-                while self._durable < target and self._failed is None:
-                    self._cond.wait()
-                self._check_ok()
+                self._wait_durable(self._seq)
             return result
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int,
@@ -150,13 +143,7 @@ class Coordinator:
             The checkpoint's cursor (for dynamic dealing, computed here), or None without one.
         """
         with self._cond:
-            if self._shared and checkpoint is None:
-                self._fresh()
-                self._state.decide_report(job, generation, rank, epoch, batches, 0)  # raises for a bad report
-                key = (job, generation, rank)
-                if self._reports.get(key, (-1, -1, 0))[:2] < (epoch, batches):
-                    self._reports[key] = (epoch, batches, _now_ms())
-                    self._cond.notify_all()
+            if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches):
                 return None
             return self._commit(
                 lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint, lockstep),
@@ -170,86 +157,26 @@ class Coordinator:
             record = self._state.checkpoint(job, step)
             # NOTE: a record still on its way to disk must not be answered: a relaunch resuming from
             # it, then a crash that loses it, would skip what it names.
-            target = self._seq
-            while self._durable < target and self._failed is None:
-                self._cond.wait()
-            self._check_ok()
+            self._wait_durable(self._seq)
             return self._state.jobs[job].spec, record
 
     def _commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
         """Under the lock: `decide` of the current state returns its value and its events; the events
-        are journaled and applied, and the value returned once they are durable when `durable` (a
-        shared store's are, always). On a shared store a conflict decides again, on what the other
-        replicas wrote."""
-        if not self._shared:
-            if self._closing:
-                # NOTE: the journal writer has stopped or is flushing its last batch: an event
-                # decided now would never be journaled (a durable commit would wait forever). A
-                # shared store's commits append themselves (its report writer flushes at close).
-                raise Unavailable("the coordinator is shutting down")
-            self._check_ok()
-            value, events = decide()
-            self._journal(events)
-            if durable:
-                target = self._seq
-                while self._durable < target and self._failed is None:
-                    self._cond.wait()
-                self._check_ok()
-            return value
-        for _ in range(_CONFLICTS):
-            self._fresh()
-            value, events = decide()
-            if not events:
-                return value
-            try:
-                last = self.store.append_at(self._seq, [pack_event(ev) for ev in events])
-            except StoreConflict:
-                continue  # another replica wrote first: read what it wrote and decide again
-            except StoreUnavailable as e:
-                # NOTE: nothing was applied here; whether the commit landed (a connection lost
-                # during it) the next read of the journal tells.
-                raise Unavailable(f"the coordinator's store {self.store.url} is unavailable: {e}") from None
-            except StoreError as e:
-                self._fail(e)
-                raise Unavailable(f"the coordinator's store {self.store.url} failed: {e}") from None
-            for ev in events:
-                self._state.apply(ev)
-            self._seq = self._durable = last
-            self._since_snapshot += len(events)
-            if self._since_snapshot >= self.snapshot_every:
-                self._since_snapshot = 0
-                try:
-                    self.store.write_snapshot(self._seq, pack_snapshot(self._state))
-                except StoreError as e:  # a snapshot only shortens recovery
-                    log.warning("store %s: snapshot at %d not written: %s", self.store.url, self._seq, e)
-            self._cond.notify_all()
-            return value
-        raise Unavailable(f"the coordinator's store {self.store.url} kept changing under this replica "
-                          f"({_CONFLICTS} conflicting writes in a row); retry")
+        are journaled and applied by the store's commit protocol (croupier.server._commits), and
+        the value returned once they are durable when `durable` (a shared store's are, always)."""
+        return self._commits.commit(decide, durable)
 
     def _fresh(self) -> None:
         """Under the lock: Unavailable if the store failed; on a shared store, first reads what
         other replicas journaled since this one last looked (fencing needs the latest generation)."""
         self._check_ok()
-        if not self._shared:
-            return
-        try:
-            if self.store.last_seq() == self._seq:
-                return
-            rec = self.store.read_since(self._seq)
-        except StoreUnavailable as e:
-            raise Unavailable(f"the coordinator's store {self.store.url} is unavailable: {e}") from None
-        except StoreError as e:
-            self._fail(e)
-            raise Unavailable(f"the coordinator's store {self.store.url} failed: {e}") from None
-        try:
-            self._state = replay(self.store, rec, self._state)
-        except StoreError as e:
-            self._fail(e)
-            raise Unavailable(f"the coordinator's store {self.store.url} failed: {e}") from None
-        self._since_snapshot += len(rec.records)
-        self._seq = self._durable = rec.last_seq
-        self._cond.notify_all()
+        self._commits.refresh()
+
+    def _wait_durable(self, target: int) -> None:
+        """Under the lock: waits until the journal is durable up to `target` (Unavailable if the store fails)."""
+        while self._durable < target and self._failed is None:
+            self._cond.wait()
+        self._check_ok()
 
     def _fail(self, e: StoreError) -> None:
         log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
@@ -259,71 +186,6 @@ class Coordinator:
     def _generation_of(self, job: str) -> int:
         return self._state.current(job).number
 
-    def _journal(self, events: list[Event]) -> None:
-        # Under the lock: apply in order and queue for the writer, which keeps that order.
-        for ev in events:
-            self._pending.append(pack_event(ev))
-            self._state.apply(ev)
-            self._seq += 1
-        self._since_snapshot += len(events)
-        if events and self._since_snapshot >= self.snapshot_every:
-            self._snapshots.append((self._seq, pack_snapshot(self._state)))
-            self._since_snapshot = 0
-        if events:
-            self._cond.notify_all()
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._snapshots and not self._closing:
-                    self._cond.wait()
-                if self._closing and not self._pending and not self._snapshots:
-                    return
-                batch, self._pending = self._pending, []
-                snaps, self._snapshots = self._snapshots, []
-            try:
-                t0 = time.perf_counter()
-                last = self.store.append(batch) if batch else self._durable
-                took = time.perf_counter() - t0
-                for seq, blob in snaps:
-                    self.store.write_snapshot(seq, blob)
-            except StoreError as e:
-                log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
-                with self._cond:
-                    self._failed = f"the coordinator's store {self.store.url} failed: {e}"
-                    self._cond.notify_all()
-                return
-            if batch and self.on_commit is not None:  # before anyone is answered: an acknowledged event is counted
-                self.on_commit(took, len(batch))
-            with self._cond:
-                self._durable = last
-                self._cond.notify_all()
-
-    def _report_loop(self) -> None:
-        """A shared store's writer of progress reports: whatever arrived, in one append, at most every 50 ms."""
-        while True:
-            with self._cond:
-                while not self._reports and not self._closing:
-                    self._cond.wait()
-                if self._closing and not self._reports:
-                    return
-                reports, self._reports = self._reports, {}
-
-                def decide(reports: dict[tuple[str, int, int], tuple[int, int, int]] = reports) -> tuple[None, list[Event]]:
-                    events: list[Event] = []
-                    for (job, gen, rank), (epoch, batches, at) in reports.items():
-                        try:
-                            events += self._state.decide_report(job, gen, rank, epoch, batches, at)[1]
-                        except CroupierError:  # fenced or gone meanwhile: nothing to report
-                            pass
-                    return None, events
-
-                try:
-                    self._commit(decide, durable=True)
-                except Unavailable as e:  # reports are advisory: the ranks' next ones come soon
-                    log.debug("progress reports not journaled: %s", e)
-                if not self._closing:
-                    self._cond.wait(_SHARED_POLL_S)  # the next reports gather meanwhile
 
     def _check_ok(self) -> None:
         if self._failed is not None:
@@ -463,9 +325,6 @@ def _log_join(req: JoinRequest, events: list[Event]) -> None:
                      ev.start.epoch, extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
 
 
-#: How often a join waiting on a shared store reads the journal; and the conflicting appends in a
-#: row after which a decision gives up (UNAVAILABLE: the client retries).
-_SHARED_POLL_S, _CONFLICTS = 0.05, 100
 
 
 def _now_ms() -> int:

@@ -79,6 +79,7 @@ class _Handle:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.url = store.url
+        self.shared = store.shared
         self._closed = False
 
     def _open(self) -> Store:
