@@ -199,6 +199,16 @@ def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
 
 
 def _handler(fn: Callable[[bytes, grpc.ServicerContext], Message], max_request_bytes: int) -> grpc.RpcMethodHandler[Any, Any]:
+    """The gRPC handler of one RPC: the request's size checked, `fn` called on its bytes, croupier's errors
+    turned into their status.
+
+    NOTE: a request over `max_request_bytes` is RESOURCE_EXHAUSTED, not INVALID_ARGUMENT: it is
+    well formed and would be served by a coordinator with a higher ``--max-request-bytes``, so it
+    hits this coordinator's limit the way a join over ``--max-world`` does (and the status is the
+    one gRPC's own size check gives, so a client sees one code for both). The client does not
+    retry it: only ``--max-concurrent-joins`` passes with time.
+    """
+
     def call(raw: bytes, context: grpc.ServicerContext) -> Message:
         try:
             if len(raw) > max_request_bytes:
