@@ -146,18 +146,14 @@ def _in_process_coordinator() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _serve_process(store: str) -> Iterator[str]:
-    """`croupier serve` in a child process; yields its address and terminates it on exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", store],
-                            stdout=subprocess.PIPE, text=True)
+    """`croupier serve` in a child process (its log on this one's stderr); yields its address and stops it on exit."""
+    from croupier.tools._serve import ServeProcess
+
+    p = ServeProcess(store, sys.stderr).start()
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("listening on "):
-            raise RuntimeError(f"croupier serve did not start: {line!r}")
-        yield line.split()[-1]
+        yield p.address
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        p.terminate(30)
 
 
 def _child_baseline() -> dict[str, Any]:

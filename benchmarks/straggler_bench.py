@@ -95,18 +95,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _serve(store: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", store],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("listening on "):
-        proc.kill()
-        proc.wait()
-        raise RuntimeError(f"croupier serve did not start: {line!r}")
-    return proc, line.split()[-1]
-
-
 def _epoch(mode: str, address: str, args: argparse.Namespace, indices: Path) -> Result:
     """Runs one epoch on WORLD worker processes; their timings."""
     port = _free_port()
@@ -179,21 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
+    from croupier.tools._serve import ServeProcess
+
     args.batches = args.batches or (400 if args.quick else 2000)
     args.t_ms = args.t_ms or (10.0 if args.quick else 20.0)
     t = args.t_ms / 1000
     ideal = args.batches / ((WORLD - 1) / t + 1 / (SLOWDOWN * t))
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="croupier-straggler-") as tmp:
-        proc, address = _serve(f"sqlite:///{tmp}/coordinator.db")
+        server = ServeProcess(f"sqlite:///{tmp}/coordinator.db", sys.stderr).start()  # its log on this one's stderr
         try:
             results = []
             for mode in MODES:
                 print(f"{mode}: {WORLD} workers ...", file=sys.stderr, flush=True)
-                results.append(_epoch(mode, address, args, Path(tmp)))
+                results.append(_epoch(mode, server.address, args, Path(tmp)))
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            server.terminate(30)
     table = _table(results, ideal, args, args.quick)
     took = time.monotonic() - began
     text = f"{table}\n\n(command: {' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}; {took:.0f} s in all)\n"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
-from croupier.tools._serve import start_serve
+from croupier.tools import _serve
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -40,22 +39,14 @@ def client(server: Server) -> Iterator[CoordinatorClient]:
         c.close()
 
 
-class ServeProcess:
-    """`croupier serve` in a child process (started as the tools start one); its log is kept in a temporary file."""
+class ServeProcess(_serve.ServeProcess):
+    """`croupier serve` in a child process, started at once as the tools start one; its log is kept in a
+    temporary file."""
 
     def __init__(self, store: str, port: int = 0, extra_env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="croupier-serve-", suffix=".log")
-        self.proc, self.address = start_serve(port, store, self.log, args=args, env=extra_env)
-        self.port = int(self.address.rsplit(":", 1)[1])
-
-    def kill(self) -> None:
-        """kill -9."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def terminate(self, timeout: float = 20.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
+        log = tempfile.NamedTemporaryFile("w+", prefix="croupier-serve-", suffix=".log")
+        super().__init__(store, log, port=port, args=args, env=extra_env)
+        self.start()
 
 
 @pytest.fixture
@@ -72,6 +63,4 @@ def serve_process() -> Iterator[type[ServeProcess]]:
         yield Tracked
     finally:
         for p in made:
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait(timeout=10)
+            p.kill()

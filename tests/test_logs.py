@@ -6,9 +6,7 @@ import datetime
 import io
 import json
 import logging
-import signal
-import subprocess
-import sys
+import pathlib
 import threading
 from collections.abc import Iterator
 
@@ -18,6 +16,7 @@ from croupier.client import CoordinatorClient
 from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
 from croupier.server import JsonFormatter, TextFormatter, configure_logging
+from croupier.tools._serve import ServeProcess
 
 
 @pytest.fixture
@@ -103,27 +102,21 @@ def test_configure_logging_installs_the_format_on_the_root_logger() -> None:
         root.handlers[:], root.level = saved  # type: ignore[misc]
 
 
-def test_serve_with_json_logs_says_which_job_generation_and_rank() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "croupier.tools.cli", "serve", "--log-format", "json", "-v", "--port", "0", "--store", "memory://"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("listening on "), line
-        spec = Spec(n=100)
-        with CoordinatorClient(line.split()[-1], retry_for=10.0) as c:
-            # rank 1 opens generation 1 (it does not wait), rank 0 completes it
-            assert c.join(JoinRequest("lj", spec, "t", 2, 1), wait_s=0).start is None
-            assert c.join(JoinRequest("lj", spec, "t", 2, 0), wait_s=0).start is not None
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
+def test_serve_with_json_logs_says_which_job_generation_and_rank(tmp_path: pathlib.Path) -> None:
+    with open(tmp_path / "serve.log", "w+") as log:
+        p = ServeProcess("memory://", log, args=("--log-format", "json"), verbose=True)
+        try:
+            p.start()
+            spec = Spec(n=100)
+            with CoordinatorClient(p.address, retry_for=10.0) as c:
+                # rank 1 opens generation 1 (it does not wait), rank 0 completes it
+                assert c.join(JoinRequest("lj", spec, "t", 2, 1), wait_s=0).start is None
+                assert c.join(JoinRequest("lj", spec, "t", 2, 0), wait_s=0).start is not None
+            code = p.terminate(30)
+        finally:
+            p.kill()
+    err = (tmp_path / "serve.log").read_text()
+    assert code == 0, err
     records = [json.loads(line) for line in err.splitlines()]  # every line is one JSON object
     assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
     about = [(r["msg"].split(" of job")[0], r.get("job"), r.get("generation"), r.get("rank"))

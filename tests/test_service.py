@@ -24,6 +24,7 @@ from croupier.core.spec import Spec
 from croupier.core.wire import SERVICE
 from croupier.server._service import Server
 from croupier.server._store import StoreUnavailable
+from croupier.tools import _serve
 from croupier.v1 import coordinator_pb2 as pb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -301,8 +302,8 @@ def test_serve_sigterm_exits_zero_and_keeps_state(tmp_path: pathlib.Path, serve_
 def test_serve_refuses_a_corrupt_store(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"this is not a database" * 100)
-    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", f"sqlite:///{bad}"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0
-    assert str(bad) in out.stderr
-    assert "listening" not in out.stdout
+    with open(tmp_path / "serve.log", "w+") as log:
+        p = _serve.ServeProcess(f"sqlite:///{bad}", log)
+        with pytest.raises(RuntimeError, match=r"did not start \(exit [1-9]\d*, first line ''\)"):
+            p.start()  # nothing on stdout: no "listening on"
+    assert str(bad) in (tmp_path / "serve.log").read_text()

@@ -1,8 +1,10 @@
-"""A `croupier serve` child process: the one way the tools (chaos, infer-demo, the demo) and the tests start one."""
+"""A `croupier serve` child process: the one way the tools (chaos, infer-demo, the demo), the tests and the
+benchmarks start one."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -46,3 +48,76 @@ def _drain(out: IO[str], log: IO[str]) -> None:
     for line in out:
         log.write(line)
         log.flush()
+
+
+class ServeProcess:
+    """``croupier serve`` over a store in a child process, started again on the same port after a kill.
+
+    The first :meth:`start` takes `port` (0: any free port); every later one takes the port the
+    process listened on, so that the clients' address stays true.
+
+    Args:
+        store: The store's URL.
+        log: Where the process's output goes.
+        name: How messages call it.
+        error: What :meth:`start` raises when the process does not start.
+        port: The port of the first start.
+        verbose: Log at INFO level (``-v``).
+        new_session: Start it in a session of its own (a signal to this one's group misses it).
+        args: More of ``croupier serve``'s options.
+        env: Variables set for the process beside this one's environment.
+    """
+
+    def __init__(self, store: str, log: IO[str], name: str = "the coordinator", error: type[Exception] = RuntimeError,
+                 *, port: int = 0, verbose: bool = False, new_session: bool = False, args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        self.store = store
+        self.log = log
+        self.name = name
+        self.error = error
+        self.port = port
+        self.verbose = verbose
+        self.new_session = new_session
+        self.args = tuple(args)
+        self.env = dict(env or {})
+        self.address = ""
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> ServeProcess:
+        """Starts the process (on the port of the last one, if any); returns self.
+
+        Raises:
+            error: It did not start.
+        """
+        self.proc, self.address = start_serve(self.port, self.store, self.log, f"croupier serve --port {self.port} ({self.name})",
+                                              self.error, self.verbose, self.new_session, self.args, self.env)
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return self
+
+    def exited(self) -> int | None:
+        """The process's exit code once it has exited (by itself, killed or stopped); None while it runs
+        or before it starts."""
+        return None if self.proc is None else self.proc.poll()
+
+    def kill(self) -> None:
+        """kill -9, and wait for it (nothing if it does not run)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def terminate(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (a graceful stop), and wait for it; kill -9 if it is still running after `timeout` seconds.
+
+        Returns:
+            Its exit code (None if it never started).
+        """
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -28,7 +28,7 @@ import signal
 import time
 from typing import Any
 
-from croupier.tools._serve import start_serve
+from croupier.tools._serve import ServeProcess
 from croupier.tools.audit import audit, load, render, verdict
 from croupier.tools.cluster import Cluster, statuses
 
@@ -60,19 +60,6 @@ PLANNED_GENERATIONS = 1 + len(STORY)
 def _bar(frac: float, width: int = 24) -> str:
     full = int(frac * width)
     return "#" * full + "." * (width - full)
-
-
-class _Standalone:
-    """`croupier serve` in a process of its own, on a SQLite store in the work directory."""
-
-    def __init__(self, work: pathlib.Path, log: Any) -> None:
-        self.proc, self.address = start_serve(0, f"sqlite:///{work / 'coordinator.db'}", log, "the demo's coordinator",
-                                              RuntimeError, new_session=True)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=30)
 
 
 def _latest(status: pathlib.Path, since: float) -> dict[str, Any] | None:
@@ -167,8 +154,10 @@ def main(workdir: str = "out/demo", n: int = 6000, epochs: int = 5, batch_size: 
           f"{cfg['ckpt_every']} steps, {coordinator} coordinator; logs in {work}")
     t0 = time.perf_counter()
     with open(work / "coordinator.log", "w") as log:
-        server = _Standalone(work, log) if coordinator == "standalone" else None
-        if server is not None:
+        server = None
+        if coordinator == "standalone":  # `croupier serve` in a process of its own, on a SQLite store in the workdir
+            server = ServeProcess(f"sqlite:///{work / 'coordinator.db'}", log, "the demo's coordinator",
+                                  new_session=True).start()
             env["CROUPIER_ADDRESS"] = server.address
         cluster = Cluster(work, env, nnodes="2:3", run_id=f"demo-{os.getpid()}")
         try:
@@ -179,7 +168,7 @@ def main(workdir: str = "out/demo", n: int = 6000, epochs: int = 5, batch_size: 
         finally:
             cluster.close()
             if server is not None:
-                server.close()
+                server.terminate(30)
     print(f"\ntraining done in {time.perf_counter() - t0:.0f} s. Audit of what the training loops received "
           f"(croupier audit {work / 'audit'}):\n")
     reports = audit(work / "audit")

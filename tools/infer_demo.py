@@ -45,7 +45,7 @@ import sys
 import time
 from typing import IO, Any
 
-from croupier.tools._serve import start_serve
+from croupier.tools._serve import ServeProcess
 from croupier.tools.infer_worker import infer
 
 JOB = "infer"
@@ -258,48 +258,29 @@ def audit(outputs: pathlib.Path, journal: Journal, n: int) -> Audit:
 # ---------------------------------------------------------------------------------------- processes
 
 
-class Coordinator:
-    """``croupier serve`` on the demo's store, in a child process; restarted on the same port."""
+class Coordinator(ServeProcess):
+    """``croupier serve`` on the demo's store, in a child process of its own session; restarted on the same
+    port, and started again when it exits by itself (:meth:`check`)."""
 
     def __init__(self, store: str, log: IO[str]) -> None:
-        self.store = store
-        self.log = log
-        self.port = 0
-        self.address = ""
-        self.proc: subprocess.Popen[str] | None = None
+        super().__init__(store, log, error=DemoError, new_session=True)
         self.deaths: list[int] = []  # exit codes of exits nobody asked for
 
-    def start(self) -> None:
-        self.proc, self.address = start_serve(self.port, self.store, self.log, f"croupier serve --port {self.port}",
-                                              DemoError, new_session=True)
-        self.port = int(self.address.rsplit(":", 1)[1])
-
     def check(self) -> bool:
-        """False (and noted) if the coordinator exited by itself; it is started again."""
-        if self.proc is None or self.proc.poll() is None:
+        """False (and noted) if the coordinator exited by itself; it is started again.
+
+        Called while it should run: never between a :meth:`kill` or :meth:`stop` and the next start.
+        """
+        code = self.exited()
+        if code is None:
             return True
-        self.deaths.append(self.proc.returncode)
-        self.proc = None
+        self.deaths.append(code)
         self.start()
         return False
 
-    def kill(self) -> None:
-        """kill -9, and wait for it."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
     def stop(self) -> None:
         """SIGTERM, and wait for it (kill -9 after STOP_S)."""
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+        self.terminate(STOP_S)
 
 
 @dataclasses.dataclass
