@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -307,3 +308,32 @@ def test_serve_refuses_a_corrupt_store(tmp_path: pathlib.Path) -> None:
         with pytest.raises(RuntimeError, match=r"did not start \(exit [1-9]\d*, first line ''\)"):
             p.start()  # nothing on stdout: no "listening on"
     assert str(bad) in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.e2e
+def test_a_serve_process_restarts_on_its_port_and_its_group_sees_an_exit(tmp_path: pathlib.Path) -> None:
+    """tools/_serve.py, the one way the tools and the tests run `croupier serve`: a restart keeps the port
+    the clients know, and a group names the member that exited when nobody stopped it."""
+    with open(tmp_path / "serve.log", "w+") as log:
+        first = _serve.ServeProcess(f"sqlite:///{tmp_path}/c.db", log, "replica 0")
+        second = _serve.ServeProcess("memory://", log, "replica 1")
+        group = _serve.ServeGroup([first, second])
+        try:
+            group.start()
+            assert group.address == f"{first.address},{second.address}"
+            group.check()
+            port = first.port
+            first.kill()
+            assert first.exited() == -signal.SIGKILL
+            first.start()
+            assert first.port == port and first.exited() is None
+            with CoordinatorClient(first.address, retry_for=5) as c:
+                start_job(c, world=1)
+            assert second.proc is not None
+            second.proc.send_signal(signal.SIGTERM)  # not through second: an exit nobody asked for
+            second.proc.wait(timeout=30)
+            with pytest.raises(RuntimeError, match=r"replica 1 exited by itself \(exit 0\)"):
+                group.check()
+            assert first.terminate(30) == 0 and first.terminate() == 0
+        finally:
+            group.kill()

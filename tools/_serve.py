@@ -4,6 +4,7 @@ benchmarks start one."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,3 +122,56 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class ServeGroup:
+    """Several :class:`ServeProcess` (replicas on one shared store, say) started, checked and killed together.
+
+    Args:
+        members: The processes, the first the first endpoint.
+    """
+
+    def __init__(self, members: Sequence[ServeProcess]) -> None:
+        self.members = list(members)
+
+    @property
+    def address(self) -> str:
+        """Every member's endpoint, the first first: what CROUPIER_ADDRESS names."""
+        return ",".join(m.address for m in self.members)
+
+    def start(self) -> None:
+        for m in self.members:
+            m.start()
+
+    def check(self) -> None:
+        """Raises a member's `error` if one has exited: called while they should all run, an exit nobody
+        asked for."""
+        for m in self.members:
+            code = m.exited()
+            if code is not None:
+                raise m.error(f"{m.name} exited by itself (exit {code}); see {m.log.name}")
+
+    def kill(self) -> None:
+        """kill -9 of every member, and wait for them."""
+        for m in self.members:
+            m.kill()
+
+
+def active_clients(port: int, within_ms: int = 2000) -> int:
+    """Connections to local `port` that sent something in the last `within_ms` (from ``ss -ti``); 0 without ss.
+
+    NOTE: a client keeps the channels of replicas it moved away from open, idle; counting only
+    connections with recent traffic tells the replica the ranks are using from one they used.
+    """
+    try:
+        out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                             text=True, timeout=5, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    active = 0
+    for line in out.stdout.splitlines():
+        if not line[:1].isspace():
+            continue  # the connection's addresses; its TCP info follows on an indented line
+        m = re.search(r"\blastrcv:(\d+)", line)
+        active += m is None or int(m[1]) <= within_ms  # ss leaves out lastrcv:0
+    return active

@@ -17,7 +17,7 @@ orchestrator names (``resume_from``); a rollback deletes the checkpoints after t
 from, so that the history is the chain the job follows. After every launch the audit log is
 checked (no duplicates so far in any epoch, the finished ones complete), and so is the launch's
 resume point (its samplers resumed from the checkpoint its model came from); at the end, every
-epoch must be finished and pass the audit.
+epoch must be finished and pass the audit. The checks are :mod:`croupier.tools.history`'s.
 
 Replicated mode (``store`` a ``postgresql://`` URL, ``replicas`` k): k ``croupier serve`` replicas
 on that database instead of the one coordinator, every rank given all k endpoints. The
@@ -38,26 +38,25 @@ acknowledged join was lost.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import pathlib
 import random
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from croupier.tools._serve import start_serve
-from croupier.tools.audit import EpochReport, audit, load, render
-from croupier.tools.cluster import descendants, statuses
-from croupier.tools.history import JOB, ChaosError, History, check_history, history_line
+from croupier.tools import history
+from croupier.tools._serve import ServeGroup, ServeProcess, active_clients
+from croupier.tools.audit import EpochReport, render
+from croupier.tools.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
+from croupier.tools.history import JOB, ChaosError
 
-TRAINER = "croupier.tools.demo_train"
 BATCH = 12  # per worker; with N a multiple of 12 every world size 1..4 consumes whole steps: no pad, no repeats
 CKPT_EVERY = 2  # steps
 LEASE_AHEAD = 24  # indices per lease: every rank calls the coordinator every other step
@@ -82,7 +81,6 @@ NO_DATABASE_KINDS = ("rank", "replica", "preempt")
 NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
 #: Faults the job trains through (the others end the launch).
 ONLINE = frozenset({"coordinator", "replica", "database"})
-DATABASE_MODES = ("fast", "immediate")  # PostgreSQL shutdown modes, in turn
 
 
 class DatabaseControl(Protocol):
@@ -92,80 +90,6 @@ class DatabaseControl(Protocol):
         """Stops the server with shutdown mode `mode` ("fast" or "immediate") and starts it again on
         the same address; MUST return only once it accepts connections again."""
         ...
-
-
-@dataclasses.dataclass
-class Tally:
-    """What the run injected."""
-
-    rank_kills: int = 0
-    coordinator_kills: int = 0
-    preemptions: int = 0
-    older_restarts: int = 0  # relaunches from a checkpoint older than the latest
-    resizes: int = 0
-    launches: int = 0
-    rollback_steps: int = 0  # steps undone by restarts from older checkpoints
-    replica_kills: int = 0
-    first_endpoint_kills: int = 0  # replica kills of the first endpoint, the one every rank calls first
-    busy_replica_kills: int = 0  # replica kills of a replica with client connections when it was killed
-    database_restarts: dict[str, int] = dataclasses.field(default_factory=lambda: {m: 0 for m in DATABASE_MODES})
-
-    @property
-    def faults(self) -> int:
-        return (self.rank_kills + self.coordinator_kills + self.preemptions + self.replica_kills
-                + sum(self.database_restarts.values()))
-
-
-def _alive_trainer(pid: int) -> bool:
-    """`pid` still runs the demo trainer (so that a recycled pid is never killed)."""
-    try:
-        return TRAINER.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _sigkill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-class Coordinator:
-    """``croupier serve`` on a store in a child process; restarted on the same port after a kill.
-
-    Args:
-        store: The store's URL (WORKDIR/coordinator.db in the single-coordinator mode).
-        log: Where its output goes.
-        name: How messages call it.
-        verbose: Log at INFO level (``-v``).
-    """
-
-    def __init__(self, store: str, log: IO[str], name: str = "the coordinator", verbose: bool = False) -> None:
-        self.store = store
-        self.log = log
-        self.name = name
-        self.verbose = verbose
-        self.port = 0
-        self.address = ""
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        self.proc, self.address = start_serve(self.port, self.store, self.log,
-                                              f"croupier serve --port {self.port} ({self.name})", ChaosError,
-                                              verbose=self.verbose)
-        self.port = int(self.address.rsplit(":", 1)[1])
-
-    def check(self) -> None:
-        """Raises ChaosError if the coordinator died without being killed."""
-        if self.proc is not None and self.proc.poll() is not None:
-            raise ChaosError(f"{self.name} exited by itself (exit {self.proc.returncode}); see {self.log.name}")
-
-    def kill(self) -> None:
-        """kill -9, and wait for it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _where(statuses: list[dict[str, Any]]) -> str:
@@ -185,103 +109,12 @@ def _step_of(ckpt: pathlib.Path | None) -> int:
     return int(ckpt.stem.split("-")[1]) if ckpt is not None else 0
 
 
-def _check_audit(work: pathlib.Path, when: str) -> list[EpochReport]:
-    """Audits what has been trained so far; raises ChaosError on a violation of G1."""
-    if not any((work / "audit").glob("*/*.audit")):
-        return []
-    reports = audit(work / "audit")
-    bad = [r for r in reports if not r.ok]
-    if bad:
-        print("\n" + render(reports), flush=True)
-        raise ChaosError(f"the audit {when} found G1 violated in epochs {[r.epoch for r in bad]}: "
-                         + "; ".join(f"epoch {r.epoch}: {r.why}" for r in bad))
-    return reports
-
-
-def _origin_of(ckpt: pathlib.Path | None) -> str | None:
-    """The origin of the sampler state saved in a checkpoint (where the state was made); None: a fresh start."""
-    if ckpt is None:
-        return None
-    import torch
-
-    origin = torch.load(ckpt, weights_only=True)["sampler"].get("origin")
-    return str(origin) if origin is not None else None
-
-
-def _check_resumed(work: pathlib.Path, number: int, since: float, ckpt: pathlib.Path | None) -> None:
-    """Checks that launch `number` (started at `since`) resumed its data from `ckpt`, as its model did.
-
-    The audit follows the chain the samplers logged; this ties that chain to the checkpoints the
-    orchestrator handed out, so that a trainer that restores the model but not the sampler fails too.
-    """
-    incs = [i for i in load(work / "audit").get(JOB, []) if i.ts >= since] if (work / "audit").exists() else []
-    if not incs:
-        return  # no rank of this launch got as far as its first batch
-    expected, got = _origin_of(ckpt), incs[0].origin
-    if got != expected:
-        raise ChaosError(f"launch {number} resumed from {ckpt.name if ckpt else 'scratch'}, whose sampler state is "
-                         f"{expected or 'a fresh start'}, but its samplers logged {got or 'a fresh start'}: the data "
-                         "did not roll back with the model")
-
-
-class Replicas:
-    """k ``croupier serve`` replicas on one shared store, each in a child process with a log of its own
-    (WORKDIR/replica-I.log) and restarted on its own port after a kill.
-
-    Args:
-        store: The shared store's URL (``postgresql://``).
-        logs: One log per replica.
-    """
-
-    def __init__(self, store: str, logs: list[IO[str]]) -> None:
-        self.members = [Coordinator(store, log, f"replica {i}", verbose=True) for i, log in enumerate(logs)]
-
-    @property
-    def address(self) -> str:
-        """Every replica's endpoint, the first first: what CROUPIER_ADDRESS names."""
-        return ",".join(m.address for m in self.members)
-
-    def start(self) -> None:
-        for m in self.members:
-            m.start()
-
-    def check(self) -> None:
-        """Raises ChaosError if a replica died without being killed."""
-        for m in self.members:
-            m.check()
-
-    def kill(self) -> None:
-        """kill -9 of every replica, and wait for them."""
-        for m in self.members:
-            m.kill()
-
-
-def _active_clients(port: int, within_ms: int = 2000) -> int:
-    """Connections to local `port` that sent something in the last `within_ms` (from ``ss -ti``); 0 without ss.
-
-    NOTE: a client keeps the channels of replicas it moved away from open, idle; counting only
-    connections with recent traffic tells the replica the ranks are using from one they used.
-    """
-    try:
-        out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
-                             text=True, timeout=5, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    active = 0
-    for line in out.stdout.splitlines():
-        if not line[:1].isspace():
-            continue  # the connection's addresses; its TCP info follows on an indented line
-        m = re.search(r"\blastrcv:(\d+)", line)
-        active += m is None or int(m[1]) <= within_ms  # ss leaves out lastrcv:0
-    return active
-
-
 class Run:
     """The orchestration of one chaos run."""
 
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
-                 coordinator: Coordinator | Replicas, log: IO[str], database: DatabaseControl | None = None,
-                 batching: str = "fixed") -> None:
+                 servers: ServeGroup, log: IO[str], database: DatabaseControl | None = None,
+                 batching: str = "fixed", replicated: bool = False) -> None:
         self.work = work
         self.batching = batching
         self.faults = faults
@@ -290,7 +123,7 @@ class Run:
         self.kinds: tuple[str, ...]
         self.weights: tuple[float, ...]
         first: tuple[str, ...]
-        if isinstance(coordinator, Coordinator):
+        if not replicated:
             self.kinds, self.weights, first = KINDS, WEIGHTS, KINDS
         elif database is not None:
             # A short run still restarts the database with either shutdown mode.
@@ -302,13 +135,13 @@ class Run:
         # next one at once) that can find the end near and turn a fault the job trains through into a
         # preemption; the replicated mode, whose short run must restart the database twice, waits
         # for a second of steps. The single-coordinator mode keeps its pacing as it was.
-        self.pace_window = 0.0 if isinstance(coordinator, Coordinator) else PACE_WINDOW_S
+        self.pace_window = PACE_WINDOW_S if replicated else 0.0
         self.epochs = epochs
         self.n = n
         self.rng = rng
-        self.coordinator = coordinator
+        self.servers = servers
         self.log = log
-        self.tally = Tally()
+        self.tally = history.Tally()
         self.proc: subprocess.Popen[bytes] | None = None
         self.pids: set[int] = set()  # the current launch's workers, as seen in status files and /proc
 
@@ -325,7 +158,7 @@ class Run:
                "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD, "step_ms": STEP_MS,
                "resume_from": str(resume) if resume is not None else None, "batching": self.batching,
                "max_tokens": MAX_TOKENS}
-        env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.coordinator.address,
+        env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.servers.address,
                "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         env.pop("CROUPIER_TOKEN", None)
@@ -346,8 +179,8 @@ class Run:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for pid in self.pids:
-            if _alive_trainer(pid):
-                _sigkill(pid)
+            if runs_trainer(pid):
+                sigkill(pid)
 
     def _progress(self, s: dict[str, Any]) -> int:
         """An estimate of the samples the job has trained (epochs before this one, and this one's part)."""
@@ -378,7 +211,7 @@ class Run:
         last_step, last_change, last_line = -1, time.monotonic(), ""
         first: tuple[float, int] | None = None  # (time, step) of the first status seen: the pace of this launch
         while proc.poll() is None:
-            self.coordinator.check()
+            self.servers.check()
             st = statuses(status)
             self.pids.update(s["pid"] for s in st)
             live = [s for s in st if not s.get("done")]
@@ -420,29 +253,16 @@ class Run:
                     rollback = early and self.tally.faults + 1 < self.faults
                     if rollback:
                         kind = "preempt"
-                    if kind in ("replica", "database"):
+                    if kind in ONLINE:
                         self._online_fault(kind, statuses(status))
-                        target = None
-                        continue
-                    if kind == "coordinator":
-                        assert isinstance(self.coordinator, Coordinator)
-                        self.coordinator.kill()
-                        self.tally.coordinator_kills += 1
-                        at = _where(statuses(status))
-                        t = time.monotonic()
-                        self.coordinator.start()
-                        took = time.monotonic() - t
-                        self.restart_s = max(self.restart_s, took)
-                        self._say(f"SIGKILL of the coordinator at {at}; restarted on port {self.coordinator.port} "
-                                  f"in {took:.1f} s, the ranks carry on")
                         target = None
                         continue
                     if kind == "rank":
                         # Drawn by rank (not from the status files read) so that a seed replays the same choices.
                         r = self.rng.randrange(world)
                         victim = next((s for s in live if s["rank"] == r), s0)
-                        if _alive_trainer(victim["pid"]):
-                            _sigkill(victim["pid"])
+                        if runs_trainer(victim["pid"]):
+                            sigkill(victim["pid"])
                         self.tally.rank_kills += 1
                         at = _where([s for s in statuses(status) if s["rank"] == victim["rank"]])
                         self._say(f"SIGKILL of rank {victim['rank']} of {world} (pid {victim['pid']}) at {at}")
@@ -468,14 +288,21 @@ class Run:
         return "finished"
 
     def _online_fault(self, kind: str, st: list[dict[str, Any]]) -> None:
-        """A fault the job trains through: kill -9 of a replica (restarted), or a restart of the database."""
+        """A fault the job trains through: kill -9 of the coordinator or of a replica (restarted on its
+        port), or a restart of the database."""
         at = _where(st)
+        members = self.servers.members
+        if kind == "coordinator":
+            members[0].kill()
+            self.tally.coordinator_kills += 1
+            took = self._restart(members[0].start)
+            self._say(f"SIGKILL of the coordinator at {at}; restarted on port {members[0].port} in {took:.1f} s, "
+                      "the ranks carry on")
+            return
         if kind == "replica":
-            assert isinstance(self.coordinator, Replicas)
-            members = self.coordinator.members
             # Both drawn every time so that a seed replays the same choices whatever the traffic.
             busiest, other = self.rng.random() < 0.5, self.rng.randrange(len(members))
-            active = [_active_clients(m.port) for m in members]
+            active = [active_clients(m.port) for m in members]
             if self.tally.replica_kills == 0:
                 i, why = 0, "the first endpoint, every rank's first choice"
             elif busiest and max(active) > 0:
@@ -487,28 +314,31 @@ class Run:
             self.tally.replica_kills += 1
             self.tally.first_endpoint_kills += i == 0
             self.tally.busy_replica_kills += active[i] > 0
-            t = time.monotonic()
-            victim.start()
-            took = time.monotonic() - t
-            self.restart_s = max(self.restart_s, took)
+            took = self._restart(victim.start)
             self._say(f"SIGKILL of replica {i} at {victim.address} ({why}; {active[i]} client connections active, "
                       f"{sum(active)} in all) at {at}; restarted in {took:.1f} s, the ranks carry on")
             return
-        if self.database is None:
+        database = self.database
+        if database is None:
             raise ChaosError("a database fault without a database control")  # not drawn without one
         modes = self.tally.database_restarts
-        mode = DATABASE_MODES[sum(modes.values()) % len(DATABASE_MODES)]
-        t = time.monotonic()
+        mode = history.DATABASE_MODES[sum(modes.values()) % len(history.DATABASE_MODES)]
         try:
-            self.database.restart(mode)
+            took = self._restart(lambda: database.restart(mode))
         except Exception as e:  # noqa: BLE001 - the control's own failure is not one of croupier's
             raise ChaosError(f"the database did not restart (shutdown mode {mode}): {type(e).__name__}: {e}") from e
-        took = time.monotonic() - t
         modes[mode] += 1
-        self.restart_s = max(self.restart_s, took)
-        self.coordinator.check()  # every replica outlives the outage
+        self.servers.check()  # every replica outlives the outage
         self._say(f"restart of PostgreSQL ({mode} shutdown) at {at}, back in {took:.1f} s; the replicas lost "
                   "their database meanwhile, the ranks carry on")
+
+    def _restart(self, start: Callable[[], object]) -> float:
+        """Runs `start`, a restart the ranks train through; returns its seconds (the longest so far is kept)."""
+        t = time.monotonic()
+        start()
+        took = time.monotonic() - t
+        self.restart_s = max(self.restart_s, took)
+        return took
 
     def _say(self, what: str) -> None:
         print(f"\n  ! fault {self.tally.faults}/{self.faults}: {what}", flush=True)
@@ -549,8 +379,8 @@ class Run:
                 outcome = self.watch(world, number)
             finally:
                 self.kill_launch()
-            _check_resumed(self.work, number, since, resume)
-            _check_audit(self.work, f"after launch {number}")
+            history.check_resumed(self.work, number, since, resume)
+            history.check_audit(self.work, f"after launch {number}")
             if outcome == "finished":
                 print(flush=True)
                 break
@@ -561,49 +391,7 @@ class Run:
                 print(f"  rolled back to {resume.name if resume else 'scratch'}: model, optimizer and data together",
                       flush=True)
             world_before = world
-        return _check_audit(self.work, "at the end")
-
-
-def _summary(t: Tally, reports: list[EpochReport], seconds: float) -> str:
-    samples = sum(r.trained for r in reports)
-    dups = sum(r.duplicates for r in reports)
-    missing = sum(r.missing for r in reports)
-    return (f"chaos: {t.faults} faults injected ({t.rank_kills} rank kills, {t.coordinator_kills} coordinator kills, "
-            f"{t.preemptions} preemptions), {t.resizes} resizes, {t.older_restarts} restarts from an older checkpoint "
-            f"({t.rollback_steps} steps rolled back), "
-            f"{t.launches} launches; {samples} samples audited over {len(reports)} epochs: {dups} duplicates, "
-            f"{missing} missing; G1 holds ({seconds:.0f} s)")
-
-
-def _summary_replicated(t: Tally, reports: list[EpochReport], seconds: float) -> str:
-    samples = sum(r.trained for r in reports)
-    dups = sum(r.duplicates for r in reports)
-    missing = sum(r.missing for r in reports)
-    db = t.database_restarts
-    return (f"chaos: {t.faults} faults injected ({t.rank_kills} rank kills, {t.replica_kills} replica kills "
-            f"({t.first_endpoint_kills} of the first endpoint, {t.busy_replica_kills} of a replica with active clients), "
-            f"{sum(db.values())} database restarts ({db['fast']} fast, {db['immediate']} immediate), "
-            f"{t.preemptions} preemptions), {t.resizes} resizes, {t.older_restarts} restarts from an older checkpoint "
-            f"({t.rollback_steps} steps rolled back), "
-            f"{t.launches} launches; {samples} samples audited over {len(reports)} epochs: {dups} duplicates, "
-            f"{missing} missing; G1 holds ({seconds:.0f} s)")
-
-
-def _check_store(store: str) -> None:
-    """Raises ValueError unless `store` is a ``postgresql://`` database that holds no journal yet."""
-    from croupier.server import open_store, redact_url
-
-    if not store.startswith(("postgresql://", "postgres://")):
-        raise ValueError(f"store must be a postgresql:// URL: the replicas share it (got {redact_url(store)!r}); "
-                         "without one, the run keeps a sqlite store in its workdir")
-    opened = open_store(store)
-    try:
-        rec = opened.load()
-    finally:
-        opened.close()
-    if rec.snapshot is not None or rec.records:
-        raise ValueError(f"store {redact_url(store)} already holds a journal (up to record {rec.last_seq}): the "
-                         "history check reads the whole journal as this run's; give the run an empty database")
+        return history.check_audit(self.work, "at the end")
 
 
 def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int = 3600,
@@ -645,7 +433,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     if database is not None and store is None:
         raise ValueError("a database control needs the replicated mode (store=postgresql://...)")
     if store is not None:
-        _check_store(store)
+        history.check_store(store)
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
     work = pathlib.Path(workdir).resolve()
@@ -666,43 +454,41 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     t0 = time.perf_counter()
     with contextlib.ExitStack() as logs:
         tlog = logs.enter_context(open(work / "train.log", "a"))
-        coordinator: Coordinator | Replicas
+        db = work / "coordinator.db"
         if store is None:
-            db = work / "coordinator.db"
-            coordinator = Coordinator(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")))
+            servers = ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
+                                               error=ChaosError)])
         else:
-            coordinator = Replicas(store, [logs.enter_context(open(work / f"replica-{i}.log", "a"))
-                                           for i in range(replicas)])
-        run = Run(work, faults, epochs, n, random.Random(seed), coordinator, tlog, database, batching)
-        history: History | None = None
+            servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
+                                               f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
+        run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None)
+        checked: history.History | None = None
         try:
-            coordinator.start()
+            servers.start()
             if store is None:
-                print(f"coordinator: croupier serve at {coordinator.address} (sqlite store {db})", flush=True)
+                print(f"coordinator: croupier serve at {servers.address} (sqlite store {db})", flush=True)
             else:
                 from croupier.server import redact_url
 
-                print(f"replicas: {replicas} croupier serve processes at {coordinator.address} (postgresql store "
+                print(f"replicas: {replicas} croupier serve processes at {servers.address} (postgresql store "
                       f"{redact_url(store)})", flush=True)
             reports = run.run()
             if store is not None:
-                history = check_history(store, work)
+                checked = history.check_history(store, work)
         except Exception as e:  # noqa: BLE001 - anything unexpected fails the run, with its cause
             print(f"\nchaos: FAILED after {run.tally.faults} faults, {time.perf_counter() - t0:.0f} s "
                   f"(seed {seed}): {type(e).__name__}: {e}", flush=True)
             return 1
         finally:
             run.kill_launch()
-            coordinator.kill()
+            servers.kill()
     unfinished = sorted(set(range(epochs)) - {r.epoch for r in reports if r.finished})
     print(f"\naudit of what the training loops received (croupier audit {work / 'audit'}):\n")
     print(render(reports))
     if unfinished:
         print(f"\nchaos: FAILED: the job ended without finishing epochs {unfinished}")
         return 1
-    if history is None:
-        print("\n" + _summary(run.tally, reports, time.perf_counter() - t0), flush=True)
-    else:
-        print("\n" + _summary_replicated(run.tally, reports, time.perf_counter() - t0))
-        print(history_line(history), flush=True)
+    print("\n" + history.summary(run.tally, reports, time.perf_counter() - t0, replicated=store is not None), flush=True)
+    if checked is not None:
+        print(history.history_line(checked), flush=True)
     return 0

@@ -70,10 +70,7 @@ class Cluster:
         proc = self.nodes.pop(name)
         workers = descendants(proc.pid)  # torchrun starts its workers in sessions of their own
         for pid in [proc.pid, *workers]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            sigkill(pid)
         proc.wait()
         self._logs.pop(name).close()
 
@@ -93,6 +90,22 @@ class Cluster:
     def close(self) -> None:
         """Stops every node that still runs."""
         self.preempt()
+
+
+def sigkill(pid: int) -> None:
+    """SIGKILL to `pid`, unless it is gone already."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def runs_trainer(pid: int) -> bool:
+    """`pid` still runs the demo trainer (so that a recycled pid is never killed)."""
+    try:
+        return TRAINER.encode() in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def descendants(root: int) -> list[int]:

@@ -1,7 +1,10 @@
-"""The chaos run's history checker: the journal read back, checked against itself and the joins acknowledged.
+"""The chaos run's record and its checks: what it injected, the audit and the resume point after every
+launch, the journal's history at the end, and the lines that report them.
 
-``croupier chaos`` with replicas (see :mod:`croupier.tools.chaos`) runs it at the end: no
-generation accepted twice or out of order, and no acknowledged join lost.
+:mod:`croupier.tools.chaos` runs the job and injects the faults (counting them in a :class:`Tally`);
+the checks here only read what the run left: the audit log, the checkpoints and, with replicas,
+the journal in the shared store, read back to check that no generation was accepted twice or out
+of order and that no acknowledged join was lost.
 """
 
 from __future__ import annotations
@@ -11,14 +14,37 @@ import json
 import pathlib
 from typing import Any
 
-from croupier.tools.audit import load
+from croupier.tools.audit import EpochReport, audit, load, render
 
 #: The chaos run's job.
 JOB = "chaos"
+DATABASE_MODES = ("fast", "immediate")  # PostgreSQL shutdown modes, in turn
 
 
 class ChaosError(RuntimeError):
     """Something the chaos run did not inject went wrong: a crash, a hang, an audit violation."""
+
+
+@dataclasses.dataclass
+class Tally:
+    """What the run injected."""
+
+    rank_kills: int = 0
+    coordinator_kills: int = 0
+    preemptions: int = 0
+    older_restarts: int = 0  # relaunches from a checkpoint older than the latest
+    resizes: int = 0
+    launches: int = 0
+    rollback_steps: int = 0  # steps undone by restarts from older checkpoints
+    replica_kills: int = 0
+    first_endpoint_kills: int = 0  # replica kills of the first endpoint, the one every rank calls first
+    busy_replica_kills: int = 0  # replica kills of a replica with client connections when it was killed
+    database_restarts: dict[str, int] = dataclasses.field(default_factory=lambda: {m: 0 for m in DATABASE_MODES})
+
+    @property
+    def faults(self) -> int:
+        return (self.rank_kills + self.coordinator_kills + self.preemptions + self.replica_kills
+                + sum(self.database_restarts.values()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +59,62 @@ class History:
     incarnations: int  # incarnations in the audit log (each an acknowledged join too)
     first_seq: int  # the first journal record held (1 unless a snapshot pruned the ones before)
     unchecked: int  # acknowledged joins of generations before first_seq, which a snapshot pruned
+
+
+def check_audit(work: pathlib.Path, when: str) -> list[EpochReport]:
+    """Audits what has been trained so far (WORKDIR/audit); raises ChaosError on a violation of G1."""
+    if not any((work / "audit").glob("*/*.audit")):
+        return []
+    reports = audit(work / "audit")
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        print("\n" + render(reports), flush=True)
+        raise ChaosError(f"the audit {when} found G1 violated in epochs {[r.epoch for r in bad]}: "
+                         + "; ".join(f"epoch {r.epoch}: {r.why}" for r in bad))
+    return reports
+
+
+def _origin_of(ckpt: pathlib.Path | None) -> str | None:
+    """The origin of the sampler state saved in a checkpoint (where the state was made); None: a fresh start."""
+    if ckpt is None:
+        return None
+    import torch
+
+    origin = torch.load(ckpt, weights_only=True)["sampler"].get("origin")
+    return str(origin) if origin is not None else None
+
+
+def check_resumed(work: pathlib.Path, number: int, since: float, ckpt: pathlib.Path | None) -> None:
+    """Checks that launch `number` (started at `since`) resumed its data from `ckpt`, as its model did.
+
+    The audit follows the chain the samplers logged; this ties that chain to the checkpoints the
+    orchestrator handed out, so that a trainer that restores the model but not the sampler fails too.
+    """
+    incs = [i for i in load(work / "audit").get(JOB, []) if i.ts >= since] if (work / "audit").exists() else []
+    if not incs:
+        return  # no rank of this launch got as far as its first batch
+    expected, got = _origin_of(ckpt), incs[0].origin
+    if got != expected:
+        raise ChaosError(f"launch {number} resumed from {ckpt.name if ckpt else 'scratch'}, whose sampler state is "
+                         f"{expected or 'a fresh start'}, but its samplers logged {got or 'a fresh start'}: the data "
+                         "did not roll back with the model")
+
+
+def check_store(store: str) -> None:
+    """Raises ValueError unless `store` is a ``postgresql://`` database that holds no journal yet."""
+    from croupier.server import open_store, redact_url
+
+    if not store.startswith(("postgresql://", "postgres://")):
+        raise ValueError(f"store must be a postgresql:// URL: the replicas share it (got {redact_url(store)!r}); "
+                         "without one, the run keeps a sqlite store in its workdir")
+    opened = open_store(store)
+    try:
+        rec = opened.load()
+    finally:
+        opened.close()
+    if rec.snapshot is not None or rec.records:
+        raise ValueError(f"store {redact_url(store)} already holds a journal (up to record {rec.last_seq}): the "
+                         "history check reads the whole journal as this run's; give the run an empty database")
 
 
 def _read_joins(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -157,3 +239,19 @@ def history_line(h: History) -> str:
             f"{h.acknowledged} acknowledged joins ({h.join_lines} rank records in joins.jsonl, {h.incarnations} "
             f"incarnations in the audit log) all in the journal: no acknowledged join lost ({h.records} journal "
             f"records read{pruned})")
+
+
+def summary(t: Tally, reports: list[EpochReport], seconds: float, replicated: bool) -> str:
+    """The run's last line: the faults it injected, and what the audit of every epoch found."""
+    if replicated:
+        db = t.database_restarts
+        kills = (f"{t.rank_kills} rank kills, {t.replica_kills} replica kills ({t.first_endpoint_kills} of the first "
+                 f"endpoint, {t.busy_replica_kills} of a replica with active clients), {sum(db.values())} database "
+                 f"restarts ({db['fast']} fast, {db['immediate']} immediate)")
+    else:
+        kills = f"{t.rank_kills} rank kills, {t.coordinator_kills} coordinator kills"
+    return (f"chaos: {t.faults} faults injected ({kills}, {t.preemptions} preemptions), {t.resizes} resizes, "
+            f"{t.older_restarts} restarts from an older checkpoint ({t.rollback_steps} steps rolled back), "
+            f"{t.launches} launches; {sum(r.trained for r in reports)} samples audited over {len(reports)} epochs: "
+            f"{sum(r.duplicates for r in reports)} duplicates, {sum(r.missing for r in reports)} missing; G1 holds "
+            f"({seconds:.0f} s)")
