@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from _ranks import Ranks
+from prometheus_client.parser import text_string_to_metric_families
 
 from croupier.client import DistributedSampler
 from croupier.core.api import CheckpointRecord, JobStatus, JoinResult, RankCursor
 from croupier.core.order import Cursor, fresh
 from croupier.core.spec import Spec
-from croupier.server import Server
+from croupier.server import Server, ServerOptions
 from croupier.tools import status
 from croupier.tools.status import ago, job_lines, jobs_lines, summarize
 
@@ -204,3 +208,34 @@ def test_status_of_an_unreachable_coordinator_says_so_in_one_line(capsys: pytest
     err = capsys.readouterr().err
     assert err.startswith(f"croupier status: the coordinator at {address} is unavailable (retried for 3 s): ")
     assert err.count("\n") == 1 and out.getvalue() == ""
+
+
+def test_the_status_page_the_metrics_and_croupier_status_count_alike(tmp_path: pathlib.Path) -> None:
+    """One arithmetic (croupier.server.job_view) behind the three: the same epoch, progress, slowest rank and lag."""
+    with Server(f"sqlite:///{tmp_path}/c.db", options=ServerOptions(metrics_port=0)) as server:
+        samplers = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="j", token="t1",
+                                       lease_ahead=16, prefetch=1) for r in range(3)]
+        ranks = Ranks(samplers)
+        try:
+            for r, k in enumerate(TAKEN):
+                for _ in range(k):
+                    assert ranks.next(r) is not None
+                samplers[r].state_dict()
+        finally:
+            ranks.close()
+        out = io.StringIO()
+        assert status.main(server.address, out=out) == 0
+        with urllib.request.urlopen(f"http://{server.metrics_address}/api/jobs", timeout=10) as r:
+            (page,) = json.loads(r.read())["jobs"]
+        with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10) as r:
+            metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+    done, total = sum(TAKEN), 3 * 334  # tail "pad": every rank gets ceil(1000 / 3) batches of one index
+    row = _rows(out.getvalue().splitlines(), "JOB")[0]
+    assert row[3:10] == ["0", f"{100 * done / total:.1f}%", "rank", "2,", str(TAKEN[0] - TAKEN[2]), "batches", "behind"]
+    assert (page["epoch"], page["slowest"]) == (0, {"rank": 2, "lag": TAKEN[0] - TAKEN[2]})
+    assert page["progress"] == pytest.approx(done / total)
+    assert metrics[("croupier_job_epoch", (("job", "j"),))] == 0
+    assert metrics[("croupier_job_epoch_progress", (("job", "j"),))] == pytest.approx(done / total)
+    assert [metrics[("croupier_rank_lag_batches", (("job", "j"), ("rank", str(r))))] for r in range(3)] == \
+        [r["lag"] for r in page["ranks"]] == [0, TAKEN[0] - TAKEN[1], TAKEN[0] - TAKEN[2]]
