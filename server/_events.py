@@ -1,32 +1,40 @@
-"""The coordinator's events and their codec: one schema, read from the event types themselves.
+"""The coordinator's events and the journal's codec: one schema table drives encoding and decoding.
 
-Each event is a frozen dataclass; its fields' annotated types are the schema: :data:`_DECODERS`
-holds one reader per field type, and ``encode_event`` / ``decode_event`` walk the fields of the
-event's type, so a field added to an event is encoded and checked on the way back with no
-decoder of its own (a type the table does not know fails at import). The snapshot's restore in
-``croupier.server._state`` reads its values with the same readers.
+NOTE: a table in Python rather than a versioned ``.proto`` for the journal: the records already
+on disk are msgpack maps (``{"type": ..., "version": ..., "order": ..., <fields>}``) and MUST
+keep decoding (tests/fixtures/journal-v2.db, journal-v3.db); a ``.proto`` would be a second
+format beside them, while :data:`SCHEMA` describes the one the journal has. Each row names an
+event's tag (its ``"type"`` on disk), its frozen dataclass and its fields in record order, each
+with the :class:`Codec` that writes and reads it. :func:`check_schema` runs at import: a field of
+an event missing from the table (or in the table and not in the event), a codec for another type
+than the field's, a tag twice or an event type without a row fails there, naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from croupier.core.cursor import Cursor
 from croupier.core.spec import ORDER_VERSION, Spec
 
-# --------------------------------------------------------------------------- requests and events
+# --------------------------------------------------------------------------- events
 
 
 @dataclasses.dataclass(frozen=True)
 class JobRegistered:
+    """The first rank of a job joined: the job exists from now on, with `spec`."""
+
     job: str
     spec: Spec
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationOpened:
+    """A rank joined with a token no generation of the job had: generation `generation` of `world` ranks begins."""
+
     job: str
     generation: int
     world: int
@@ -35,6 +43,8 @@ class GenerationOpened:
 
 @dataclasses.dataclass(frozen=True)
 class RankJoined:
+    """`rank` joined the generation, resuming from `resume` or asking for `epoch` (either may be None)."""
+
     job: str
     generation: int
     rank: int
@@ -44,6 +54,8 @@ class RankJoined:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationStarted:
+    """Every rank joined: the generation deals from `start` (its resume point, bound to its world)."""
+
     job: str
     generation: int
     start: Cursor
@@ -99,18 +111,8 @@ class BatchesCommitted:
 
 Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
          | BatchesDealt | BatchesCommitted)
-_EVENT_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (JobRegistered, GenerationOpened, RankJoined, GenerationStarted, ProgressReported, CheckpointRecorded,
-              BatchesDealt, BatchesCommitted)
-}
 
-
-def _cursor_to(c: Cursor | None) -> Any:
-    return None if c is None else [c.epoch, [[a, b] for a, b in c.remaining], c.base_world]
-
-
-# --------------------------------------------------------------------------- encoding
+# --------------------------------------------------------------------------- versions
 
 #: The format of an encoded event and of a snapshot, written into each as ``"version"``.
 #: Journals outlive releases: a release that changes either format MUST bump this, and MUST
@@ -131,31 +133,55 @@ class FormatError(ValueError):
     """An encoded event or snapshot that this croupier cannot read; the message says what is wrong."""
 
 
-def _show(v: Any) -> str:
+def check_version(what: str, d: Mapping[str, Any]) -> None:
+    """Refuses a record or snapshot `d` (which has a ``"version"``) of a format or order version this croupier does not read."""
+    v = d["version"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise FormatError(f"{what} format version must be an int (got {show(v)})")
+    if v not in READS:
+        newer = "; a newer croupier wrote it" if v > FORMAT_VERSION else ""
+        raise FormatError(
+            f"{what} format version {v} is not one this croupier reads (it reads versions "
+            f"{', '.join(map(str, READS))}){newer}"
+        )
+    order = d.get("order")
+    if order != ORDER_VERSION:
+        raise FormatError(
+            f"{what} was written with order version {show(order)}, but this croupier computes order version "
+            f"{ORDER_VERSION}: the positions it stores would name other samples; recover it with the release "
+            "that wrote it, or start the coordinator on a new store (the jobs resume from their checkpoints)"
+        )
+
+
+# --------------------------------------------------------------------------- readers of plain values
+
+
+def show(v: Any) -> str:
+    """`v` as an error message quotes it: its repr, cut at 80 characters."""
     text = repr(v)
     return text if len(text) <= 80 else f"{text[:77]}..."
 
 
-def _as_str(what: str, v: Any) -> str:
+def as_str(what: str, v: Any) -> str:
     if not isinstance(v, str):
-        raise FormatError(f"{what} must be a str (got {what}={_show(v)})")
+        raise FormatError(f"{what} must be a str (got {what}={show(v)})")
     return v
 
 
-def _as_int(what: str, v: Any) -> int:
+def as_int(what: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise FormatError(f"{what} must be an int (got {what}={_show(v)})")
+        raise FormatError(f"{what} must be an int (got {what}={show(v)})")
     return v
 
 
-def _as_list(what: str, v: Any, length: int | None = None) -> list[Any]:
+def as_list(what: str, v: Any, length: int | None = None) -> list[Any]:
     if not isinstance(v, (list, tuple)) or (length is not None and len(v) != length):
         shape = "a list" if length is None else f"a list of {length}"
-        raise FormatError(f"{what} must be {shape} (got {what}={_show(v)})")
+        raise FormatError(f"{what} must be {shape} (got {what}={show(v)})")
     return list(v)
 
 
-def _as_map(what: str, v: Any, keys: Sequence[str]) -> Mapping[str, Any]:
+def as_map(what: str, v: Any, keys: Sequence[str]) -> Mapping[str, Any]:
     """``v`` after checking it is a map with exactly ``keys``."""
     if not isinstance(v, Mapping):
         raise FormatError(f"{what} must be a map (got {type(v).__name__})")
@@ -168,78 +194,150 @@ def _as_map(what: str, v: Any, keys: Sequence[str]) -> Mapping[str, Any]:
     return v
 
 
-def _as_spec(what: str, v: Any) -> Spec:
+def as_spec(what: str, v: Any) -> Spec:
     if not isinstance(v, Mapping) or not all(isinstance(k, str) for k in v):
-        raise FormatError(f"{what} must be a map of spec fields (got {what}={_show(v)})")
+        raise FormatError(f"{what} must be a map of spec fields (got {what}={show(v)})")
     try:
         return Spec.from_dict(v)
     except (TypeError, ValueError) as exc:
         raise FormatError(f"{what} is not a valid spec: {exc}") from exc
 
 
-def _as_cursor(what: str, v: Any) -> Cursor:
-    epoch, remaining, base_world = _as_list(f"{what} (a cursor [epoch, intervals, base world])", v, 3)
+def as_cursor(what: str, v: Any) -> Cursor:
+    epoch, remaining, base_world = as_list(f"{what} (a cursor [epoch, intervals, base world])", v, 3)
     intervals: list[tuple[int, int]] = []
-    for i, pair in enumerate(_as_list(f"{what} intervals", remaining)):
-        a, b = _as_list(f"{what} interval {i}", pair, 2)
-        intervals.append((_as_int(f"{what} interval {i} start", a), _as_int(f"{what} interval {i} end", b)))
-    return Cursor(_as_int(f"{what} epoch", epoch), tuple(intervals), _as_int(f"{what} base world", base_world))
+    for i, pair in enumerate(as_list(f"{what} intervals", remaining)):
+        a, b = as_list(f"{what} interval {i}", pair, 2)
+        intervals.append((as_int(f"{what} interval {i} start", a), as_int(f"{what} interval {i} end", b)))
+    return Cursor(as_int(f"{what} epoch", epoch), tuple(intervals), as_int(f"{what} base world", base_world))
 
 
-_Decoder = Callable[[str, Any], Any]
+def cursor_to(c: Cursor | None) -> Any:
+    """A cursor as the journal and the snapshot write it: ``[epoch, [[start, end], ...], base world]``."""
+    return None if c is None else [c.epoch, [[a, b] for a, b in c.remaining], c.base_world]
 
 
-def _optional(decode: _Decoder) -> _Decoder:
-    def decode_optional(what: str, v: Any) -> Any:
-        return None if v is None else decode(what, v)
-
-    return decode_optional
+# --------------------------------------------------------------------------- the schema
 
 
-#: How a value of each field type of an event is read back, by the field's annotation.
-_DECODERS: dict[str, _Decoder] = {
-    "str": _as_str,
-    "int": _as_int,
-    "int | None": _optional(_as_int),
-    "Spec": _as_spec,
-    "Cursor": _as_cursor,
-    "Cursor | None": _optional(_as_cursor),
-}
-#: Event type name -> its fields and how each is read back (a KeyError here: teach _DECODERS the type).
-_EVENT_FIELDS: dict[str, dict[str, _Decoder]] = {
-    name: {f.name: _DECODERS[str(f.type)] for f in dataclasses.fields(t)} for name, t in _EVENT_TYPES.items()
-}
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How a field of one type is written into a journal record and read back.
+
+    Attributes:
+        annotation: The annotated type of the event fields it writes, as the dataclass spells it.
+        encode: The value -> what msgpack writes.
+        decode: (what, written value) -> the value; raises FormatError naming `what`.
+    """
+
+    annotation: str
+    encode: Callable[[Any], Any]
+    decode: Callable[[str, Any], Any]
 
 
-def _check_version(what: str, d: Mapping[str, Any]) -> None:
-    v = d["version"]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise FormatError(f"{what} format version must be an int (got {_show(v)})")
-    if v not in READS:
-        newer = "; a newer croupier wrote it" if v > FORMAT_VERSION else ""
-        raise FormatError(
-            f"{what} format version {v} is not one this croupier reads (it reads versions "
-            f"{', '.join(map(str, READS))}){newer}"
-        )
-    order = d.get("order")
-    if order != ORDER_VERSION:
-        raise FormatError(
-            f"{what} was written with order version {_show(order)}, but this croupier computes order version "
-            f"{ORDER_VERSION}: the positions it stores would name other samples; recover it with the release "
-            "that wrote it, or start the coordinator on a new store (the jobs resume from their checkpoints)"
-        )
+def _same(v: Any) -> Any:
+    return v
+
+
+def _optional(codec: Codec) -> Codec:
+    """`codec`, or None written as nil."""
+    def encode(v: Any) -> Any:
+        return None if v is None else codec.encode(v)
+
+    def decode(what: str, v: Any) -> Any:
+        return None if v is None else codec.decode(what, v)
+
+    return Codec(f"{codec.annotation} | None", encode, decode)
+
+
+STR = Codec("str", _same, as_str)
+INT = Codec("int", _same, as_int)
+OPT_INT = _optional(INT)
+SPEC = Codec("Spec", Spec.to_dict, as_spec)
+CURSOR = Codec("Cursor", cursor_to, as_cursor)
+OPT_CURSOR = _optional(CURSOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class EventSchema:
+    """One row of :data:`SCHEMA`: an event's tag on disk, its type, and its fields in record order."""
+
+    tag: str
+    type: type
+    fields: tuple[tuple[str, Codec], ...]
+
+
+_JOB, _GEN, _RANK = ("job", STR), ("generation", INT), ("rank", INT)
+
+#: The journal's events: tag, type, and (field, codec) in the order a record holds them. A new
+#: event or field is a new row or entry here (and a FORMAT_VERSION bump: see above).
+SCHEMA: tuple[EventSchema, ...] = (
+    EventSchema("JobRegistered", JobRegistered, (_JOB, ("spec", SPEC))),
+    EventSchema("GenerationOpened", GenerationOpened, (_JOB, _GEN, ("world", INT), ("token", STR))),
+    EventSchema("RankJoined", RankJoined, (_JOB, _GEN, _RANK, ("resume", OPT_CURSOR), ("epoch", OPT_INT))),
+    EventSchema("GenerationStarted", GenerationStarted, (_JOB, _GEN, ("start", CURSOR))),
+    EventSchema("ProgressReported", ProgressReported,
+                (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT), ("at_ms", INT))),
+    EventSchema("CheckpointRecorded", CheckpointRecorded,
+                (_JOB, _GEN, _RANK, ("step", OPT_INT), ("cursor", CURSOR), ("origin", STR), ("at_ms", INT))),
+    EventSchema("BatchesDealt", BatchesDealt, (_JOB, _GEN, _RANK, ("epoch", INT), ("first", INT), ("count", INT))),
+    EventSchema("BatchesCommitted", BatchesCommitted, (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT))),
+)
+
+
+def check_schema(schema: Sequence[EventSchema]) -> None:
+    """Refuses a schema that does not describe every event exactly.
+
+    Raises:
+        TypeError: A tag twice, an event type of the ``Event`` union without a row (or a row of
+            another type), or a row whose fields are not its type's fields in order, each with
+            the codec of the field's annotated type; the message names the event and the field.
+    """
+    tags = [row.tag for row in schema]
+    twice = sorted({t for t in tags if tags.count(t) > 1})
+    if twice:
+        raise TypeError(f"the journal schema has the tags {twice} twice")
+    events, rows = set(typing.get_args(Event)), {row.type for row in schema}
+    if events != rows:
+        missing = sorted(t.__name__ for t in events - rows)
+        extra = sorted(t.__name__ for t in rows - events)
+        raise TypeError(f"the journal schema must have one row per event (no row: {missing}; not an event: {extra})")
+    for row in schema:
+        fields = [(f.name, str(f.type)) for f in dataclasses.fields(row.type)]
+        table = [(name, codec.annotation) for name, codec in row.fields]
+        if [n for n, _ in fields] != [n for n, _ in table]:
+            gone = [n for n, _ in fields if n not in dict(table)]
+            unknown = [n for n, _ in table if n not in dict(fields)]
+            why = "; ".join([*([f"not in the table: {gone}"] if gone else []),
+                             *([f"not in the event: {unknown}"] if unknown else [])]) or "another order"
+            raise TypeError(f"the journal schema's {row.tag} has the fields {[n for n, _ in table]}, its event "
+                            f"{[n for n, _ in fields]} ({why})")
+        for (name, annotation), (_, written) in zip(fields, table, strict=True):
+            if annotation != written:
+                raise TypeError(f"the journal schema writes {row.tag}.{name} as {written}, but the field is {annotation}")
+
+
+check_schema(SCHEMA)
+_BY_TAG: dict[str, EventSchema] = {row.tag: row for row in SCHEMA}
+_BY_TYPE: dict[type, EventSchema] = {row.type: row for row in SCHEMA}
+
+
+# --------------------------------------------------------------------------- the codec
 
 
 def encode_event(ev: Event) -> dict[str, Any]:
-    """A plain (msgpack-able) dict of an event: its ``type``, the format ``version``, and its fields."""
-    d: dict[str, Any] = {"type": type(ev).__name__, "version": FORMAT_VERSION, "order": ORDER_VERSION}
-    for f in dataclasses.fields(ev):
-        v = getattr(ev, f.name)
-        if isinstance(v, Spec):
-            v = v.to_dict()
-        elif isinstance(v, Cursor):
-            v = _cursor_to(v)
-        d[f.name] = v
+    """A plain (msgpack-able) dict of an event: its ``type`` (tag), the format ``version``, the
+    ``order`` version, and its fields in :data:`SCHEMA`'s order.
+
+    Raises:
+        TypeError: If `ev` is not an event.
+    """
+    row = _BY_TYPE.get(type(ev))
+    if row is None:
+        raise TypeError(f"not an event: {ev!r}")
+    d: dict[str, Any] = {"type": row.tag, "version": FORMAT_VERSION, "order": ORDER_VERSION}
+    for name, codec in row.fields:
+        d[name] = codec.encode(getattr(ev, name))
     return d
 
 
@@ -260,11 +358,11 @@ def decode_event(d: Any) -> Event:
         raise FormatError(f"an event must be a map (got {type(d).__name__})")
     if "version" not in d:
         raise FormatError(f"the event has no format version (fields: [{', '.join(sorted(map(repr, d)))}])")
-    _check_version("event", d)
-    kind = d.get("type")
-    if not isinstance(kind, str) or kind not in _EVENT_FIELDS:
-        raise FormatError(f"unknown event type {_show(kind)} (known: {sorted(_EVENT_FIELDS)})")
-    fields = _EVENT_FIELDS[kind]
-    body = _as_map(f"a {kind} event", d, ["type", "version", "order", *fields])
-    kw = {name: decode(f"{kind}.{name}", body[name]) for name, decode in fields.items()}
-    return _EVENT_TYPES[kind](**kw)  # type: ignore[no-any-return]
+    check_version("event", d)
+    tag = d.get("type")
+    row = _BY_TAG.get(tag) if isinstance(tag, str) else None
+    if row is None:
+        raise FormatError(f"unknown event type {show(tag)} (known: {sorted(_BY_TAG)})")
+    body = as_map(f"a {tag} event", d, ["type", "version", "order", *(name for name, _ in row.fields)])
+    values = {name: codec.decode(f"{tag}.{name}", body[name]) for name, codec in row.fields}
+    return row.type(**values)  # type: ignore[no-any-return]

@@ -1,7 +1,7 @@
 """What the coordinator writes to its store, and recovery: the one place journal bytes become state.
 
-A journal record is one event and a snapshot is the whole state, each the msgpack encoding of
-the versioned dict the state machine makes (:func:`~croupier.server._state.encode_event`,
+A journal record is one event and a snapshot is the whole state, each the msgpack encoding of a
+versioned dict (:func:`~croupier.server._events.encode_event`, driven by the journal's schema;
 :meth:`~croupier.server._state.State.snapshot`). A store verifies the bytes it holds (its
 checksums); :func:`recover` verifies that they mean something to this croupier. A record whose
 bytes the store vouches for but which this croupier cannot read -- not msgpack, an unknown event
@@ -13,6 +13,7 @@ number and why.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -71,25 +72,40 @@ def replay(store: Store, rec: Recovered, state: State | None = None) -> State:
     Raises:
         StoreCorrupt: as :func:`recover`.
     """
-    state = state if state is not None else State()
-    if rec.snapshot is not None:
-        what = f"the snapshot at seq {rec.snapshot_seq}"
+    snapshot = _snapshot(store, rec)
+    if snapshot is not None:
+        state = snapshot
+    elif state is None:
+        state = State()
+    for seq, ev in _events(store, rec):
         try:
-            state = State.restore(_unpack(store, what, rec.snapshot))
-        except FormatError as exc:
-            raise _corrupt(store, what, str(exc)) from exc
+            state.apply(ev)
+        except (KeyError, RuntimeError) as exc:  # what apply raises for an event out of place
+            why = f"its {type(ev).__name__} event does not follow the records before it ({type(exc).__name__}: {exc})"
+            raise _corrupt(store, f"journal record {seq}", why) from exc
+    return state
+
+
+def _snapshot(store: Store, rec: Recovered) -> State | None:
+    """The state of the snapshot `rec` holds, or None without one."""
+    if rec.snapshot is None:
+        return None
+    what = f"the snapshot at seq {rec.snapshot_seq}"
+    try:
+        return State.restore(_unpack(store, what, rec.snapshot))
+    except FormatError as exc:
+        raise _corrupt(store, what, str(exc)) from exc
+
+
+def _events(store: Store, rec: Recovered) -> Iterator[tuple[int, Event]]:
+    """``(seq, event)`` of the records `rec` holds after its snapshot, each decoded as it is reached."""
     for seq, payload in rec.records:
         what = f"journal record {seq}"
         try:
             ev = decode_event(_unpack(store, what, payload))
         except FormatError as exc:
             raise _corrupt(store, what, str(exc)) from exc
-        try:
-            state.apply(ev)
-        except (KeyError, RuntimeError) as exc:  # what apply raises for an event out of place
-            why = f"its {type(ev).__name__} event does not follow the records before it ({type(exc).__name__}: {exc})"
-            raise _corrupt(store, what, why) from exc
-    return state
+        yield seq, ev
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,18 +135,4 @@ def read_journal(store: Store, since: int = 0) -> JournalRead:
         StoreUnavailable: the store cannot be read.
     """
     rec = store.read_since(since)
-    snapshot = None
-    if rec.snapshot is not None:
-        what = f"the snapshot at seq {rec.snapshot_seq}"
-        try:
-            snapshot = State.restore(_unpack(store, what, rec.snapshot))
-        except FormatError as exc:
-            raise _corrupt(store, what, str(exc)) from exc
-    events = []
-    for seq, payload in rec.records:
-        what = f"journal record {seq}"
-        try:
-            events.append((seq, decode_event(_unpack(store, what, payload))))
-        except FormatError as exc:
-            raise _corrupt(store, what, str(exc)) from exc
-    return JournalRead(snapshot, rec.snapshot_seq, events)
+    return JournalRead(_snapshot(store, rec), rec.snapshot_seq, list(_events(store, rec)))

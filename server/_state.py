@@ -1,19 +1,24 @@
-"""The coordinator's state machine: jobs, generations and resume points, changed only through apply(event).
+"""The coordinator's state machine: jobs, generations, progress, checkpoints and deals, changed only through apply(event).
 
-Deciding and applying are separate. ``decide_join`` checks a request against the state and
+Deciding and applying are separate. Each ``decide_*`` checks a request against the state and
 returns the events it implies, with every value already decided (the generation number, the
-resume point); it changes nothing and raises a domain error for a bad request. ``apply`` makes
-one event part of the state and never fails on an event ``decide_join`` produced. Replaying the
-journal of events over the last snapshot therefore rebuilds the exact state.
+resume point, the time, the batches dealt): ``decide_join`` returns its events, ``decide_report``
+and ``decide_deal`` the value their caller answers with beside them. A decision changes nothing
+and raises a domain error for a bad request. ``apply`` makes one event part of the state and
+never fails on an event a decision made of the same state. Replaying the journal of events over
+the last snapshot therefore rebuilds the exact state. The events and their codec are in
+``croupier.server._events``, a job's records and their snapshot form in ``croupier.server._jobs``.
 
-Serving is not an event: batch j of rank r in epoch e of generation g is a pure function of the
-generation's resume point and world size (see ``croupier.core.order``), so a repeated
-request returns the same batch and a coordinator restart changes nothing a client sees.
+Serving a plan whose steps are fixed is not an event: batch j of rank r in epoch e of generation
+g is a pure function of the generation's resume point and world size (see
+``croupier.core.plans``), so a repeated request returns the same batch and a coordinator restart
+changes nothing a client sees. With dynamic dealing the coordinator decides what each rank gets,
+so every deal is an event (``BatchesDealt``): a repeated ask gets the deal on record, before and
+after a restart.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,47 +51,13 @@ from croupier.server._events import (
     JobRegistered,
     ProgressReported,
     RankJoined,
-    _as_cursor,
-    _as_int,
-    _as_list,
-    _as_map,
-    _as_spec,
-    _as_str,
-    _check_version,
-    _cursor_to,
+    as_list,
+    as_map,
+    check_version,
 )
+from croupier.server._jobs import Generation, Job, restore_job, snapshot_job
 
 # --------------------------------------------------------------------------- state
-
-
-@dataclasses.dataclass
-class Generation:
-    """One incarnation of a job's world."""
-
-    number: int
-    world: int
-    token: str
-    joined: dict[int, tuple[Cursor | None, int | None]] = dataclasses.field(default_factory=dict)
-    start: Cursor | None = None
-
-    def waiting_for(self) -> tuple[int, ...]:
-        return tuple(r for r in range(self.world) if r not in self.joined) if self.start is None else ()
-
-
-@dataclasses.dataclass
-class Job:
-    """A job: its spec, its current generation, and every token that ever opened one."""
-
-    name: str
-    spec: Spec
-    generation: Generation | None = None
-    tokens: list[str] = dataclasses.field(default_factory=list)
-    #: rank -> (epoch, batches, at_ms): the current generation's ranks, as last reported
-    progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
-    #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
-    checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
-    #: dynamic dealing: epoch -> what the current generation dealt in it
-    deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
 
 
 class State:
@@ -412,28 +383,8 @@ class State:
     # ---------------------------------------------------------------- snapshots
 
     def snapshot(self) -> dict[str, Any]:
-        """The whole state as a plain (msgpack-able) dict, with the format ``version``."""
-        jobs = []
-        for j in self.jobs.values():
-            g = j.generation
-            gd = None
-            if g is not None:
-                gd = {
-                    "number": g.number,
-                    "world": g.world,
-                    "token": g.token,
-                    "joined": [[r, _cursor_to(c), e] for r, (c, e) in sorted(g.joined.items())],
-                    "start": _cursor_to(g.start),
-                }
-            jobs.append({
-                "name": j.name, "spec": j.spec.to_dict(), "generation": gd, "tokens": list(j.tokens),
-                "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
-                "checkpoints": [[c.step, _cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms]
-                                for c in j.checkpoints],
-                "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
-                           [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
-            })
-        return {"version": FORMAT_VERSION, "order": ORDER_VERSION, "jobs": jobs}
+        """The whole state as a plain (msgpack-able) dict, with the format ``version`` (see croupier.server._jobs)."""
+        return {"version": FORMAT_VERSION, "order": ORDER_VERSION, "jobs": [snapshot_job(j) for j in self.jobs.values()]}
 
     @classmethod
     def restore(cls, snap: Any, events: Sequence[Event] = ()) -> State:
@@ -458,66 +409,16 @@ class State:
                 raise FormatError(f"a snapshot must be a map (got {type(snap).__name__})")
             if "version" not in snap:
                 raise FormatError(f"the snapshot has no format version (fields: [{', '.join(sorted(map(repr, snap)))}])")
-            _check_version("snapshot", snap)
-            body = _as_map("the snapshot", snap, ["version", "order", "jobs"])
-            for i, jd in enumerate(_as_list("snapshot jobs", body["jobs"])):
-                job = _restore_job(f"snapshot job {i}", jd, body["version"])
+            check_version("snapshot", snap)
+            body = as_map("the snapshot", snap, ["version", "order", "jobs"])
+            for i, jd in enumerate(as_list("snapshot jobs", body["jobs"])):
+                job = restore_job(f"snapshot job {i}", jd, body["version"])
                 if job.name in s.jobs:
                     raise FormatError(f"snapshot job {i}: job {job.name!r} appears twice")
                 s.jobs[job.name] = job
         for ev in events:
             s.apply(ev)
         return s
-
-
-def _restore_job(what: str, v: Any, version: int) -> Job:
-    """One job of a snapshot of format `version`, read back; see :meth:`State.restore`."""
-    later = (["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
-    jd = _as_map(what, v, ["name", "spec", "generation", "tokens", *later])
-    name = _as_str(f"{what} name", jd["name"])
-    tokens = [_as_str(f"{what} token {k}", t) for k, t in enumerate(_as_list(f"{what} tokens", jd["tokens"]))]
-    job = Job(name, _as_spec(f"{what} spec", jd["spec"]), None, tokens)
-    for k, entry in enumerate(_as_list(f"{what} progress", jd.get("progress", []))):
-        r, e, b, t = (_as_int(f"{what} progress entry {k}", x) for x in _as_list(f"{what} progress entry {k}", entry, 4))
-        job.progress[r] = (e, b, t)
-    for k, entry in enumerate(_as_list(f"{what} checkpoints", jd.get("checkpoints", []))):
-        w = f"{what} checkpoint {k}"
-        step, cursor, origin, gen, rank, t = _as_list(f"{w} ([step, cursor, origin, generation, rank, ms])", entry, 6)
-        job.checkpoints.append(CheckpointRecord(
-            None if step is None else _as_int(f"{w} step", step), _as_cursor(f"{w} cursor", cursor),
-            _as_str(f"{w} origin", origin), _as_int(f"{w} generation", gen), _as_int(f"{w} rank", rank),
-            _as_int(f"{w} time", t)))
-    for k, entry in enumerate(_as_list(f"{what} deals", jd.get("deals", []))):
-        w = f"{what} deals {k}"
-        epoch, nxt, runs, committed = _as_list(f"{w} ([epoch, next, runs, committed])", entry, 4)
-        book = EpochDeals(_as_int(f"{w} next", nxt))
-        for rr in _as_list(f"{w} runs", runs):
-            r, rl = _as_list(f"{w} rank runs", rr, 2)
-            book.runs[_as_int(f"{w} rank", r)] = [
-                (_as_int(f"{w} run", x[0]), _as_int(f"{w} run", x[1])) for x in (_as_list(f"{w} run", y, 2) for y in
-                                                                               _as_list(f"{w} runs of {r}", rl))]
-        for cc in _as_list(f"{w} committed", committed):
-            r, b = _as_list(f"{w} committed entry", cc, 2)
-            book.committed[_as_int(f"{w} rank", r)] = _as_int(f"{w} batches", b)
-        job.deals[_as_int(f"{w} epoch", epoch)] = book
-    if jd["generation"] is not None:
-        where = f"{what} ({name!r}) generation"
-        g = _as_map(where, jd["generation"], ["number", "world", "token", "joined", "start"])
-        joined: dict[int, tuple[Cursor | None, int | None]] = {}
-        for k, entry in enumerate(_as_list(f"{where} joined", g["joined"])):
-            rank, resume, epoch = _as_list(f"{where} joined entry {k} ([rank, resume, epoch])", entry, 3)
-            joined[_as_int(f"{where} joined rank", rank)] = (
-                None if resume is None else _as_cursor(f"{where} rank {rank} resume", resume),
-                None if epoch is None else _as_int(f"{where} rank {rank} epoch", epoch),
-            )
-        job.generation = Generation(
-            _as_int(f"{where} number", g["number"]),
-            _as_int(f"{where} world", g["world"]),
-            _as_str(f"{where} token", g["token"]),
-            joined,
-            None if g["start"] is None else _as_cursor(f"{where} start", g["start"]),
-        )
-    return job
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,0 +1,142 @@
+"""A job as the coordinator's state holds it (Job, Generation), and the form a snapshot writes it in.
+
+A snapshot (:meth:`~croupier.server._state.State.snapshot`) is ``{"version", "order", "jobs"}``
+with one map per job, made by :func:`snapshot_job` and read back by :func:`restore_job`, whose
+values are written and read with the journal's own codecs (``croupier.server._events``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from croupier.core.api import CheckpointRecord
+from croupier.core.cursor import Cursor
+from croupier.core.dynamic import EpochDeals
+from croupier.core.spec import Spec
+from croupier.server._events import (
+    CURSOR,
+    INT,
+    OPT_CURSOR,
+    OPT_INT,
+    SPEC,
+    STR,
+    as_list,
+    as_map,
+    cursor_to,
+)
+
+
+@dataclasses.dataclass
+class Generation:
+    """One incarnation of a job's world."""
+
+    number: int
+    world: int
+    token: str
+    joined: dict[int, tuple[Cursor | None, int | None]] = dataclasses.field(default_factory=dict)
+    start: Cursor | None = None
+
+    def waiting_for(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.world) if r not in self.joined) if self.start is None else ()
+
+
+@dataclasses.dataclass
+class Job:
+    """A job: its spec, its current generation, and every token that ever opened one."""
+
+    name: str
+    spec: Spec
+    generation: Generation | None = None
+    tokens: list[str] = dataclasses.field(default_factory=list)
+    #: rank -> (epoch, batches, at_ms): the current generation's ranks, as last reported
+    progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
+    checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
+    #: dynamic dealing: epoch -> what the current generation dealt in it
+    deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
+
+
+def snapshot_job(j: Job) -> dict[str, Any]:
+    """One job as a snapshot of the current format writes it (a plain, msgpack-able map)."""
+    g = j.generation
+    gd = None
+    if g is not None:
+        gd = {
+            "number": g.number,
+            "world": g.world,
+            "token": g.token,
+            "joined": [[r, cursor_to(c), e] for r, (c, e) in sorted(g.joined.items())],
+            "start": cursor_to(g.start),
+        }
+    return {
+        "name": j.name, "spec": SPEC.encode(j.spec), "generation": gd, "tokens": list(j.tokens),
+        "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
+        "checkpoints": [[c.step, cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms]
+                        for c in j.checkpoints],
+        "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
+                   [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
+    }
+
+
+def restore_job(what: str, v: Any, version: int) -> Job:
+    """One job of a snapshot of format `version`, read back (a version 2 job has no progress and
+    no checkpoints, a version 3 job no deals).
+
+    Raises:
+        FormatError: `v` is not what :func:`snapshot_job` (of that version) writes; the message
+            starts with `what` and names the field.
+    """
+    later = (["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
+    jd = as_map(what, v, ["name", "spec", "generation", "tokens", *later])
+    name = STR.decode(f"{what} name", jd["name"])
+    tokens = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
+    job = Job(name, SPEC.decode(f"{what} spec", jd["spec"]), None, tokens)
+    for k, entry in enumerate(as_list(f"{what} progress", jd.get("progress", []))):
+        r, e, b, t = (INT.decode(f"{what} progress entry {k}", x) for x in as_list(f"{what} progress entry {k}", entry, 4))
+        job.progress[r] = (e, b, t)
+    for k, entry in enumerate(as_list(f"{what} checkpoints", jd.get("checkpoints", []))):
+        w = f"{what} checkpoint {k}"
+        step, cursor, origin, gen, rank, t = as_list(f"{w} ([step, cursor, origin, generation, rank, ms])", entry, 6)
+        job.checkpoints.append(CheckpointRecord(
+            OPT_INT.decode(f"{w} step", step), CURSOR.decode(f"{w} cursor", cursor), STR.decode(f"{w} origin", origin),
+            INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t)))
+    for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))):
+        job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
+    if jd["generation"] is not None:
+        job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"])
+    return job
+
+
+def _restore_deals(w: str, entry: Any) -> tuple[int, EpochDeals]:
+    """One epoch's ``[epoch, next, runs, committed]`` of a snapshot's deals."""
+    epoch, nxt, runs, committed = as_list(f"{w} ([epoch, next, runs, committed])", entry, 4)
+    book = EpochDeals(INT.decode(f"{w} next", nxt))
+    for rr in as_list(f"{w} runs", runs):
+        r, rl = as_list(f"{w} rank runs", rr, 2)
+        book.runs[INT.decode(f"{w} rank", r)] = [
+            (INT.decode(f"{w} run", x[0]), INT.decode(f"{w} run", x[1]))
+            for x in (as_list(f"{w} run", y, 2) for y in as_list(f"{w} runs of {r}", rl))]
+    for cc in as_list(f"{w} committed", committed):
+        r, b = as_list(f"{w} committed entry", cc, 2)
+        book.committed[INT.decode(f"{w} rank", r)] = INT.decode(f"{w} batches", b)
+    return INT.decode(f"{w} epoch", epoch), book
+
+
+def _restore_generation(where: str, v: Any) -> Generation:
+    """A snapshot's generation map, read back."""
+    g = as_map(where, v, ["number", "world", "token", "joined", "start"])
+    joined: dict[int, tuple[Cursor | None, int | None]] = {}
+    for k, entry in enumerate(as_list(f"{where} joined", g["joined"])):
+        rank, resume, epoch = as_list(f"{where} joined entry {k} ([rank, resume, epoch])", entry, 3)
+        joined[INT.decode(f"{where} joined rank", rank)] = (
+            OPT_CURSOR.decode(f"{where} rank {rank} resume", resume),
+            OPT_INT.decode(f"{where} rank {rank} epoch", epoch),
+        )
+    return Generation(
+        INT.decode(f"{where} number", g["number"]),
+        INT.decode(f"{where} world", g["world"]),
+        STR.decode(f"{where} token", g["token"]),
+        joined,
+        OPT_CURSOR.decode(f"{where} start", g["start"]),
+    )
