@@ -36,18 +36,32 @@ SHARED_POLL_S, CONFLICTS = 0.05, 100
 
 
 class Commits(Protocol):
-    """A commit protocol. Every method but :meth:`run` is called with the coordinator's lock held.
+    """A commit protocol: how the coordinator's decisions reach its store and its state.
+
+    The coordinator's lock is held on every call but :meth:`run`, which is the protocol's thread.
 
     Invariants every protocol MUST keep:
-        * ``commit(decide, durable)`` calls ``decide()`` on the coordinator's current state,
-          journals the events it returns in order, applies them to the state in that same order
-          (``State.apply``), and returns ``decide``'s value; when `durable`, only once the events
-          are durable in the store. Events that are never journaled are never applied.
+        * ``commit(decide, durable)`` calls ``decide()`` on the coordinator's current state (on
+          a shared store, first brought up to date), journals the events it returns in order,
+          applies them to the state in that same order (``State.apply``) and returns ``decide``'s
+          value; when `durable`, only once the store made the events durable. Whatever the
+          caller answers from the value or the state MUST NOT name an event the store may
+          still lose, unless the caller allows it (a progress report, ``durable=False``).
+        * The state holds the journal's events in the journal's order: replaying the store
+          after the events applied here are durable rebuilds it. An event applied here whose
+          append then fails makes the coordinator fail (``Coordinator._fail``): it never
+          acknowledges again, and a restart recovers what the store holds.
+        * A decision that lost a race (another replica appended first) applies nothing; it is
+          decided again on the state with the other writer's events.
         * After ``refresh()`` the state holds every event any writer had made durable before the
           call (a single writer holds them already).
-        * ``run()`` is the protocol's background thread: it returns once the coordinator is
-          closing and nothing it queued is left unwritten.
-        * A failed store makes every later call raise Unavailable (the coordinator's ``_fail``).
+        * ``report(...)`` either takes a progress report to journal later, after checking it
+          (a bad report raises its domain error), and returns True, or returns False and the
+          coordinator commits the report as any other decision.
+        * ``run()`` returns once the coordinator is closing and nothing the protocol queued is
+          left unwritten (or the store failed).
+        * Once the store failed, ``commit`` raises Unavailable (the coordinator checks before it
+          calls ``refresh``).
     """
 
     #: How long a join waiting for the other ranks sleeps between looks at the state (None: until
@@ -55,11 +69,11 @@ class Commits(Protocol):
     join_poll_s: float | None
 
     def commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
-        """See the class."""
+        """Journals and applies the events of ``decide()`` and returns its value (durable first when `durable`)."""
         ...
 
     def refresh(self) -> None:
-        """See the class."""
+        """Brings the state up to date with what other writers made durable (nothing for a single writer)."""
         ...
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int) -> bool:
@@ -68,7 +82,7 @@ class Commits(Protocol):
         ...
 
     def run(self) -> None:
-        """See the class."""
+        """The protocol's thread: writes what it queued until the coordinator closes."""
         ...
 
 

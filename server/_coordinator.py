@@ -35,25 +35,31 @@ from croupier.server._store import Store, StoreError
 
 log = logging.getLogger("croupier.server")
 
+
 class Coordinator:
-    """Holds the jobs: every change is journaled to the store before anyone is answered.
+    """Holds the jobs: decides, journals, applies, replies.
 
-    Joins apply their events at once, in order, and wait until the store has made them durable.
-    How events reach the store is the store's commit protocol (croupier.server._commits): one
-    writer thread with group commit for a single-writer store (concurrent joins share one fsync;
-    it is the store's only caller after recovery, as the Store contract requires), or appends at
-    the seq applied, with a conflict deciding again, for replicas on a shared store. A grant
-    touches the store when it carries a progress report (journaled without waiting) and, with
-    dynamic dealing, when it deals batches (journaled before the answer).
-    A snapshot of the whole state is written every ``snapshot_every`` events so that recovery
-    replays a short journal.
+    Whatever a caller relies on -- a join, a checkpoint record, a deal of batches -- is durable
+    in the store before the caller is answered; a progress report (advisory: losing the last one
+    only makes a rank's cursor older until its next) is answered at once and journaled soon
+    after. How events reach the store is the store's commit protocol
+    (croupier.server._commits), picked once from its ``shared``: a single-writer store's events
+    are applied at once, in order, and one writer thread appends everything queued in one call
+    (group commit: concurrent joins share one fsync; it is the store's only caller after
+    recovery, as the Store contract requires); replicas on a shared store append each decision
+    at the seq they have applied, and a conflict decides again on what the other replica wrote.
+    A grant or a lease touches the store when it carries a progress report and, with dynamic
+    dealing, when it deals batches; computing its indices does not. A snapshot of the whole
+    state is written every ``snapshot_every`` events so that recovery replays a short journal.
 
-    If the store fails, the coordinator stops acknowledging: every call raises Unavailable
+    If the store fails (anything but a shared store's lost connection, after which the next call
+    reads the journal again), the coordinator stops acknowledging: every call raises Unavailable
     until the process is restarted and recovers from what the store made durable.
     """
 
     def __init__(self, store: Store, snapshot_every: int = 1000, max_jobs: int | None = None) -> None:
-        """Recovers the state the store holds and starts the writer thread.
+        """Recovers the state the store holds and starts its commit protocol's thread (the journal
+        writer of a single-writer store, the progress-report writer of a shared one).
 
         Args:
             store: An open store; the coordinator owns it from now on (and closes it, also when
@@ -84,8 +90,9 @@ class Coordinator:
         # server's threads stop trading the GIL back and forth (measured: 260 -> 1,039 leases/s
         # with 64 threads) and each lease finishes sooner.
         self._compute = threading.Lock()
-        #: Called by the writer thread after each journal append with (seconds it took, records);
-        #: it MUST be quick and MUST NOT raise (the metrics set it).
+        #: Called by a single writer's journal thread after each group commit, with (seconds the
+        #: append took, records); a shared store's appends are not timed. It MUST be quick and
+        #: MUST NOT raise (the metrics set it).
         self.on_commit: Callable[[float, int], None] | None = None
         #: How decisions reach the store: one writer with group commit, or replicas on a shared store.
         self._commits = commits_for(self)
@@ -185,7 +192,6 @@ class Coordinator:
 
     def _generation_of(self, job: str) -> int:
         return self._state.current(job).number
-
 
     def _check_ok(self) -> None:
         if self._failed is not None:
@@ -323,8 +329,6 @@ def _log_join(req: JoinRequest, events: list[Event]) -> None:
         elif isinstance(ev, GenerationStarted):
             log.info("generation %d of job %r started: all %d ranks joined, epoch %d", ev.generation, ev.job, req.world,
                      ev.start.epoch, extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
-
-
 
 
 def _now_ms() -> int:

@@ -43,7 +43,7 @@ class GenerationOpened:
 
 @dataclasses.dataclass(frozen=True)
 class RankJoined:
-    """`rank` joined the generation, resuming from `resume` or asking for `epoch` (either may be None)."""
+    """`rank` joined the generation with its checkpoint's `resume` point and its `epoch` (set_epoch); either may be None."""
 
     job: str
     generation: int

@@ -88,9 +88,12 @@ def lag(c: RankCursor, lead: RankCursor) -> int:
     """Batches rank `c` is behind `lead`, the rank furthest ahead (highest epoch, then batches).
 
     In the same epoch, the difference of their batches; from an earlier epoch, what `c` has left
-    of its epoch, its share of every epoch in between (a rank's share of each epoch is the same
-    size within a generation), and the batches `lead` took of its epoch. ``croupier status``
-    counts its "batches behind" the same way.
+    of its epoch, its share of every epoch in between, and the batches `lead` took of its epoch.
+    The epochs in between count as `c`'s share of its own epoch: exact for fixed batches once `c`
+    is past the generation's first epoch (a resumed first epoch is shorter), an estimate for
+    token budgets (each epoch packs its own number of batches) and dynamic dealing (where the
+    share is what the rank was dealt so far). ``croupier status`` counts its "batches behind"
+    the same way.
     """
     if c.epoch == lead.epoch:
         return max(0, lead.batches - c.batches)

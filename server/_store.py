@@ -104,10 +104,11 @@ class Store(Protocol):
     :meth:`append_at` at the seq it has applied up to, exactly one of several writers racing
     for the same seq wins, and the others catch up with :meth:`read_since` and decide again.
 
-    Group commit is the caller's job, done in one place: the coordinator's writer thread takes
-    everything queued since its last append and hands it to one ``append`` (or ``append_at``)
-    call, so one durable commit acknowledges all of it. A store does not batch callers of its
-    own.
+    Group commit is the caller's job, done in one place (``croupier.server._commits``): on a
+    single-writer store the coordinator's writer thread takes everything queued since its last
+    append and hands it to one ``append`` call, so one durable commit acknowledges all of it; on
+    a shared store each decision is one ``append_at``, and the progress reports gathered
+    meanwhile one more. A store does not batch callers of its own.
 
     Invariants every backend MUST keep:
 
