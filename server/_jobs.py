@@ -43,7 +43,8 @@ class Generation:
 
 @dataclasses.dataclass
 class Job:
-    """A job: its spec, its current generation, and every token that ever opened one."""
+    """A job: its spec, its current generation, every token that ever opened one, its ranks' last
+    progress, its checkpoint records and, with dynamic dealing, what its generation dealt."""
 
     name: str
     spec: Spec

@@ -124,8 +124,9 @@ class State:
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
                       checkpoint: tuple[int | None, Cursor | None, str] | None = None,
                       lockstep: bool = True) -> tuple[Cursor | None, list[Event]]:
-        """The checkpoint's cursor and the events of a rank's report: its progress (when it changed)
-        and a checkpoint (when new).
+        """The checkpoint's cursor and the events of a rank's report: its progress (when it changed),
+        a checkpoint (when new) and, for dynamic dealing without lockstep, the batches the rank
+        committed (when more than before).
 
         Args:
             checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None. For
