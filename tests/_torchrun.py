@@ -22,12 +22,14 @@ def torchrun(example: str, nproc: int, workdir: pathlib.Path, args: list[str], e
     """Runs ``examples/EXAMPLE`` on `nproc` ranks in `workdir`, with its audit logs in ``workdir/audit`` and
     embedded coordinator stores in ``workdir/state`` (unless `env` says otherwise); returns (stdout, stderr).
 
-    Raises AssertionError when it exits non-zero or outlives `timeout` (then torchrun and every
-    worker it started are killed: torchrun gives each worker a session of its own).
+    Raises AssertionError when it exits non-zero or outlives `timeout`: then every process it
+    started is sent SIGABRT first, so that each prints where its threads stand (``faulthandler``, on
+    through PYTHONFAULTHANDLER) into the error, and killed after (torchrun gives each worker a
+    session of its own).
     """
     full = {k: v for k, v in os.environ.items() if k not in _CLEARED}
     full.update({"CROUPIER_AUDIT_DIR": str(workdir / "audit"), "CROUPIER_STATE_DIR": str(workdir / "state"),
-                 "OMP_NUM_THREADS": "1", **(env or {})})
+                 "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(ROOT / "examples" / example), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full, cwd=workdir,
@@ -35,14 +37,25 @@ def torchrun(example: str, nproc: int, workdir: pathlib.Path, args: list[str], e
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.send_signal(signal.SIGKILL)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        for child in children:  # the workers and their loader processes, not torchrun itself
+            _signal(child, signal.SIGABRT)  # their stacks, for the error below
+        psutil.wait_procs(children, timeout=10)
+        for child in children:
+            _signal(child, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate(timeout=30)
-        raise AssertionError(f"{example} on {nproc} ranks timed out after {timeout} s:\n{out}\n{err[-4000:]}") from None
+        raise AssertionError(f"{example} on {nproc} ranks timed out after {timeout} s:\n{out}\n{err[-30000:]}") from None
     print(out, end="")
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}"
     return out, err
+
+
+def _signal(process: psutil.Process, sig: int) -> None:
+    try:
+        process.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass
 
 
 def loop_counts(workdir: pathlib.Path) -> dict[int, collections.Counter[int]]:
