@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler, worker_options
 from croupier.integrations.accelerate import prepare_data_loader
 
 
@@ -78,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     loader: Any
     if args.sampler == "batch":
         sampler = DistributedBatchSampler(dataset, args.batch_size, shuffle=True, seed=7, job=args.job)
-        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers)
+        loader = DataLoader(dataset, batch_sampler=sampler, **worker_options(args.num_workers))
     else:
         sampler = DistributedSampler(dataset, shuffle=True, seed=7, job=args.job)
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
+        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, **worker_options(args.num_workers))
     if args.plain_prepare:
         loader = accelerator.prepare(loader)
         accelerator.register_for_checkpointing(sampler)  # the sampler itself: no `consumed`, and re-sharded anyway

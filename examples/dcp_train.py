@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from croupier.client import DistributedSampler
+from croupier.client import DistributedSampler, worker_options
 from croupier.integrations.dcp import SamplerState
 
 
@@ -102,7 +102,7 @@ def train(args: argparse.Namespace) -> None:
 
     dataset = synthetic(args.samples)
     sampler = DistributedSampler(dataset, shuffle=True, seed=7, job=args.job)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, **worker_options(args.num_workers))
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler, worker_options
 from croupier.integrations.lightning import CroupierCheckpoint
 
 
@@ -45,14 +45,14 @@ class TinyModel(pl.LightningModule):
     def train_dataloader(self) -> Any:
         if self.batch_sampler:  # needs Trainer(use_distributed_sampler=False): see croupier.integrations.lightning
             batches = DistributedBatchSampler(self.dataset, self.batch_size, seed=1)
-            return DataLoader(self.dataset, batch_sampler=batches, num_workers=self.workers)
+            return DataLoader(self.dataset, batch_sampler=batches, **worker_options(self.workers))
         sampler = DistributedSampler(self.dataset, seed=1)  # world, rank, job and coordinator resolved
         if self.loader == "stateful":
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             return StatefulDataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler,
-                                      num_workers=self.workers)
-        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.workers)
+                                      **worker_options(self.workers))
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler, **worker_options(self.workers))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

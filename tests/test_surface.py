@@ -66,3 +66,18 @@ def test_what_does_something_is_quiet() -> None:
                   DistributedSampler(100, num_replicas=1, rank=0, shuffle=False, seed=7),  # as torch's: quiet
                   DistributedBatchSampler(100, 4, num_replicas=1, rank=0, drop_last=True, tail="pad")):
             s.close()
+
+
+def test_worker_options_start_workers_safely_for_this_python() -> None:
+    import sys
+
+    from croupier.client import worker_options
+    from croupier.client._workers import FIXED_IN
+
+    assert worker_options(0) == {"num_workers": 0}
+    expected = {"num_workers": 2} if sys.version_info >= FIXED_IN else {
+        "num_workers": 2, "multiprocessing_context": "spawn", "persistent_workers": True}
+    assert worker_options(2) == expected
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"num_workers must be an int >= 0, got {bad!r}"):
+            worker_options(bad)  # type: ignore[arg-type]
