@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from croupier.client import DistributedSampler
+from croupier.client import DistributedSampler, worker_options
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
     extra = {"lease_ahead": args.lease_ahead} if args.lease_ahead else {}
     sampler = DistributedSampler(args.n, seed=7, **extra)  # address, job, rank and world all resolved
     loader = StatefulDataLoader(list(range(args.n)), batch_size=args.batch_size, sampler=sampler,
-                                num_workers=args.workers)
+                                **worker_options(args.workers))
     epoch = 0
     if args.resume:
         # Ranks that existed before load their own state; ranks added by a scale-up have none
