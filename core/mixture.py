@@ -184,27 +184,34 @@ class Mixture:
             raise ValueError(f"positions must be in [0, {MAX_POSITION}]: got {int(positions.min())} .. "
                              f"{int(positions.max())}")
 
+    @functools.cached_property
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The tree as arrays indexed by node id: first child's weight, weight, first child, second child, source."""
+        tree = self._tree
+        return (np.array([tree[n.left].weight if n.source < 0 else 0 for n in tree], dtype=np.int64),
+                np.array([n.weight for n in tree], dtype=np.int64),
+                np.array([n.left for n in tree], dtype=np.int64),
+                np.array([n.right for n in tree], dtype=np.int64),
+                np.array([n.source for n in tree], dtype=np.int64))
+
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, k) of each global position: the source dealing it and how many that source dealt before it."""
-        q = np.asarray(positions, dtype=np.int64).reshape(-1)
-        self._check(q)
-        source = np.empty(q.shape, dtype=np.int64)
-        count = np.empty(q.shape, dtype=np.int64)
-        tree = self._tree
-        stack = [(len(tree) - 1, np.arange(q.size), q)]
-        while stack:
-            node, where, local = stack.pop()
-            n = tree[node]
-            if n.source >= 0:
-                source[where], count[where] = n.source, local
-                continue
-            a, total = tree[n.left].weight, n.weight
+        local = np.asarray(positions, dtype=np.int64).reshape(-1).copy()
+        self._check(local)
+        first_w, weight, first, second, source = self._arrays
+        node = np.full(local.shape, len(weight) - 1, dtype=np.int64)
+        inner = np.flatnonzero(source[node] < 0)
+        # One level of the tree per pass, for every position still at an inner node.
+        while inner.size:
+            at, q = node[inner], local[inner]
+            a, total = first_w[at], weight[at]
             half = total // 2
-            before = (local * a + half) // total
-            first = (local + 1) * a + half >= (before + 1) * total
-            stack.append((n.left, where[first], before[first]))
-            stack.append((n.right, where[~first], (local - before)[~first]))
-        return source, count
+            before = (q * a + half) // total
+            goes_first = (q + 1) * a + half >= (before + 1) * total
+            node[inner] = np.where(goes_first, first[at], second[at])
+            local[inner] = np.where(goes_first, before, q - before)
+            inner = inner[source[node[inner]] < 0]
+        return source[node], local
 
     def dealt_before(self, position: int) -> tuple[int, ...]:
         """How many samples each source has dealt at positions [0, position)."""
@@ -222,25 +229,25 @@ class Mixture:
     def indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(global index, source, source epoch) of each position."""
         source, k = self.locate(positions)
+        sizes = np.array(self.sizes, dtype=np.int64)[source]
+        epoch, offset = np.divmod(k, sizes)
         index = np.empty_like(k)
-        epoch = np.empty_like(k)
-        for s in np.unique(source):
-            sel = source == s
-            n = self.sizes[int(s)]
-            ep, off = np.divmod(k[sel], n)
-            epoch[sel] = ep
-            out = np.empty_like(off)
-            for e in np.unique(ep):
-                m = ep == e
-                out[m] = permute_source(self.seed, int(s), int(e), n, off[m])
-            index[sel] = out + self.offsets[int(s)]
-        return index, source, epoch
+        # One Feistel pass per distinct source size, each element keyed by its (source, source epoch).
+        pairs, which = np.unique(np.stack([source, epoch]), axis=1, return_inverse=True)
+        keys = np.stack([_round_keys(self.seed, int(s), int(e)) for s, e in pairs.T], axis=1)  # (ROUNDS, pairs)
+        for n in np.unique(sizes):
+            sel = sizes == n
+            index[sel] = feistel.permute(offset[sel], int(n), keys[:, which.reshape(-1)[sel]])
+        return index + np.array(self.offsets, dtype=np.int64)[source], source, epoch
+
+
+def _round_keys(seed: int, source: int, epoch: int) -> np.ndarray:
+    return feistel.round_keys(feistel.derive_key(seed, _SOURCE_TAG, source, epoch))
 
 
 def permute_source(seed: int, source: int, epoch: int, n: int, offsets: np.ndarray) -> np.ndarray:
     """Source `source`'s samples at `offsets` of its epoch `epoch`: a keyed permutation of [0, n)."""
-    key = feistel.derive_key(seed, _SOURCE_TAG, source, epoch)
-    return feistel.permute(np.asarray(offsets, dtype=np.int64), n, feistel.round_keys(key)).astype(np.int64)
+    return feistel.permute(np.asarray(offsets, dtype=np.int64), n, _round_keys(seed, source, epoch))
 
 
 def sample_seed(seed: int, source: int, epoch: int, index: int) -> int:

@@ -141,3 +141,27 @@ def test_parts_add_up_and_keep_small_weights() -> None:
     m = Mixture.of([4, 4], [1.0, 0.0])
     src, _ = m.locate(np.arange(100))
     assert (src == 0).all() and m.window_bound(1) == 0.0
+
+
+def test_a_batch_is_each_source_epoch_permutation_element_by_element() -> None:
+    """The batched path (one pass per source size, keys per element) equals permute_source one sample at a time."""
+    from croupier.core.mixture import permute_source
+
+    m = Mixture.of([5, 9, 5, 1], [0.3, 0.3, 0.3, 0.1], seed=4)
+    idx, src, ep = m.indices(np.arange(200, 400))
+    _, k = m.locate(np.arange(200, 400))
+    for i, s, e, kk in zip(idx, src, ep, k):
+        n = m.sizes[int(s)]
+        assert i == m.offsets[int(s)] + permute_source(4, int(s), int(e), n, np.array([kk % n]))[0]
+
+
+def test_the_benchmark_runs_quick(tmp_path: object) -> None:
+    import subprocess
+    import sys
+
+    from croupier.core.mixture import __file__ as mixture_file
+
+    root = __import__("pathlib").Path(mixture_file).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "mixture_bench.py"), "--quick"], capture_output=True,
+                         text=True, check=True, timeout=300).stdout
+    assert "| 1e+06 | 1000 |" in out and "slowest over fastest" in out
