@@ -195,7 +195,7 @@ class _Base(Sampler[Any]):
             self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
                               unit=self._unit if self._kind.fixed_batches else 0, origin=self._origin,
-                              epoch=r.start.epoch, dealing=self.spec.dealing)
+                              epoch=r.start.epoch, dealing=self.spec.dealing, **self._audit_mixture())
             if self._cut_on_join is not None:
                 self._audit.write(t="cut", epoch=self._cut_on_join[0], items=self._cut_on_join[1])
         if self._hint is not None and self._hint == r.start.epoch - 1:
@@ -236,6 +236,15 @@ class _Base(Sampler[Any]):
         if self._resume is not None and epoch == self._resume.epoch:
             return self._taken_before(self._resume)
         return 0
+
+    def _audit_mixture(self) -> dict[str, Any]:
+        """A mixture's settings for the audit log's start record (the audit recomputes its stream); {} otherwise."""
+        sp = self.spec
+        if sp.sources is None:
+            return {}
+        return {"mixture": {"sources": list(sp.sources), "weights": [[a, list(p)] for a, p in sp.weights or ()],
+                            "max_epochs": list(sp.max_epochs or ()), "seed": sp.seed,
+                            "shuffle": sp.permutation == "feistel"}}
 
     def _taken_before(self, start: Cursor) -> int:
         """Items of `start`'s epoch taken before `start`, as the checkpointing rank counted them.

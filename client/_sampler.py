@@ -13,7 +13,7 @@ from torch.utils.data.distributed import DistributedSampler as _TorchDistributed
 
 from croupier.client._base import _Base, _position
 from croupier.client._rpc import Security
-from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec
+from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields
 from croupier.core.plans import kind_for
 from croupier.core.spec import TOKEN_WINDOW
 
@@ -88,6 +88,15 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             ranks step together (a checkpoint credits every rank with the caller's count);
             False for independent workers (inference, preprocessing) that each ``commit()``
             their own progress. Warns with static dealing, where it does nothing.
+        weights: A weighted mixture of sources (docs/mixtures.md): one weight per source, or a
+            schedule of ``(sample, weights)`` pairs (the first at sample 0) naming from which
+            sample of the run on each set of weights holds. Indices are numbered as
+            ``ConcatDataset`` numbers its datasets' samples; each source goes through epochs
+            of its own (every sample once per source epoch), and an epoch of the sampler is
+            ``len(dataset)`` samples of the mixture.
+        sources: Each source's size (default: the sizes of the datasets of a ``ConcatDataset``).
+        max_epochs: Each source's cap in epochs of its own, None for none; a source at its cap
+            is dealt no more and its weight is shared out among the others in proportion.
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -106,13 +115,16 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  token: str | None = None, lease_ahead: int | None = None, prefetch: int = 2,
                  audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
-                 security: Security | None = None, dealing: str = "static", lockstep: bool = True) -> None:
+                 security: Security | None = None, dealing: str = "static", lockstep: bool = True,
+                 weights: Any = None, sources: Sequence[int] | None = None,
+                 max_epochs: Sequence[int | None] | None = None) -> None:
         n = _dataset_size(dataset)
         _check_sampler_args(kind_for(dealing), drop_last, tail, lockstep, batches=False)
         if tail is None:
             tail = kind_for(dealing).tail(drop_last, batches=False)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
-                          False, False, scope, buffer_size, pack_size, lengths, dealing=dealing)
+                          False, False, scope, buffer_size, pack_size, lengths, dealing=dealing,
+                          mixture=mixture_fields(dataset, weights, sources, max_epochs))
         if lease_ahead is None:
             lease_ahead = kind_for(dealing).lease_indices
         self._lockstep = bool(lockstep)
@@ -208,7 +220,9 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, max_tokens: int | None = None, cost: str = "sum",
-                 token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True) -> None:
+                 token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True,
+                 weights: Any = None, sources: Sequence[int] | None = None,
+                 max_epochs: Sequence[int | None] | None = None) -> None:
         n = _dataset_size(dataset)
         if batch_size is None and max_tokens is None:
             raise TypeError("DistributedBatchSampler needs batch_size=, or lengths= with max_tokens= for token-budget "
@@ -220,7 +234,8 @@ class DistributedBatchSampler(_Base, BatchSampler):
         if tail is None:
             tail = kind_for(dealing, max_tokens).tail(drop_last, batches=True)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
-                          scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing)
+                          scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing,
+                          mixture_fields(dataset, weights, sources, max_epochs))
         if lease_ahead is None:
             lease_ahead = kind_for(dealing, max_tokens).lease_batches
         self._lockstep = bool(lockstep)

@@ -13,6 +13,7 @@ from croupier.core.api import MAX_WORLD
 from croupier.core.checkpoint import from_state
 from croupier.core.checks import check_bool, check_int
 from croupier.core.cursor import bind, epoch_agrees, fresh, show
+from croupier.core.mixture import parts_of
 from croupier.core.plans import PlanKind, kind_for, plan_epoch
 from croupier.core.spec import TOKEN_WINDOW, Spec
 
@@ -38,11 +39,54 @@ def _dataset_size(dataset: Sized | int) -> int:
     return len(dataset)
 
 
+def mixture_fields(dataset: Any, weights: Any, sources: Sequence[int] | None,
+                   max_epochs: Sequence[int | None] | None) -> dict[str, Any]:
+    """A spec's mixture fields (``sources``, ``weights``, ``max_epochs``) from a sampler's arguments; {} for no mixture.
+
+    Args:
+        weights: One weight per source (any positive scale), or a schedule: ``(sample, weights)``
+            pairs, the first at sample 0, from which sample of the run on those weights hold.
+        sources: Each source's size; default: the sizes of a ``ConcatDataset``'s datasets.
+        max_epochs: Each source's cap in epochs of its own (None: none).
+    """
+    if weights is None:
+        if sources is not None or max_epochs is not None:
+            raise ValueError("sources= and max_epochs= describe a mixture: they need weights=")
+        return {}
+    if sources is None:
+        sizes = getattr(dataset, "cumulative_sizes", None)
+        if sizes is None:
+            raise ValueError(f"weights= needs each source's size: pass sources=[size, ...], or a ConcatDataset of the "
+                             f"sources (got a {type(dataset).__name__})")
+        sources = [int(b - a) for a, b in zip([0, *sizes[:-1]], sizes)]
+    sources = [int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) else x for x in sources]
+    try:
+        schedule = [(0, list(weights))] if all(not isinstance(w, (tuple, list)) for w in weights) else [
+            (c[0], list(c[1])) for c in weights]
+    except (TypeError, IndexError, KeyError):
+        raise ValueError(f"weights must be one weight per source or (sample, weights) pairs (got {weights!r})") from None
+    changes = []
+    for at, ws in schedule:
+        if len(ws) != len(sources):
+            raise ValueError(f"weights {ws!r} (from sample {at}) name {len(ws)} sources; there are {len(sources)}")
+        changes.append((at, parts_of(ws)))
+    caps = None
+    if max_epochs is not None:
+        if len(max_epochs) != len(sources):
+            raise ValueError(f"max_epochs {list(max_epochs)!r} names {len(max_epochs)} sources; there are {len(sources)}")
+        for i, m in enumerate(max_epochs):
+            if m is not None:
+                check_int(f"max_epochs[{i}]", m, 1, 2**40)
+        caps = tuple(0 if m is None else int(m) for m in max_epochs)
+    return {"sources": tuple(sources), "weights": tuple(changes), "max_epochs": caps}
+
+
 def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
                drop_last_batch: bool, even_batches: bool, scope: str, buffer_size: int | None, pack_size: int | None,
                lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
-               token_window: int = TOKEN_WINDOW, dealing: str = "static") -> Spec:
+               token_window: int = TOKEN_WINDOW, dealing: str = "static", mixture: dict[str, Any] | None = None) -> Spec:
     check_bool("shuffle", shuffle)
+    mixture = mixture or {}
     if permutation is None:
         permutation = kind_for(dealing, max_tokens).permutation(shuffle, lengths is not None)
     # NOTE: a seed beside shuffle=False does nothing but is not warned about: torch's sampler takes
@@ -57,18 +101,22 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
     kw: dict[str, Any] = dict(seed=seed, permutation=permutation, partition=partition, tail=tail, scope=scope,
                               buffer_size=buffer_size, pack_size=pack_size, batch_size=batch_size,
                               drop_last_batch=drop_last_batch, even_batches=even_batches, max_tokens=max_tokens,
-                              cost=cost, token_window=token_window, dealing=dealing)
+                              cost=cost, token_window=token_window, dealing=dealing, **mixture)
     if lengths is not None:
         arr = np.asarray(lengths)
-        if arr.size != n:
-            raise ValueError(f"lengths has {arr.size} entries but the dataset has {n} samples")
+        space = sum(mixture["sources"]) if mixture else n
+        if arr.size != space:
+            raise ValueError(f"lengths has {arr.size} entries but the {'sources have' if mixture else 'dataset has'} "
+                             f"{space} samples")
         if n == 0:
-            return Spec(n=1, **{**kw, "max_tokens": None})
-        return Spec.with_lengths(arr, **kw)
+            return Spec(n=1, **{**kw, "max_tokens": None, "sources": None, "weights": None, "max_epochs": None})
+        return Spec.with_lengths(arr, n=n, **kw)
     if max_tokens is not None:
         raise ValueError(f"max_tokens={max_tokens} needs lengths= (each sample's token count)")
     # NOTE: an empty dataset (N = 0) has nothing to deal: its sampler never joins, and the spec
     # of one sample only checks the other settings.
+    if n == 0 and mixture:
+        return Spec(n=1, **{**kw, "sources": None, "weights": None, "max_epochs": None})
     return Spec(n=max(n, 1), **kw)
 
 

@@ -213,32 +213,71 @@ class Mixture:
             inner = inner[source[node[inner]] < 0]
         return source[node], local
 
+    def count(self, source: int, position: int) -> int:
+        """How many samples `source` has dealt at positions [0, position), one step per level of the tree."""
+        path = self._paths.get(source)
+        if path is None:
+            return 0
+        q = int(position)
+        for node, first in path:
+            n = self._tree[node]
+            before = (q * self._tree[n.left].weight + n.weight // 2) // n.weight
+            q = before if first else q - before
+        return q
+
     def dealt_before(self, position: int) -> tuple[int, ...]:
         """How many samples each source has dealt at positions [0, position)."""
         self._check(np.array([position]))
-        out = [0] * len(self.sizes)
-        for s, path in self._paths.items():
-            q = int(position)
-            for node, first in path:
-                n = self._tree[node]
-                before = (q * self._tree[n.left].weight + n.weight // 2) // n.weight
-                q = before if first else q - before
-            out[s] = q
-        return tuple(out)
+        return tuple(self.count(s, position) for s in range(len(self.sizes)))
+
+    def position_of(self, source: int, count: int) -> int:
+        """The first position by which `source` has dealt `count` samples (``count(source, p) >= count``)."""
+        if count <= 0:
+            return 0
+        if self.parts[source] == 0:
+            raise ValueError(f"source {source} has no weight: it never deals {count} samples")
+        # count(source, p) >= p * w - window_bound: this p is far enough, and the search is a bisection.
+        hi = int((count + self.window_bound(source) + 1) * PARTS / self.parts[source]) + 2
+        while self.count(source, hi) < count:
+            hi *= 2
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.count(source, mid) >= count:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo > MAX_POSITION:
+            raise ValueError(f"source {source} reaches {count} samples only at position {lo}, past {MAX_POSITION}")
+        return lo
 
     def indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(global index, source, source epoch) of each position."""
         source, k = self.locate(positions)
-        sizes = np.array(self.sizes, dtype=np.int64)[source]
-        epoch, offset = np.divmod(k, sizes)
-        index = np.empty_like(k)
-        # One Feistel pass per distinct source size, each element keyed by its (source, source epoch).
-        pairs, which = np.unique(np.stack([source, epoch]), axis=1, return_inverse=True)
-        keys = np.stack([_round_keys(self.seed, int(s), int(e)) for s, e in pairs.T], axis=1)  # (ROUNDS, pairs)
-        for n in np.unique(sizes):
-            sel = sizes == n
-            index[sel] = feistel.permute(offset[sel], int(n), keys[:, which.reshape(-1)[sel]])
-        return index + np.array(self.offsets, dtype=np.int64)[source], source, epoch
+        return indices_of(self.sizes, self.seed, source, k)
+
+
+def indices_of(sizes: Sequence[int], seed: int, source: np.ndarray, k: np.ndarray,
+               shuffle: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(global index, source, source epoch) of each `source`'s `k`-th sample dealt since the run began.
+
+    Source ``s``'s ``k``-th sample is offset ``k % size`` of its epoch ``k // size``, permuted by
+    that source epoch's keyed permutation (``shuffle``; else in order).
+    """
+    size = np.array(sizes, dtype=np.int64)[source]
+    epoch, offset = np.divmod(k, size)
+    offsets = np.concatenate([[0], np.cumsum(np.array(sizes, dtype=np.int64))[:-1]]).astype(np.int64)
+    if not shuffle or k.size == 0:
+        return offset + offsets[source], source, epoch
+    index = np.empty_like(k)
+    # One Feistel pass per distinct source size, each element keyed by its (source, source epoch).
+    pairs, which = np.unique(np.stack([source, epoch]), axis=1, return_inverse=True)
+    keys = np.stack([_round_keys(seed, int(s), int(e)) for s, e in pairs.T], axis=1)  # (ROUNDS, pairs)
+    which = which.reshape(-1)
+    for n in np.unique(size):
+        sel = size == n
+        index[sel] = feistel.permute(offset[sel], int(n), keys[:, which[sel]])
+    return index + offsets[source], source, epoch
 
 
 def _round_keys(seed: int, source: int, epoch: int) -> np.ndarray:
@@ -258,3 +297,131 @@ def sample_seed(seed: int, source: int, epoch: int, index: int) -> int:
     or augmentations: ``torch.Generator().manual_seed(sample_seed(...))``.
     """
     return feistel.derive_key(seed, _SAMPLE_TAG, source, epoch, index) >> 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    start: int  # the first stream position it deals
+    end: int | None  # the first it does not (None: it deals on for good)
+    mixture: Mixture
+    base: tuple[int, ...]  # what each source had dealt before `start`
+
+
+#: Where a mixture's schedule of weights is read from (a position of the stream, the weights in parts from there on).
+Change = tuple[int, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """A run's whole mixture from stream position 0 on: sources, weights that change, sources that run out.
+
+    The stream is cut into segments, each dealt by one :class:`Mixture` from its own position 0,
+    with each source's count carried over from the segment before, so that a source's ``k``-th
+    sample of the run is its ``k``-th wherever the weights changed: every source goes on through
+    its own epochs across any change, and every sample is still dealt once per source epoch.
+
+    A segment ends where the schedule's next change begins, or where a capped source has dealt
+    its last sample (``max_epochs`` whole epochs of its own): from there its weight is 0 and the
+    others' weights are scaled up in proportion (their parts rounded again by largest remainder).
+
+    Attributes:
+        sizes: Samples of each source.
+        changes: The schedule: ``(position, parts)`` pairs, the first at 0, positions increasing;
+            from ``position`` on, the weights are ``parts`` (parts of PARTS, see :func:`parts_of`).
+        max_epochs: Each source's cap in epochs of its own (0: none); empty: no source is capped.
+        seed: The job's seed.
+        shuffle: Each source epoch in a keyed permutation (True) or in order (False).
+    """
+
+    sizes: tuple[int, ...]
+    changes: tuple[Change, ...]
+    max_epochs: tuple[int, ...] = ()
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.changes or self.changes[0][0] != 0:
+            raise ValueError(f"a mixture's weights must start at position 0 (got a schedule starting at "
+                             f"{self.changes[0][0] if self.changes else None})")
+        for (a, _), (b, _) in zip(self.changes, self.changes[1:]):
+            if b <= a:
+                raise ValueError(f"the schedule's positions must increase (got {a} then {b})")
+        for at, parts in self.changes:
+            if len(parts) != len(self.sizes):
+                raise ValueError(f"the weights from position {at} name {len(parts)} sources; there are {len(self.sizes)}")
+        if self.max_epochs and len(self.max_epochs) != len(self.sizes):
+            raise ValueError(f"max_epochs names {len(self.max_epochs)} sources; there are {len(self.sizes)}")
+        for i, m in enumerate(self.max_epochs):
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise ValueError(f"max_epochs {m!r} of source {i} must be an int >= 0 (0: no cap)")
+        _ = self._segments  # every segment is made (and checked) now: the stream must never run dry
+
+    def cap(self, source: int) -> int | None:
+        """How many samples `source` deals in the whole run (None: no cap)."""
+        m = self.max_epochs[source] if self.max_epochs else 0
+        return m * self.sizes[source] if m else None
+
+    @functools.cached_property
+    def _segments(self) -> tuple[_Segment, ...]:
+        segments: list[_Segment] = []
+        base, pos, ci = [0] * len(self.sizes), 0, 0
+        while True:
+            while ci + 1 < len(self.changes) and self.changes[ci + 1][0] <= pos:
+                ci += 1
+            nxt = self.changes[ci + 1][0] if ci + 1 < len(self.changes) else None
+            parts = list(self.changes[ci][1])
+            spent = [s for s in range(len(parts)) if parts[s] and (c := self.cap(s)) is not None and base[s] >= c]
+            for s in spent:
+                parts[s] = 0
+            if not any(parts):
+                until = f"before the next change at position {nxt}" if nxt is not None else "for good"
+                raise ValueError(f"from stream position {pos} every source with a weight has dealt its max_epochs: "
+                                 f"the mixture has nothing to deal {until} (give a source with weight no cap)")
+            if spent:
+                parts = list(parts_of(parts))
+            mixture = Mixture(self.sizes, tuple(parts), self.seed)
+            end = nxt
+            for s, p in enumerate(parts):
+                c = self.cap(s)
+                if p and c is not None:
+                    at = pos + mixture.position_of(s, c - base[s])
+                    end = at if end is None else min(end, at)
+            segments.append(_Segment(pos, end, mixture, tuple(base)))
+            if end is None:
+                return tuple(segments)
+            base = [b + mixture.count(s, end - pos) for s, b in enumerate(base)]
+            pos = end
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, k) of each stream position: the source dealing it and how many that source dealt before it."""
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        segments = self._segments
+        if len(segments) == 1:
+            return segments[0].mixture.locate(pos)
+        starts = np.array([g.start for g in segments], dtype=np.int64)
+        which = np.searchsorted(starts, pos, side="right") - 1
+        source = np.empty_like(pos)
+        k = np.empty_like(pos)
+        for i in np.unique(which).tolist():
+            g = segments[i]
+            sel = which == i
+            s, q = g.mixture.locate(pos[sel] - g.start)
+            source[sel], k[sel] = s, q + np.array(g.base, dtype=np.int64)[s]
+        return source, k
+
+    def dealt_before(self, position: int) -> tuple[int, ...]:
+        """How many samples each source has dealt at stream positions [0, position)."""
+        g = [g for g in self._segments if g.start <= position][-1]
+        return tuple(b + g.mixture.count(s, position - g.start) for s, b in enumerate(g.base))
+
+    def indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(global index, source, source epoch) of each stream position."""
+        source, k = self.locate(positions)
+        return indices_of(self.sizes, self.seed, source, k, self.shuffle)
+
+
+@functools.lru_cache(maxsize=64)
+def stream(sizes: tuple[int, ...], changes: tuple[Change, ...], max_epochs: tuple[int, ...], seed: int,
+           shuffle: bool) -> Stream:
+    """The :class:`Stream` of these settings, made once per process (its segments are worked out when made)."""
+    return Stream(sizes, changes, max_epochs, seed, shuffle)

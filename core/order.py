@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from croupier.core.cursor import Cursor, Interval, _merge, _runs, bind, epoch_agrees, fresh, is_fresh, show, validate_cursor
-from croupier.core.permute import KERNELS
+from croupier.core.permute import KERNELS, mixture_order
 from croupier.core.plan import Grant, Runs
 from croupier.core.spec import Spec
 
@@ -52,6 +52,8 @@ def order(spec: Spec, epoch: int, positions: np.ndarray, base_world: int = 0) ->
     pos = np.asarray(positions, dtype=np.int64)
     if pos.size == 0:
         return np.zeros(pos.shape, dtype=np.int64)
+    if spec.sources is not None:  # a mixture: the positions of one stream over several sources
+        return mixture_order(spec, epoch, pos.reshape(-1))[0].reshape(pos.shape)
     return KERNELS[spec.permutation](spec, epoch, pos, part_bounds(spec, base_world))
 
 

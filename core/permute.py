@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from croupier.core import feistel as _feistel
+from croupier.core import mixture as _mixture
 from croupier.core.spec import PERMUTATIONS, Spec
 
 # A permutation maps (spec, epoch, positions, windows) -> indices. `windows` is the list of
@@ -113,6 +114,21 @@ def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -
         sel = w_start == start
         out[sel] = _bucket_window(spec, epoch, int(start))[positions[sel] - start]
     return out
+
+
+def stream_of(spec: Spec) -> _mixture.Stream:
+    """The stream of a mixture's spec (``spec.sources`` set)."""
+    assert spec.sources is not None and spec.weights is not None  # checked by the caller
+    return _mixture.stream(spec.sources, spec.weights, spec.max_epochs or (), spec.seed, spec.permutation == "feistel")
+
+
+def mixture_order(spec: Spec, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dataset index, source, source epoch) of positions of a mixture's `epoch`: stream positions ``epoch * n + p``."""
+    last = (epoch + 1) * spec.n - 1
+    if last > _mixture.MAX_POSITION:
+        raise ValueError(f"epoch {epoch} of {spec.n} samples ends at stream position {last}, past the mixture's "
+                         f"last {_mixture.MAX_POSITION}")
+    return stream_of(spec).indices(positions + epoch * spec.n)
 
 
 #: The kernel of each order, by its name in ``croupier.core.spec.PERMUTATIONS`` (the one list of names).

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from croupier.core import mixture
 from croupier.core.checks import check_bool, check_choice, check_int
 
 #: The names of the orders (``croupier.core.permute`` holds one kernel for each name, no other).
@@ -25,7 +26,10 @@ DEALINGS = ("static", "dynamic")
 TOKEN_WINDOW = 4096
 #: Fields added after the first release, with their defaults: a spec that leaves them at their
 #: defaults has the fingerprint it had before they existed (G9: saved states keep loading).
-_LATER_FIELDS = {"max_tokens": None, "cost": "sum", "token_window": TOKEN_WINDOW, "dealing": "static"}
+_LATER_FIELDS = {"max_tokens": None, "cost": "sum", "token_window": TOKEN_WINDOW, "dealing": "static",
+                 "sources": None, "weights": None, "max_epochs": None}
+#: Most sources one mixture may have.
+MAX_SOURCES = 100_000
 
 #: Largest dataset size the engine accepts (positions are int64; the Feistel domain is < 2**63).
 MAX_N = 2**62
@@ -91,6 +95,15 @@ class Spec:
         dealing: ``static`` (a generation's positions are striped over its ranks when it starts)
             or ``dynamic`` (the coordinator hands the next batches to whichever rank asks; see
             ``croupier.core.dynamic``).
+        sources: A mixture (``croupier.core.mixture``): each source's size. Dataset indices are
+            then numbered as ``ConcatDataset`` numbers its datasets' samples, and an epoch is
+            ``n`` consecutive positions of the run's one stream of samples (epoch ``e`` is stream
+            positions ``e * n`` to ``(e + 1) * n``), while each source goes through epochs of
+            its own. ``permutation`` is then ``feistel`` (each source epoch shuffled) or ``none``.
+        weights: The mixture's weights as a schedule: ``(stream position, parts)`` pairs, the first
+            at 0, each source's weight in parts of ``croupier.core.mixture.PARTS``.
+        max_epochs: Each source's cap in epochs of its own (0: no cap); from its last sample on,
+            its weight is shared out among the others.
     """
 
     n: int
@@ -109,9 +122,26 @@ class Spec:
     cost: str = "sum"
     token_window: int = TOKEN_WINDOW
     dealing: str = "static"
+    sources: tuple[int, ...] | None = None
+    weights: tuple[tuple[int, tuple[int, ...]], ...] | None = None
+    max_epochs: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        # A spec read back from msgpack or JSON has lists where it had tuples: one form, hashable.
+        if isinstance(self.sources, (list, tuple)):
+            object.__setattr__(self, "sources", tuple(self.sources))
+        if isinstance(self.max_epochs, (list, tuple)):
+            object.__setattr__(self, "max_epochs", tuple(self.max_epochs))
+        if isinstance(self.weights, (list, tuple)):
+            object.__setattr__(self, "weights", tuple(
+                (c[0], tuple(c[1])) if isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], (list, tuple))
+                else c for c in self.weights))
         _validate(self)
+
+    @property
+    def space(self) -> int:
+        """How many dataset indices there are: ``n``, or a mixture's sources' sizes added up."""
+        return self.n if self.sources is None else sum(self.sources)
 
     @classmethod
     def with_lengths(cls, lengths: Any, **kwargs: Any) -> Spec:
@@ -121,7 +151,8 @@ class Spec:
             raise TypeError(f"lengths must be a 1-D sequence of ints (got dtype={arr.dtype}, ndim={arr.ndim})")
         if kwargs.get("max_tokens") is None:
             kwargs.setdefault("permutation", "bucket")
-        return cls(n=int(arr.size), lengths=arr.astype("<i8").tobytes(), **kwargs)
+        kwargs.setdefault("n", int(arr.size))
+        return cls(lengths=arr.astype("<i8").tobytes(), **kwargs)
 
     @property
     def sort_keys(self) -> np.ndarray:
@@ -184,10 +215,11 @@ def _validate(s: Spec) -> None:
                 f"(got lengths={'set' if s.lengths is not None else None}, "
                 f"buffer_size={s.buffer_size}, pack_size={s.pack_size})"
             )
+    _validate_mixture(s)
     if s.lengths is not None:
-        if not isinstance(s.lengths, bytes) or len(s.lengths) != 8 * s.n:
+        if not isinstance(s.lengths, bytes) or len(s.lengths) != 8 * s.space:
             raise ValueError(
-                f"lengths must be {s.n} little-endian int64 values, i.e. {8 * s.n} bytes "
+                f"lengths must be {s.space} little-endian int64 values, i.e. {8 * s.space} bytes "
                 f"(got {len(s.lengths) if isinstance(s.lengths, bytes) else type(s.lengths).__name__})"
             )
         if s.permutation != "bucket" and s.max_tokens is None:
@@ -217,6 +249,35 @@ def _validate(s: Spec) -> None:
         if s.permutation not in RANK_SCOPE_PERMUTATIONS:
             raise ValueError(f"scope='rank' supports permutation {', '.join(map(repr, RANK_SCOPE_PERMUTATIONS))} "
                              f"(got permutation={s.permutation!r})")
+
+
+def _validate_mixture(s: Spec) -> None:
+    if s.sources is None:
+        if s.weights is not None or s.max_epochs is not None:
+            raise ValueError(f"weights and max_epochs are settings of a mixture: they need sources= (got "
+                             f"weights={s.weights!r}, max_epochs={s.max_epochs!r}, sources=None)")
+        return
+    if not s.sources or len(s.sources) > MAX_SOURCES:
+        raise ValueError(f"a mixture needs 1 to {MAX_SOURCES} sources (got {len(s.sources)})")
+    for i, size in enumerate(s.sources):
+        check_int(f"sources[{i}]", size, 1, MAX_N + 1)
+    if s.space > MAX_N:
+        raise ValueError(f"the sources add up to {s.space} samples, more than {MAX_N}")
+    if s.weights is None:
+        raise ValueError(f"a mixture of {len(s.sources)} sources needs weights=")
+    for c in s.weights:
+        if not (isinstance(c, tuple) and len(c) == 2 and isinstance(c[1], tuple)):
+            raise ValueError(f"weights must be (stream position, parts) pairs (got {c!r})")
+        check_int("a weight change's position", c[0], 0, mixture.MAX_POSITION)
+        for j, p in enumerate(c[1]):
+            check_int(f"parts[{j}] from position {c[0]}", p, 0, mixture.PARTS + 1)
+        if sum(c[1]) != mixture.PARTS:
+            raise ValueError(f"the parts from position {c[0]} add up to {sum(c[1])}, not {mixture.PARTS} "
+                             "(croupier.core.mixture.parts_of rounds weights to parts)")
+    if s.permutation not in ("feistel", "none") or s.scope != "global":
+        raise ValueError("a mixture shuffles each source epoch (permutation='feistel') or keeps it in order ('none'), "
+                         f"over the whole stream (scope='global') (got permutation={s.permutation!r}, scope={s.scope!r})")
+    mixture.stream(s.sources, s.weights, s.max_epochs or (), s.seed, s.permutation == "feistel")
 
 
 def _validate_tokens(s: Spec) -> None:

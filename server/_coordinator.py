@@ -237,11 +237,11 @@ class Coordinator:
         if progress is not None:
             self.report(job, generation, rank, *progress)
         if p is None:
-            return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.n)
+            return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.space)
         g = self._grant(p, job, generation, rank, epoch, first, count)
         with self._compute:
             idx, sizes = p.lease(rank, first, count, g)
-        return Lease(idx, sizes, p.ends(rank, first, count, len(sizes), g), p.known_samples(rank), spec.n)
+        return Lease(idx, sizes, p.ends(rank, first, count, len(sizes), g), p.known_samples(rank), spec.space)
 
     def deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
              count: int) -> tuple[tuple[tuple[int, int], ...], bool]:

@@ -47,6 +47,20 @@ class Incarnation:
     checkpoints: set[str] = dataclasses.field(default_factory=set)  # origins of the states it made
     cuts: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> items taken when the trainer moved on
     dealing: str = "static"
+    mixture: dict[str, Any] | None = None  # a mixture's sources, weights, caps, seed and shuffle
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceRow:
+    """One source epoch's share of one epoch of a mixture: what it was to deal there and what was trained."""
+
+    source: int
+    source_epoch: int
+    size: int  # the source's samples: a source epoch deals each of them once
+    expected: int  # samples of this source epoch the epoch was to deal
+    trained: int  # of those, trained
+    duplicates: int  # trained beyond what the epoch was to deal of them
+    missing: int  # of those, not trained
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +75,7 @@ class EpochReport:
     ok: bool
     why: str
     cut: bool = False  # the trainer moved on before the epoch's end (set_epoch of the next epoch)
+    sources: tuple[SourceRow, ...] = ()  # a mixture's epoch, by source epoch
 
 
 def _read(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -86,7 +101,7 @@ def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
         inc = jobs[s["job"]].get(s["token"])
         if inc is None:
             inc = Incarnation(s["token"], s["generation"], s["world"], s["ts"], s.get("origin"), s["n"], s["tail"],
-                              s["partition"], {}, dealing=s.get("dealing", "static"))
+                              s["partition"], {}, dealing=s.get("dealing", "static"), mixture=s.get("mixture"))
             jobs[s["job"]][s["token"]] = inc
         inc.ts = min(inc.ts, s["ts"])
         inc.origin = inc.origin or s.get("origin")
@@ -177,17 +192,21 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     last = chain[-1][0]
     for e in sorted(trained):
         idx = trained[e]
-        c = collections.Counter(idx)
         n = last.n
-        missing = n - len([i for i in c if 0 <= i < n])
-        dups = len(idx) - len(c)
+        rows: tuple[SourceRow, ...] = ()
+        if last.mixture is not None:
+            dups, missing, rows = _mixture_epoch(last.mixture, n, e, idx)
+        else:
+            c = collections.Counter(idx)
+            missing = n - len([i for i in c if 0 <= i < n])
+            dups = len(idx) - len(c)
         done = e in finished
         if e in cut and not done:
             w = max(worlds[e], default=1)
             ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
             why = (f"CUT: the trainer moved on to epoch {e + 1} after {cut[e]} items of a rank; {missing} indices "
                    "not trained" if ok else f"G1 VIOLATED: {dups} duplicates before the trainer cut the epoch")
-            reports.append(EpochReport(job, e, last.n, len(idx), dups, missing, False, False, why, cut=True))
+            reports.append(EpochReport(job, e, last.n, len(idx), dups, missing, False, False, why, cut=True, sources=rows))
             continue
         if not done:
             w = max(worlds[e])
@@ -205,7 +224,7 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
                 allowed = w - 1 if last.partition == "strided" else sum(x - 1 for x in set(worlds[e]))
                 ok, rule = missing == 0 and dups <= allowed, f"each at least once, at most {allowed} repeats"
             why = ("ok: " if ok else "G1 VIOLATED: ") + rule
-        reports.append(EpochReport(job, e, n, len(idx), dups, missing, done, ok, why))
+        reports.append(EpochReport(job, e, n, len(idx), dups, missing, done, ok, why, sources=rows))
     if orphans:
         first = min(chain[0][0].ranks[r].start.get("epoch", 0) for r in chain[0][0].ranks)
         reports.insert(0, EpochReport(
@@ -213,6 +232,76 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             f"UNVERIFIED: {len(orphans)} earlier incarnation(s) trained, but the chain starts afresh at "
             f"{chain[0][0].token}: a restart that did not load the sampler's checkpoint state?"))
     return reports
+
+
+def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
+                   trained: list[int]) -> tuple[int, int, tuple[SourceRow, ...]]:
+    """Duplicates, missing and the rows by source epoch of one epoch of a mixture.
+
+    The epoch was to deal stream positions ``epoch * n`` to ``(epoch + 1) * n``: their samples,
+    each tagged with its source and source epoch, are what is expected, as a multiset (a small
+    source may deal one sample in several of its epochs within one epoch of the job). A trained
+    index counts against its expected occurrences in the order of their source epochs; what is
+    trained beyond them is a duplicate (of its last source epoch there), what is not trained of
+    them is missing.
+    """
+    from croupier.core.mixture import stream
+
+    st = stream(tuple(mixture["sources"]), tuple((int(a), tuple(p)) for a, p in mixture["weights"]),
+                tuple(mixture.get("max_epochs") or ()), int(mixture["seed"]), bool(mixture.get("shuffle", True)))
+    idx, src, sep = st.indices(np.arange(epoch * n, (epoch + 1) * n, dtype=np.int64))
+    order = np.lexsort((sep, idx))  # by index, then source epoch
+    idx, src, sep = idx[order], src[order], sep[order]
+    first = np.searchsorted(idx, idx, side="left")
+    nth = np.arange(idx.size) - first  # which occurrence of its index each expected sample is
+    got_idx, got = np.unique(np.asarray(trained, dtype=np.int64), return_counts=True)
+    at = np.searchsorted(got_idx, idx)
+    t = np.where((at < got_idx.size) & (got_idx[np.minimum(at, got_idx.size - 1)] == idx),
+                 got[np.minimum(at, got_idx.size - 1)], 0)
+    done = nth < t
+    last_of = np.r_[idx[1:] != idx[:-1], True] if idx.size else np.zeros(0, dtype=bool)
+    expected_here = np.bincount(np.searchsorted(np.unique(idx), idx)) if idx.size else np.zeros(0, dtype=np.int64)
+    extra = np.zeros(idx.size, dtype=np.int64)
+    extra[last_of] = np.maximum(t[last_of] - expected_here, 0)
+    unexpected = int(got[~np.isin(got_idx, idx)].sum())  # indices this epoch was not to deal at all
+    rows = []
+    keys = np.stack([src, sep])
+    pairs, which = np.unique(keys, axis=1, return_inverse=True)
+    which = which.reshape(-1)
+    for j, (s, se) in enumerate(pairs.T.tolist()):
+        sel = which == j
+        exp = int(sel.sum())
+        tr = int(done[sel].sum())
+        rows.append(SourceRow(int(s), int(se), st.sizes[int(s)], exp, tr, int(extra[sel].sum()), exp - tr))
+    dups = int(extra.sum()) + unexpected
+    missing = int((~done).sum())
+    return dups, missing, tuple(rows)
+
+
+def by_source(reports: Iterable[EpochReport]) -> list[SourceRow]:
+    """A mixture's rows added up over the epochs audited, one per (source, source epoch)."""
+    total: dict[tuple[int, int], list[int]] = {}
+    for r in reports:
+        for row in r.sources:
+            t = total.setdefault((row.source, row.source_epoch), [row.size, 0, 0, 0, 0])
+            for i, v in enumerate((row.expected, row.trained, row.duplicates, row.missing)):
+                t[i + 1] += v
+    return [SourceRow(s, e, *v) for (s, e), v in sorted(total.items())]
+
+
+def render_sources(rows: Iterable[SourceRow]) -> str:
+    """The per-source table: each source epoch's samples expected, trained, duplicated and missing."""
+    lines = [f"{'source':>6} {'epoch':>5} {'size':>9} {'expected':>9} {'trained':>9} {'duplicates':>10} "
+             f"{'missing':>8}  verdict"]
+    for r in rows:
+        size, whole = r.size, r.expected == r.size
+        if r.duplicates or r.missing:
+            why = f"{r.duplicates} duplicates, {r.missing} missing"
+        else:
+            why = "ok: every sample exactly once" if whole else "ok: each once (part of this source epoch audited)"
+        lines.append(f"{r.source:>6} {r.source_epoch:>5} {size:>9} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} "
+                     f"{r.missing:>8}  {why}")
+    return "\n".join(lines)
 
 
 def audit(logdir: str | os.PathLike[str]) -> list[EpochReport]:

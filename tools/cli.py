@@ -58,7 +58,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 
 
 def _audit_cmd(args: argparse.Namespace) -> int:
-    from croupier.tools.audit import audit, render, verdict
+    from croupier.tools.audit import audit, by_source, render, render_sources, verdict
 
     try:
         reports = audit(args.logdir)
@@ -66,6 +66,9 @@ def _audit_cmd(args: argparse.Namespace) -> int:
         print(f"croupier: error: {e}", file=sys.stderr)
         return 2
     print(render(reports))
+    for job in sorted({r.job for r in reports if r.sources}):
+        print(f"\n{job}: by source and source epoch")
+        print(render_sources(by_source(r for r in reports if r.job == job)))
     ok, summary = verdict(reports, allow_unfinished=args.allow_unfinished, allow_cut=args.allow_cut)
     print(f"\n{summary}")
     return 0 if ok else 1

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
@@ -235,6 +237,13 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
     address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
     tty = out.isatty()
     client = CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S)
+    # NOTE: Ctrl-C ends --watch between two tables. A KeyboardInterrupt raised inside a gRPC call
+    # in flight could leave the channel's threads behind and the process would not exit; the
+    # signal only sets an event, which the wait between tables reads.
+    stop = threading.Event()
+    previous = None
+    if watch is not None and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         first = True
         while True:
@@ -243,9 +252,8 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
             out.write("\n".join(lines) + "\n")
             out.flush()
             first = False
-            if watch is None:
+            if watch is None or stop.wait(watch):
                 return 0
-            time.sleep(watch)
     except KeyboardInterrupt:
         return 0
     except _UnknownJob as e:
@@ -260,4 +268,6 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
         print(f"croupier status: {e}", file=sys.stderr)
         return 1
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         client.close()

@@ -1,0 +1,162 @@
+"""Mixtures through the samplers: the spec's mixture fields, the schedule and caps of the stream, and a
+resume 4 -> 3 across a weight change audited exactly once per source epoch."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import ConcatDataset, TensorDataset
+
+from croupier.client import DistributedSampler
+from croupier.client._shards import mixture_fields
+from croupier.core.mixture import PARTS, Stream, parts_of
+from croupier.core.order import order
+from croupier.core.spec import Spec
+from croupier.server._service import Server
+from croupier.tools.audit import audit, by_source, verdict
+
+
+def _per_source_epoch(stream: Stream, stop: int) -> dict[tuple[int, int], list[int]]:
+    idx, src, sep = stream.indices(np.arange(stop))
+    out: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+    for i, s, e in zip(idx.tolist(), src.tolist(), sep.tolist()):
+        out[(s, e)].append(i)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=2, max_size=5), data=st.data())
+def test_every_source_epoch_deals_each_sample_once_across_weight_changes_and_caps(sizes: list[int], data) -> None:
+    k = len(sizes)
+    weights = st.lists(st.integers(0, 9), min_size=k, max_size=k).filter(any)
+    at = sorted(set(data.draw(st.lists(st.integers(1, 400), max_size=3))))
+    changes = tuple((p, parts_of(data.draw(weights))) for p in [0, *at])
+    caps = tuple(data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k)))
+    last = changes[-1][1]
+    if not any(p and not c for p, c in zip(last, caps)):
+        caps = tuple(0 if p else c for p, c in zip(last, caps))  # one weighted source without a cap
+    try:
+        stream = Stream(tuple(sizes), changes, caps)
+    except ValueError as e:  # a gap between changes where every weighted source is spent: refused by name
+        assert "nothing to deal" in str(e)
+        return
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    for (s, e), got in _per_source_epoch(stream, 1200).items():
+        assert len(got) == len(set(got)), f"source {s} epoch {e} dealt a sample twice"
+        assert all(offsets[s] <= i < offsets[s] + sizes[s] for i in got)
+        if caps[s]:
+            assert e < caps[s], f"source {s} dealt in its epoch {e}, past max_epochs={caps[s]}"
+    # A source's count goes on across every change: whole epochs are whole.
+    counts = stream.dealt_before(1200)
+    for (s, e), got in _per_source_epoch(stream, 1200).items():
+        if e < counts[s] // sizes[s]:
+            assert sorted(got) == list(range(offsets[s], offsets[s] + sizes[s]))
+
+
+def test_a_capped_source_stops_and_its_weight_goes_to_the_others_in_proportion() -> None:
+    stream = Stream((10, 100, 100), ((0, parts_of([2, 1, 1])),), (1, 0, 0))
+    idx, src, _ = stream.indices(np.arange(400))
+    assert (src == 0).sum() == 10  # one epoch of its own, then no more
+    after = src[np.flatnonzero(src == 0)[-1] + 1:]
+    c = collections.Counter(after.tolist())
+    assert set(c) == {1, 2} and abs(c[1] - c[2]) <= 1  # the others, still 1 : 1
+
+
+def test_the_mixture_spec_travels_through_msgpack_with_its_fingerprint() -> None:
+    spec = Spec(n=300, sources=(40, 160, 500), weights=((0, parts_of([5, 3, 2])), (450, parts_of([1, 1, 8]))),
+                max_epochs=(2, 0, 0))
+    back = Spec.from_dict(msgpack.unpackb(msgpack.packb(spec.to_dict()), raw=False))
+    assert back == spec and hash(back) == hash(spec) and back.fingerprint == spec.fingerprint
+    assert spec.space == 700
+    got = order(spec, 3, np.arange(300))
+    assert got.min() >= 0 and got.max() < 700
+    assert Spec(n=300).fingerprint == Spec(n=300, sources=None).fingerprint  # older specs keep theirs
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(weights=[1, 2]), "ConcatDataset"),
+    (dict(weights=[1, 2], sources=[5, 5, 5]), "name 2 sources; there are 3"),
+    (dict(weights=[1, -2], sources=[5, 5]), "-2"),
+    (dict(weights=[0, 0], sources=[5, 5]), "add up to"),
+    (dict(sources=[5, 5]), "need weights="),
+    (dict(weights=[1, 1], sources=[5, 0]), "sources[1]"),
+    (dict(weights=[(0, [1, 1]), (0, [1, 2])], sources=[5, 5]), "must increase"),
+    (dict(weights=[(5, [1, 1])], sources=[5, 5]), "start at position 0"),
+    (dict(weights=[1, 1], sources=[5, 5], max_epochs=[1, 1]), "nothing to deal"),
+    (dict(weights=[1, 1], sources=[5, 5], permutation="window", buffer_size=4), "permutation='window'"),
+])
+def test_a_bad_mixture_is_refused_by_name(kwargs: dict, words: str) -> None:
+    with pytest.raises((ValueError, TypeError)) as e:
+        DistributedSampler(10, num_replicas=1, rank=0, **kwargs)
+    assert words in str(e.value)
+
+
+def test_a_concat_dataset_names_its_sources() -> None:
+    ds = ConcatDataset([TensorDataset(torch.zeros(7)), TensorDataset(torch.zeros(3))])
+    assert mixture_fields(ds, [1, 1], None, None)["sources"] == (7, 3)
+    assert mixture_fields(ds, [(0, [1, 1]), (100, [1, 0])], None, [None, 2])["weights"][1] == (100, (PARTS, 0))
+
+
+# --------------------------------------------------------------------------- resume 4 -> 3, audited
+
+N, SOURCES = 240, [30, 90, 400]
+#: the weights change at stream position 400, in epoch 1, after the checkpoint the job resumes from
+SCHEDULE = [(0, [5, 3, 2]), (400, [1, 1, 8])]
+
+
+def _incarnation(server: Server, logdir: pathlib.Path, world: int, token: str, state: dict | None,
+                 epochs: int, stop_at: int | None, save_at: int | None) -> dict:
+    from _ranks import on_ranks
+
+    saved: dict = {}
+
+    def rank(r: int) -> None:
+        s = DistributedSampler(N, world, r, address=server.address, job="mix", token=token, tail="uneven",
+                               sources=SOURCES, weights=SCHEDULE, audit_dir=str(logdir), lease_ahead=8)
+        if state:
+            s.load_state_dict(state)
+        for _ in range(epochs):
+            for k, _ in enumerate(s, 1):
+                if k == save_at and r == 0:
+                    saved.update(s.state_dict())
+                if k == stop_at:
+                    s.close()
+                    return
+        s.close()
+
+    on_ranks(world, rank)
+    return saved
+
+
+@pytest.mark.e2e
+def test_a_mixture_resumed_4_to_3_across_a_weight_change_is_exactly_once_per_source_epoch(
+        server: Server, tmp_path: pathlib.Path) -> None:
+    ck = _incarnation(server, tmp_path, 4, "g1", None, 1, stop_at=30, save_at=20)  # killed at 30, saved at 20
+    assert ck["epoch"] == 0
+    _incarnation(server, tmp_path, 3, "g2", ck, 2, stop_at=None, save_at=None)  # epochs 0 (rest) and 1
+    reports = audit(tmp_path)
+    ok, summary = verdict(reports)
+    assert ok, summary
+    assert [(r.epoch, r.finished, r.duplicates, r.missing) for r in reports] == [(0, True, 0, 0), (1, True, 0, 0)]
+    rows = by_source(reports)
+    assert all(r.duplicates == 0 and r.missing == 0 for r in rows)
+    # The small source went round many times; its epochs dealt in full each hold every sample once.
+    whole = [r for r in rows if r.source == 0 and r.expected == r.size]
+    assert len(whole) >= 5 and all(r.trained == 30 for r in whole)
+    # The change is in the stream: source 2 deals 8 in 10 after it, 2 in 10 before.
+    spec = Spec(n=N, sources=tuple(SOURCES), weights=tuple((a, parts_of(w)) for a, w in SCHEDULE))
+    _, src, _ = __import__("croupier.core.permute", fromlist=["x"]).mixture_order(spec, 1, np.arange(N))
+    assert (src[:160] == 2).sum() == 32 and (src[160:] == 2).sum() == 64
+    out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "audit", str(tmp_path)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "by source and source epoch" in out.stdout and "every sample exactly once" in out.stdout
