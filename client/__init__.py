@@ -5,14 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from croupier.client._rpc import CHANNEL_OPTIONS, CoordinatorClient, Security
+from croupier.client._sample import Sample
 
 if TYPE_CHECKING:
     from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
     from croupier.client._shards import shards
     from croupier.client._workers import worker_options
 
-__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Security", "shards",
-           "worker_options"]
+__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Sample", "Security",
+           "shards", "worker_options"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator
 #: (``croupier status``, ``croupier health``: a probe runs often) should not wait for.

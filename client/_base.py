@@ -30,6 +30,7 @@ log = logging.getLogger("croupier")
 
 class _Base(Sampler[Any]):
     _lockstep = True  # dynamic dealing: a checkpoint credits every rank with this rank's count
+    _tag = False  # hand out Samples (index, source, source epoch, seed) instead of ints
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state.
 
     Counting: an *item* is what the sampler yields (an index, or a batch for the batch sampler).
@@ -418,7 +419,7 @@ class _Base(Sampler[Any]):
         # sampler's unit is its batch_size.
         first_batch = self._yielded * self._unit // self.spec.batch_size
         pf = _Prefetcher(self._client, self.job, self._generation, self.rank, self._epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p)
+                         self._lease_ahead, self._prefetch, p, self._tag)
         self._prefetcher = pf
         try:
             while True:

@@ -8,9 +8,13 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from croupier.client import _expander
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Unreachable
 from croupier.core.api import Grant
+from croupier.core.mixture import sample_seeds
+from croupier.core.order import tags
 from croupier.core.plan import EpochPlan
 
 log = logging.getLogger("croupier")
@@ -35,13 +39,14 @@ class _Prefetcher:
     """
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
-                 lease_size: int, depth: int, plan: EpochPlan) -> None:
+                 lease_size: int, depth: int, plan: EpochPlan, tag: bool = False) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._args = (client, job, generation, rank, epoch)
         self._next = first
         self._lease_size = lease_size
         self._plan = plan
+        self._tag = tag  # each lease also carries its samples' sources, source epochs and seeds
         self.ungranted = 0  # leases computed while the coordinator did not answer
         #: (epoch, batches) the consumer's loop had taken when it last took a lease: reported with
         #: the next request (the consumer sets it; a tuple is replaced whole)
@@ -96,11 +101,22 @@ class _Prefetcher:
                     "coordinator compute different plans (another croupier release?)"
                 )
             end = plan.ends(rank, self._next, count, len(sizes), got)
+            tags = self._tags(idx, self._next, count, got) if self._tag and sizes else None
             self._next += len(sizes)
             if sizes:
-                self._put(LeaseReply(idx, sizes, end, plan.known_samples(rank), checked=True))
+                self._put(LeaseReply(idx, sizes, end, plan.known_samples(rank), checked=True, tags=tags))
             if end:
                 return
+
+    def _tags(self, idx: np.ndarray, first: int, count: int,
+              got: Grant | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source, source epoch, seed) of each index of a lease, from the positions the plan dealt them at."""
+        plan, (_, _, _, rank, epoch) = self._plan, self._args
+        pos = plan.lease_positions(rank, first, count, got)
+        if pos.size != idx.size:
+            raise RuntimeError(f"the plan names {pos.size} positions for a lease of {idx.size} indices")
+        source, source_epoch = tags(plan.spec, epoch, pos)
+        return source, source_epoch, sample_seeds(plan.spec.seed, source, source_epoch, idx)
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():

@@ -73,10 +73,10 @@ class Unreachable(E.Unavailable):
 class LeaseReply:
     """Batches of one lease, decoded: their indices end to end, and each batch's size."""
 
-    __slots__ = ("indices", "sizes", "end_of_epoch", "epoch_samples")
+    __slots__ = ("indices", "sizes", "end_of_epoch", "epoch_samples", "tags")
 
     def __init__(self, indices: np.ndarray, sizes: list[int], end_of_epoch: bool, epoch_samples: int,
-                 checked: bool = False) -> None:
+                 checked: bool = False, tags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         # `checked`: the sizes come from the plan that computed the indices (the prefetcher's
         # leases), so summing 65,536 sizes of 1 again would only cost the loop's process time.
         if not checked and indices.size != sum(sizes):
@@ -85,6 +85,8 @@ class LeaseReply:
         self.sizes = sizes
         self.end_of_epoch = end_of_epoch
         self.epoch_samples = epoch_samples
+        #: a tagging sampler's (source, source epoch, seed) of each index
+        self.tags = tags
 
     @property
     def batches(self) -> list[np.ndarray]:

@@ -13,7 +13,9 @@ from torch.utils.data.distributed import DistributedSampler as _TorchDistributed
 
 from croupier.client._base import _Base, _position
 from croupier.client._rpc import Security
+from croupier.client._sample import tagged
 from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields
+from croupier.core.checks import check_bool
 from croupier.core.plans import kind_for
 from croupier.core.spec import TOKEN_WINDOW
 
@@ -97,6 +99,9 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         sources: Each source's size (default: the sizes of the datasets of a ``ConcatDataset``).
         max_epochs: Each source's cap in epochs of its own, None for none; a source at its cap
             is dealt no more and its weight is shared out among the others in proportion.
+        tag: Hand out each index as a :class:`croupier.client.Sample`, an int that also carries
+            its source, source epoch and per-sample seed (for augmentations that must be the
+            same after any resume, on any world size and with any ``num_workers``).
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -117,9 +122,10 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
-                 max_epochs: Sequence[int | None] | None = None) -> None:
+                 max_epochs: Sequence[int | None] | None = None, tag: bool = False) -> None:
         n = _dataset_size(dataset)
         _check_sampler_args(kind_for(dealing), drop_last, tail, lockstep, batches=False)
+        self._tag = check_bool("tag", tag)
         if tail is None:
             tail = kind_for(dealing).tail(drop_last, batches=False)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
@@ -153,8 +159,12 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             self._log_lease(lease)
             # NOTE: iterating an array makes each Python int as it is taken, in C: no list of the
             # lease's 65,536 ints is built at once, or freed at once (a few % of a trivial loop).
-            items = array.array("q")
-            items.frombytes(np.ascontiguousarray(lease.indices, dtype=np.int64).data.cast("B"))
+            items: Sequence[int]
+            if lease.tags is not None:
+                items = tagged(lease.indices, lease.tags)
+            else:
+                items = array.array("q")
+                items.frombytes(np.ascontiguousarray(lease.indices, dtype=np.int64).data.cast("B"))
             it = iter(items)
             self._chunk, self._chunk_len = it, len(items)
             yield it
@@ -222,8 +232,9 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  security: Security | None = None, max_tokens: int | None = None, cost: str = "sum",
                  token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
-                 max_epochs: Sequence[int | None] | None = None) -> None:
+                 max_epochs: Sequence[int | None] | None = None, tag: bool = False) -> None:
         n = _dataset_size(dataset)
+        self._tag = check_bool("tag", tag)
         if batch_size is None and max_tokens is None:
             raise TypeError("DistributedBatchSampler needs batch_size=, or lengths= with max_tokens= for token-budget "
                             "batches")
@@ -255,7 +266,7 @@ class DistributedBatchSampler(_Base, BatchSampler):
         # that list: per batch, a slice and a count, where slicing a numpy batch and converting
         # it costs several times more.
         for lease in self._items(me):
-            items = lease.indices.tolist()
+            items: list[int] = lease.indices.tolist() if lease.tags is None else tagged(lease.indices, lease.tags)
             sizes = lease.sizes
             # This rank's last batch of the epoch, if it is in this lease: its end is logged as
             # it is handed out. (Token-budget batches know it only once their plan got there.)

@@ -200,6 +200,13 @@ class DynamicPlan:
             raise ValueError("a dynamic plan's batches are the coordinator's to deal: a lease needs its grant")
         return lease(self.global_plan, list(grant.runs))
 
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        """The order positions of the global batches `grant` names."""
+        if grant is None:
+            raise ValueError("a dynamic plan's batches are the coordinator's to deal: a lease needs its grant")
+        parts = [self.global_plan.lease_positions(0, g, c) for g, c in grant.runs]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def agrees(self, grant: Grant, sizes: list[int]) -> bool:
         """Always: the lease is computed from the grant itself."""
         return True

@@ -271,13 +271,19 @@ def indices_of(sizes: Sequence[int], seed: int, source: np.ndarray, k: np.ndarra
         return offset + offsets[source], source, epoch
     index = np.empty_like(k)
     # One Feistel pass per distinct source size, each element keyed by its (source, source epoch).
-    pairs, which = np.unique(np.stack([source, epoch]), axis=1, return_inverse=True)
-    keys = np.stack([_round_keys(seed, int(s), int(e)) for s, e in pairs.T], axis=1)  # (ROUNDS, pairs)
-    which = which.reshape(-1)
+    pairs, which = _pairs(source, epoch)
+    keys = np.stack([_round_keys(seed, s, e) for s, e in pairs], axis=1)  # (ROUNDS, pairs)
     for n in np.unique(size):
         sel = size == n
         index[sel] = feistel.permute(offset[sel], int(n), keys[:, which[sel]])
     return index + offsets[source], source, epoch
+
+
+def _pairs(source: np.ndarray, epoch: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The distinct (source, source epoch) pairs, and which pair each element is (one 1-D unique, not a 2-D one)."""
+    # Sources are below 2**23 (MAX_SOURCES) and source epochs below MAX_POSITION < 2**40: one int64 each.
+    combo, which = np.unique((source << 40) | epoch, return_inverse=True)
+    return [(c >> 40, c & ((1 << 40) - 1)) for c in combo.tolist()], which.reshape(-1)
 
 
 def _round_keys(seed: int, source: int, epoch: int) -> np.ndarray:
@@ -289,14 +295,42 @@ def permute_source(seed: int, source: int, epoch: int, n: int, offsets: np.ndarr
     return feistel.permute(np.asarray(offsets, dtype=np.int64), n, _round_keys(seed, source, epoch))
 
 
+def sample_seeds(seed: int, source: np.ndarray, epoch: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The seed of each dealt sample (int64, in [0, 2**63)) from (job seed, source, source epoch, index).
+
+    A key per (source, source epoch) is derived with :func:`croupier.core.feistel.derive_key`,
+    then mixed with the index by the SplitMix64 finaliser, for a whole lease at once.
+    """
+    src = np.asarray(source, dtype=np.int64).reshape(-1)
+    ep = np.asarray(epoch, dtype=np.int64).reshape(-1)
+    idx = np.asarray(index, dtype=np.int64).reshape(-1)
+    if src.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    pairs, which = _pairs(src, ep)
+    keys = np.array([_seed_key(seed, s, e) for s, e in pairs], dtype=np.uint64)[which]
+    with np.errstate(over="ignore"):
+        z = keys ^ (idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    out: np.ndarray = (z >> np.uint64(1)).astype(np.int64)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _seed_key(seed: int, source: int, epoch: int) -> int:
+    return feistel.derive_key(seed, _SAMPLE_TAG, source, epoch)
+
+
 def sample_seed(seed: int, source: int, epoch: int, index: int) -> int:
     """The seed of one dealt sample: a 63-bit int from (job seed, source, source epoch, index).
 
     The same on any world size, any number of workers and after any resume, since it depends on
     what the sample is and nothing on who dealt it. Use it for the sample's random crops, masks
-    or augmentations: ``torch.Generator().manual_seed(sample_seed(...))``.
+    or augmentations: ``torch.Generator().manual_seed(sample_seed(...))``. A sampler made with
+    ``tag=True`` hands out each index with its seed already worked out (``Sample.seed``).
     """
-    return feistel.derive_key(seed, _SAMPLE_TAG, source, epoch, index) >> 1
+    return int(sample_seeds(seed, np.array([source]), np.array([epoch]), np.array([index]))[0])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,6 +57,15 @@ def order(spec: Spec, epoch: int, positions: np.ndarray, base_world: int = 0) ->
     return KERNELS[spec.permutation](spec, epoch, pos, part_bounds(spec, base_world))
 
 
+def tags(spec: Spec, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, source epoch) of each position of `epoch`'s order: a mixture's, or source 0 and `epoch` itself."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if spec.sources is not None:
+        _, source, source_epoch = mixture_order(spec, epoch, pos)
+        return source, source_epoch
+    return np.zeros(pos.shape, dtype=np.int64), np.full(pos.shape, epoch, dtype=np.int64)
+
+
 # --------------------------------------------------------------------------- tails and partitions
 
 
@@ -177,6 +186,15 @@ class Plan:
         local = np.arange(first * b, first * b + (batches - 1) * b + last, dtype=np.int64)
         idx = order(self.spec, self.cursor.epoch, self.positions(self.virtual(rank, local)), self.cursor.base_world)
         return idx, sizes
+
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        """The order positions of :meth:`lease`'s indices."""
+        batches, last = self.share(rank, first, count)
+        if not batches:
+            return np.zeros(0, dtype=np.int64)
+        b = self.spec.batch_size
+        return self.positions(self.virtual(rank, np.arange(first * b, first * b + (batches - 1) * b + last,
+                                                           dtype=np.int64)))
 
     def batch_sizes(self, rank: int, first: int, count: int) -> list[int]:
         """The sizes of batches first .. first + count - 1 of `rank` (fewer at the epoch's end)."""

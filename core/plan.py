@@ -111,6 +111,11 @@ class EpochPlan(Protocol):
         end, and each batch's size. A plan the coordinator deals needs the `grant` (its runs)."""
         ...
 
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        """The positions of the epoch's order that :meth:`lease` maps to its indices, in the same order
+        (pads included): what a sample's source and source epoch are read from (``order.tags``)."""
+        ...
+
     def agrees(self, grant: Grant, sizes: list[int]) -> bool:
         """Whether a lease of `sizes` computed here is what the coordinator's `grant` names."""
         ...

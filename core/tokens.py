@@ -379,6 +379,18 @@ class TokenPlan:
         idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return idx, sizes
 
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        """The order positions of :meth:`lease`'s indices."""
+        with self._lock:
+            self._check(rank, first)
+            parts = []
+            for s in range(first, first + count):
+                b = self._step(rank, s)
+                if b is None:
+                    break
+                parts.append(b[0])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def batch_sizes(self, rank: int, first: int, count: int) -> list[int]:
         """The sizes of steps first .. first + count - 1 of `rank` (fewer at the epoch's end)."""
         return self.lease(rank, first, count)[1]

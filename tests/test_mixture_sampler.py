@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import ConcatDataset, TensorDataset
 
-from croupier.client import DistributedSampler
+from croupier.client import DistributedSampler, Sample
 from croupier.client._shards import mixture_fields
 from croupier.core.mixture import PARTS, Stream, parts_of
 from croupier.core.order import order
@@ -160,3 +160,89 @@ def test_a_mixture_resumed_4_to_3_across_a_weight_change_is_exactly_once_per_sou
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "by source and source epoch" in out.stdout and "every sample exactly once" in out.stdout
+
+
+# --------------------------------------------------------------------------- per-sample seeds
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each sample with a random crop drawn from its own seed (what a real dataset's augmentation does)."""
+
+    def __len__(self) -> int:
+        return 120
+
+    def __getitem__(self, i: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i.seed)
+        return torch.tensor([int(i), i.source, i.source_epoch]), torch.rand(3, generator=g)
+
+
+def _augmentations(server: Server, world: int, token: str, job: str, state: dict | None, save_at: int | None,
+                   workers: int, saved: dict) -> dict[tuple[int, int, int], tuple[float, ...]]:
+    """What every rank of one generation trained, as {(index, source, source epoch): its crop}, to the end of
+    epoch 1 (or to `save_at` items of a rank, where rank 0 saves its state into `saved`)."""
+    from _ranks import on_ranks
+
+    from croupier.client import worker_options
+
+    got: dict[tuple[int, int, int], tuple[float, ...]] = {}
+
+    def rank(r: int) -> None:
+        s = DistributedSampler(Augmented(), world, r, address=server.address, job=job, token=token, tail="uneven",
+                               sources=[20, 50, 200], weights=[3, 2, 5], tag=True, lease_ahead=8)
+        if state:
+            s.load_state_dict(state)
+        if save_at is not None:  # the items one at a time, in this process
+            for k, i in enumerate(s, 1):
+                key, crop = Augmented()[i]
+                got[tuple(key.tolist())] = tuple(crop.tolist())
+                if k == save_at:
+                    if r == 0:
+                        saved.update(s.state_dict())
+                    break
+        else:  # through a DataLoader and its worker processes, to the end of epoch 1
+            loader = torch.utils.data.DataLoader(Augmented(), batch_size=4, sampler=s, **worker_options(workers))
+            for _ in range(2):  # the rest of epoch 0, then epoch 1 (the sampler moves on by itself)
+                for keys, crops in loader:
+                    for key, crop in zip(keys.tolist(), crops.tolist()):
+                        assert tuple(key) not in got, f"{key} trained twice"
+                        got[tuple(key)] = tuple(crop)
+        s.close()
+
+    on_ranks(world, rank)
+    return got
+
+
+@pytest.mark.e2e
+def test_augmentations_are_the_same_after_a_4_to_3_resume_with_2_workers(server: Server) -> None:
+    whole = _augmentations(server, 4, "ref", "reference", None, None, 0, {})
+    assert len(whole) == 240  # two epochs, every sample of the stream once
+    saved: dict = {}
+    before = _augmentations(server, 4, "g1", "resumed", None, 10, 0, saved)
+    after = _augmentations(server, 3, "g2", "resumed", saved, None, 2, {})
+    assert not set(before) & set(after), "trained before the checkpoint and again after it"
+    assert {**before, **after} == whole  # the same samples, each with the same crop
+
+
+@pytest.mark.parametrize("how", ["fixed", "dynamic", "tokens"])
+def test_every_way_of_dealing_tags_each_sample_with_its_source_epoch_and_seed(how: str) -> None:
+    from croupier.client import DistributedBatchSampler
+    from croupier.core.mixture import sample_seed
+    from croupier.core.permute import mixture_order
+
+    kw: dict = dict(sources=[7, 30, 63], weights=[(0, [5, 3, 2]), (60, [1, 1, 1])], tag=True, num_replicas=1, rank=0,
+                    seed=3, tail="uneven")
+    if how == "tokens":
+        kw.update(lengths=np.arange(100) % 9 + 1, max_tokens=20)
+    else:
+        kw.update(batch_size=4, dealing="dynamic" if how == "dynamic" else "static")
+    s = DistributedBatchSampler(100, **kw)
+    got = [i for _ in range(2) for batch in s for i in batch]  # epochs 0 and 1
+    assert all(isinstance(i, Sample) for i in got)
+    spec = s.spec
+    want = set()
+    for e in (0, 1):
+        idx, src, sep = mixture_order(spec, e, np.arange(100))
+        want |= set(zip(idx.tolist(), src.tolist(), sep.tolist()))
+    assert {(int(i), i.source, i.source_epoch) for i in got} == want
+    assert all(i.seed == sample_seed(3, i.source, i.source_epoch, int(i)) for i in got)
+    s.close()
