@@ -42,7 +42,8 @@ MAX_N = 2**62
 #: silently between releases would re-map every saved checkpoint while its fingerprint still
 #: matched. Hence the rule: ANY change to what an order yields for an existing spec (a Feistel
 #: round or constant, a key derivation, the bucket sort or pack shuffle, a partition or tail
-#: rule) MUST bump ORDER_VERSION and regenerate tests/golden/orders.json with
+#: rule, a mixture's tree, segments, source permutations or sample seeds) MUST bump ORDER_VERSION
+#: and regenerate tests/golden/orders.json and tests/golden/mixtures.json with
 #: tests/golden/make_golden.py, in the same change. tests/test_golden.py fails on any such
 #: change, including one a dependency makes under us (torch's randperm for ``torch``).
 #: ORDER_VERSION is part of :attr:`Spec.fingerprint` and of every checkpoint state, and a state
@@ -131,7 +132,8 @@ class Spec:
         if isinstance(self.sources, (list, tuple)):
             object.__setattr__(self, "sources", tuple(self.sources))
         if isinstance(self.max_epochs, (list, tuple)):
-            object.__setattr__(self, "max_epochs", tuple(self.max_epochs))
+            # No cap on any source is no caps: one spec, one fingerprint (and one form on the wire).
+            object.__setattr__(self, "max_epochs", tuple(self.max_epochs) if any(self.max_epochs) else None)
         if isinstance(self.weights, (list, tuple)):
             object.__setattr__(self, "weights", tuple(
                 (c[0], tuple(c[1])) if isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], (list, tuple))

@@ -34,6 +34,10 @@ def spec_to_proto(s: Spec) -> pb.Spec:
         m.token_window = s.token_window
     if s.dealing != "static":
         m.dealing = s.dealing
+    if s.sources is not None:
+        m.sources.extend(s.sources)
+        m.weights.extend(pb.WeightChange(position=at, parts=parts) for at, parts in s.weights or ())
+        m.max_epochs.extend(s.max_epochs or ())
     return m
 
 
@@ -51,6 +55,9 @@ def spec_from_proto(m: pb.Spec) -> Spec:
             cost=m.cost or "sum",
             token_window=m.token_window if m.HasField("token_window") else TOKEN_WINDOW,
             dealing=m.dealing or "static",
+            sources=tuple(m.sources) if m.sources else None,
+            weights=tuple((w.position, tuple(w.parts)) for w in m.weights) if m.weights else None,
+            max_epochs=tuple(m.max_epochs) if m.max_epochs else None,
         )
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"invalid spec: {e}") from None

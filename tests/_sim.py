@@ -8,6 +8,8 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from croupier.core.api import JoinRequest
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.order import Plan
@@ -69,27 +71,43 @@ def allowance(tail: str, partition: str, final: int, worlds: Iterable[int], batc
     return missing, sum(w - 1 for w in worlds)
 
 
-def audit_epoch(spec: Spec, trained: list[int], max_missing: int, max_repeats: int) -> None:
+def expected(spec: Spec, epoch: int | None) -> collections.Counter[int]:
+    """The indices an epoch is to deal, with how often: each of [0, n) once, or a mixture's stream
+    positions of the epoch (a small source may deal one sample in several of its epochs within one)."""
+    if spec.sources is None:
+        return collections.Counter(range(spec.n))
+    if epoch is None:
+        raise TypeError("a mixture's epochs each deal other samples: say which epoch is audited")
+    from croupier.core.permute import mixture_order
+
+    idx, _, _ = mixture_order(spec, epoch, np.arange(spec.n, dtype=np.int64))
+    return collections.Counter(idx.tolist())
+
+
+def audit_epoch(spec: Spec, trained: list[int], max_missing: int, max_repeats: int, epoch: int | None = None) -> None:
     """Checks G1 for one finished epoch, given what its tail policy allows (see `allowance`)."""
-    n = spec.n
+    want = expected(spec, epoch)
     seen = collections.Counter(trained)
-    bad = [i for i in seen if not 0 <= i < n]
+    bad = [i for i in seen if i not in want]
     if bad:
         raise G1Violation(f"indices out of range: {bad[:10]}")
-    missing = n - len(seen)
-    repeats = len(trained) - len(seen)
+    missing = sum(max(0, c - seen[i]) for i, c in want.items())
+    repeats = sum(max(0, c - want[i]) for i, c in seen.items())
     if missing > max_missing or repeats > max_repeats:
         raise G1Violation(
             f"tail {spec.tail}, partition {spec.partition}: {missing} missing (at most {max_missing} allowed) "
-            f"and {repeats} repeats (at most {max_repeats} allowed), N={n}"
+            f"and {repeats} repeats (at most {max_repeats} allowed), N={spec.n}"
         )
 
 
-def audit_partial(spec: Spec, trained: list[int], max_repeats: int) -> None:
-    """Checks an epoch in progress: no index twice, beyond what the tail policy's padding allows."""
-    repeats = len(trained) - len(set(trained))
+def audit_partial(spec: Spec, trained: list[int], max_repeats: int, epoch: int | None = None) -> None:
+    """Checks an epoch in progress: no index more often than the epoch deals it, beyond what the tail's padding allows."""
+    seen = collections.Counter(trained)
+    want = expected(spec, epoch) if spec.sources is not None else None
+    over = {i: c - (1 if want is None else want[i]) for i, c in seen.items()}
+    repeats = sum(max(0, v) for v in over.values())
     if repeats > max_repeats:
-        dup = [i for i, c in collections.Counter(trained).items() if c > 1][:10]
+        dup = [i for i, v in over.items() if v > 0][:10]
         raise G1Violation(f"{repeats} repeats in an unfinished epoch (at most {max_repeats} allowed); e.g. {dup}")
 
 

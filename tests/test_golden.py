@@ -170,3 +170,45 @@ def test_a_one_bit_change_breaks_the_golden_orders(name: str) -> None:
     if name.endswith("bucket pack key tag"):
         assert _ids(found) == must, f"{name}: reported outside bucket orders {sorted(_ids(found) - must)}"
     assert golden_mismatches(GOLDEN) == []  # the change is gone with the patch and the caches
+
+
+# --------------------------------------------------------------------------- mixtures
+
+MIXTURES = json.loads((pathlib.Path(__file__).parent / "golden" / "mixtures.json").read_text())
+
+
+def mixture_mismatches(golden: dict[str, Any]) -> list[str]:
+    """Every way the mixtures' orders and seeds differ from tests/golden/mixtures.json, one line each."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "golden"))
+    from make_golden import mixture_spec
+
+    from croupier.core.mixture import sample_seeds
+
+    out = []
+    for k, m in enumerate(golden["mixtures"]):
+        spec = mixture_spec(m["case"])
+        for p in m["points"]:
+            pos = np.arange(p["first"], p["first"] + len(p["index"]), dtype=np.int64)
+            idx, src, sep = _permute.mixture_order(spec, p["epoch"], pos)
+            seeds = sample_seeds(spec.seed, src, sep, idx)
+            for what, got in (("index", idx), ("source", src), ("source_epoch", sep), ("seed", seeds)):
+                out += _diff(f"mixture {k} epoch {p['epoch']} {what}", got.tolist(), p[what])
+    return out
+
+
+def test_mixtures_yield_the_golden_orders_and_seeds() -> None:
+    assert MIXTURES["order_version"] == ORDER_VERSION
+    assert mixture_mismatches(MIXTURES) == []
+
+
+def test_a_changed_mixture_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from croupier.core import mixture
+
+    monkeypatch.setattr(mixture, "_SOURCE_TAG", mixture._SOURCE_TAG + 1)  # one source permutation key derivation
+    mixture.stream.cache_clear()
+    try:
+        assert any("index" in line for line in mixture_mismatches(MIXTURES))
+    finally:
+        mixture.stream.cache_clear()

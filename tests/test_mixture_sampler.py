@@ -246,3 +246,17 @@ def test_every_way_of_dealing_tags_each_sample_with_its_source_epoch_and_seed(ho
     assert {(int(i), i.source, i.source_epoch) for i in got} == want
     assert all(i.seed == sample_seed(3, i.source, i.source_epoch, int(i)) for i in got)
     s.close()
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(n=300, sources=(40, 160, 500), weights=((0, parts_of([5, 3, 2])), (450, parts_of([1, 1, 8]))),
+         max_epochs=(2, 0, 0), seed=9, permutation="none"),
+    Spec(n=30, sources=(10, 20), weights=((0, parts_of([1, 1])),), max_epochs=(0, 0)),
+    Spec(n=300),
+])
+def test_the_mixture_spec_travels_to_the_coordinator_whole(spec: Spec) -> None:
+    from croupier.core.wire import spec_from_proto, spec_to_proto
+    from croupier.v1 import coordinator_pb2 as pb
+
+    back = spec_from_proto(pb.Spec.FromString(spec_to_proto(spec).SerializeToString()))
+    assert back == spec and back.fingerprint == spec.fingerprint

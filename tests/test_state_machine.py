@@ -124,12 +124,22 @@ class Setup:
     lengths: tuple[int, ...] = ()  # token-budget batches: each sample's length
     max_tokens: int = 0
     token_window: int = 0
+    sources: tuple[int, ...] = ()  # a mixture: each source's size (n is then an epoch's length)
+    weights: tuple[tuple[int, tuple[int, ...]], ...] = ()  # its schedule: (from sample, weights)
+    max_epochs: tuple[int | None, ...] = ()
+
+    def _mixture(self) -> dict[str, Any]:
+        if not self.sources:
+            return {}
+        return dict(sources=list(self.sources), weights=[(a, list(w)) for a, w in self.weights],
+                    max_epochs=list(self.max_epochs) or None)
 
     def sampler(self, address: str, token: str, world: int, rank: int) -> Sampler:
         common: dict[str, Any] = dict(
             num_replicas=world, rank=rank, shuffle=self.permutation != "none", seed=self.seed, address=address,
             job=JOB, permutation=self.permutation, partition=self.partition, tail=self.tail,
             buffer_size=self.buffer_size, token=token, lease_ahead=self.lease_ahead, prefetch=self.prefetch,
+            **self._mixture(),
         )
         if self.kind == "index":
             return DistributedSampler(self.n, **common)
@@ -149,20 +159,27 @@ class Setup:
 
     @property
     def spec(self) -> Spec:
-        """What the audit needs of the spec (n)."""
-        return Spec(n=self.n, tail=self.tail, partition=self.partition)
+        """What the audit needs of the spec (n; a mixture's stream)."""
+        if not self.sources:
+            return Spec(n=self.n, tail=self.tail, partition=self.partition)
+        from croupier.client._shards import mixture_fields
+
+        return Spec(n=self.n, tail=self.tail, partition=self.partition, seed=self.seed, permutation=self.permutation,
+                    **mixture_fields(None, **self._mixture()))
 
 
 #: The kinds of job the state machine draws: the index sampler, the batch sampler, and the batch
 #: sampler with dynamic dealing (ranks step together; a checkpoint is rank 0's), and with
-#: token-budget batches (a step takes one batch of varying size).
-KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,tokens").split(",")
+#: token-budget batches (a step takes one batch of varying size); "mixture" makes a third of them (all, alone)
+#: deal a weighted mixture of sources whose weights change and whose sources may be capped.
+KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,tokens,mixture").split(",")
 
 
 @st.composite
 def setups(draw: st.DrawFn) -> Setup:
     """A job: either sampler class, any spec of up to 60 samples, and a few small leases kept ahead."""
-    kind = draw(st.sampled_from(KINDS))
+    # "mixture" in KINDS: a third of the jobs (all of them when it is alone) deal a mixture of sources
+    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", "dynamic", "tokens"]))
     partition = draw(st.sampled_from(["strided", "chunked", "contiguous"]))
     tail = draw(st.sampled_from(["pad", "drop", "uneven", "pad_last"]))
     if kind == "dynamic":  # no stripes, no padding: whoever asks gets the next batch
@@ -180,15 +197,40 @@ def setups(draw: st.DrawFn) -> Setup:
         # honest bound for it, and that combination is left out.
         even = draw(st.booleans()) if (partition, tail) != ("chunked", "uneven") else False
     n = draw(st.integers(1, 60))
+    mixed = "mixture" in KINDS and (KINDS == ["mixture"] or draw(st.integers(0, 2)) == 0)
+    mixture = draw(mixtures()) if mixed else {}
+    space = sum(mixture["sources"]) if mixture else n
     if token:
-        token["lengths"] = tuple(draw(st.lists(st.integers(1, token["max_tokens"]), min_size=n, max_size=n)))
+        token["lengths"] = tuple(draw(st.lists(st.integers(1, token["max_tokens"]), min_size=space, max_size=space)))
+    permutations = ["none", "feistel"] if mixture else ["none", "feistel", "torch", "window"]
     return Setup(
         kind=kind, n=n, seed=draw(st.integers(0, 2**32)),
-        permutation=draw(st.sampled_from(["none", "feistel", "torch", "window"])), partition=partition, tail=tail,
+        permutation=draw(st.sampled_from(permutations)), partition=partition, tail=tail,
         buffer_size=draw(st.one_of(st.none(), st.integers(1, 20))), batch=draw(st.integers(1, 4)),
         drop_last=drop_last, even_batches=even, lease_ahead=draw(st.integers(1, 3)), prefetch=draw(st.integers(2, 3)),
-        **token,
+        **token, **mixture,
     )
+
+
+@st.composite
+def mixtures(draw: st.DrawFn) -> dict[str, Any]:
+    """A mixture of 2 or 3 small sources, its weights changed once or not, a source capped or not."""
+    from croupier.client._shards import mixture_fields
+    from croupier.core.mixture import Stream
+
+    k = draw(st.integers(2, 3))
+    sources = tuple(draw(st.lists(st.integers(1, 15), min_size=k, max_size=k)))
+    weights = st.lists(st.integers(0, 5), min_size=k, max_size=k).filter(any).map(tuple)
+    schedule = [(0, draw(weights))]
+    if draw(st.booleans()):
+        schedule.append((draw(st.integers(1, 150)), draw(weights)))
+    caps = tuple(draw(st.lists(st.sampled_from([None, None, 1, 2]), min_size=k, max_size=k)))
+    try:  # a schedule and caps that leave nothing to deal somewhere are refused: then no caps
+        fields = mixture_fields(None, [(a, list(w)) for a, w in schedule], list(sources), list(caps))
+        Stream(fields["sources"], fields["weights"], fields["max_epochs"])
+    except ValueError:
+        caps = ()
+    return dict(sources=sources, weights=tuple(schedule), max_epochs=caps)
 
 
 class World:
@@ -266,7 +308,8 @@ class Elastic(RuleBasedStateMachine):
     def start(self, setup: Setup, world: int, start: int | None) -> None:
         self.busy = True
         self.setup = setup
-        self.stats: collections.Counter[str] = collections.Counter(examples=1, **{f"{setup.kind}_sampler_examples": 1})
+        self.stats: collections.Counter[str] = collections.Counter(examples=1, **{f"{setup.kind}_sampler_examples": 1},
+                                                                   mixture_examples=int(bool(setup.sources)))
         self.store = open_store("memory://")
         self.server = Server(_Handle(self.store)).start()
         self.port = self.server.port
@@ -333,7 +376,7 @@ class Elastic(RuleBasedStateMachine):
                 self.log.append((self.epoch, live.incarnation, live.world, tuple(b)))
                 trained = True
         self.stats["train_steps"] += trained
-        audit_partial(self.setup.spec, self.trained(self.epoch), self.allowance(self.epoch)[1])
+        audit_partial(self.setup.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
         return False
 
     def _finish_epoch(self) -> None:
@@ -343,7 +386,7 @@ class Elastic(RuleBasedStateMachine):
         if live.start_epoch <= e:
             self.end_worlds.setdefault(e, live.world)
         assert e in self.end_worlds, f"epoch {e} is over, but no generation completed it"
-        audit_epoch(self.setup.spec, self.trained(e), *self.allowance(e))
+        audit_epoch(self.setup.spec, self.trained(e), *self.allowance(e), e)
         self.stats["epochs_audited"] += 1
         self.finished.append((e, self.end_worlds[e]))
         self.epoch += 1
@@ -554,7 +597,7 @@ class Elastic(RuleBasedStateMachine):
     def no_duplicates_so_far(self) -> None:
         if hasattr(self, "setup"):
             self.stats["rule_steps"] += 1
-            audit_partial(self.setup.spec, self.trained(self.epoch), self.allowance(self.epoch)[1])
+            audit_partial(self.setup.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
             self.busy = False
 
     # ------------------------------------------------------------------ restarts
@@ -595,7 +638,7 @@ class Elastic(RuleBasedStateMachine):
         if not hint and ck.state["epoch"] > ck.epoch:
             # Saved once every rank had had all its batches: that epoch is complete, and a loop
             # without set_epoch goes straight on to the next.
-            audit_epoch(self.setup.spec, self.trained(ck.epoch), *self.allowance(ck.epoch))
+            audit_epoch(self.setup.spec, self.trained(ck.epoch), *self.allowance(ck.epoch), ck.epoch)
             self.stats["epochs_audited"] += 1
             self.finished.append((ck.epoch, self.end_worlds[ck.epoch]))
         self._start_world(world, ck.state["epoch"], hint, prepare)

@@ -296,7 +296,9 @@ def render_sources(rows: Iterable[SourceRow]) -> str:
     for r in rows:
         size, whole = r.size, r.expected == r.size
         if r.duplicates or r.missing:
-            why = f"{r.duplicates} duplicates, {r.missing} missing"
+            # NOTE: a pad tail repeats and a drop tail leaves out a few samples of an epoch's end:
+            # whether these are those, or a violation, is the epoch's verdict above.
+            why = f"{r.duplicates} repeated, {r.missing} missing (the epoch's tail? see its verdict)"
         else:
             why = "ok: every sample exactly once" if whole else "ok: each once (part of this source epoch audited)"
         lines.append(f"{r.source:>6} {r.source_epoch:>5} {size:>9} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} "

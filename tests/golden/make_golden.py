@@ -3,6 +3,7 @@
 # Usage:
 #     python tests/golden/make_golden.py orders     # after bumping ORDER_VERSION, on purpose
 #     python tests/golden/make_golden.py fixtures   # adds this release's checkpoint fixtures
+#     python tests/golden/make_golden.py mixtures   # the mixtures' orders (tests/golden/mixtures.json)
 #
 # The orders file is what tests/test_golden.py holds the engine to: regenerate it only in the
 # change that bumps ORDER_VERSION (see the NOTE in core/spec.py), or that adds a new kind of
@@ -244,14 +245,71 @@ def make_fixtures(names: Sequence[str]) -> list[pathlib.Path]:
     return made
 
 
+# --------------------------------------------------------------------------- golden mixtures
+
+MIXTURES = TESTS / "golden" / "mixtures.json"
+#: Mixtures by their spec's settings (weights as given to the samplers; the spec holds their parts):
+#: two sources, a schedule with a capped source, in order, and a thousand sources far into the run.
+MIXTURE_CASES: list[dict[str, Any]] = [
+    dict(n=50, seed=7, sources=[13, 40], weights=[(0, [0.7, 0.3])]),
+    dict(n=64, seed=11, sources=[5, 30, 200], weights=[(0, [5, 3, 2]), (100, [1, 1, 8])], max_epochs=[3, 0, 0]),
+    dict(n=40, seed=0, sources=[9, 21, 4], weights=[(0, [1, 1, 1])], permutation="none"),
+    dict(n=10**6, seed=5, sources=[1000 + k for k in range(1000)], weights=[(0, [1 + k % 7 for k in range(1000)])]),
+]
+#: (epoch, first position, count) of each case: its first two epochs' starts, and one far along
+MIXTURE_POINTS = [(0, 0, 24), (1, 0, 24), (123, 7, 16)]
+
+
+def mixture_spec(case: dict[str, Any]) -> Any:
+    """The spec of a golden mixture case."""
+    from croupier.core.mixture import parts_of
+    from croupier.core.spec import Spec
+
+    kw = dict(case)
+    kw["sources"] = tuple(kw["sources"])
+    kw["weights"] = tuple((at, parts_of(w)) for at, w in kw["weights"])
+    if "max_epochs" in kw:
+        kw["max_epochs"] = tuple(kw["max_epochs"])
+    return Spec(**kw)
+
+
+def make_mixtures() -> dict[str, Any]:
+    """(index, source, source epoch, seed) at a few points of each golden mixture, by this release's engine."""
+    from croupier.core.mixture import sample_seeds
+    from croupier.core.permute import mixture_order
+    from croupier.core.spec import ORDER_VERSION
+
+    out = []
+    for case in MIXTURE_CASES:
+        spec = mixture_spec(case)
+        points = []
+        for epoch, first, count in MIXTURE_POINTS:
+            idx, src, sep = mixture_order(spec, epoch, np.arange(first, first + count, dtype=np.int64))
+            seeds = sample_seeds(spec.seed, src, sep, idx)
+            points.append({"epoch": epoch, "first": first, "index": idx.tolist(), "source": src.tolist(),
+                           "source_epoch": sep.tolist(), "seed": seeds.tolist()})
+        out.append({"case": case, "points": points})
+    return {"order_version": ORDER_VERSION, "mixtures": out}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").strip())
-    ap.add_argument("what", choices=("orders", "fixtures"))
+    ap.add_argument("what", choices=("orders", "fixtures", "mixtures"))
     ap.add_argument("--only", nargs="*", default=[], help="fixture names to write (default: all)")
     a = ap.parse_args(argv)
     if a.what == "orders":
         ORDERS.write_text(dump(make_orders()))
         print(f"wrote {ORDERS.relative_to(TESTS.parent)}")
+    elif a.what == "mixtures":
+        golden = make_mixtures()
+        lines = [f'{{"order_version": {golden["order_version"]}, "mixtures": [']
+        for k, m in enumerate(golden["mixtures"]):
+            lines.append(f' {{"case": {json.dumps(m["case"])}, "points": [')
+            lines += [f"  {json.dumps(p)}{',' if j < len(m['points']) - 1 else ''}" for j, p in enumerate(m["points"])]
+            lines.append(f" ]}}{',' if k < len(golden['mixtures']) - 1 else ''}")
+        lines.append("]}")
+        MIXTURES.write_text("\n".join(lines) + "\n")
+        print(f"wrote {MIXTURES.relative_to(TESTS.parent)}")
     else:
         make_fixtures(a.only)
     return 0

@@ -45,6 +45,9 @@ class Spec(_message.Message):
     COST_FIELD_NUMBER: _builtins.int
     TOKEN_WINDOW_FIELD_NUMBER: _builtins.int
     DEALING_FIELD_NUMBER: _builtins.int
+    SOURCES_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FIELD_NUMBER: _builtins.int
+    MAX_EPOCHS_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     seed: _builtins.int
     permutation: _builtins.str
@@ -68,6 +71,20 @@ class Spec(_message.Message):
     """unset means 4096"""
     dealing: _builtins.str
     """"static" (default when empty) or "dynamic": batches go to whichever rank asks (Deal)."""
+    @_builtins.property
+    def sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A mixture of sources: each source's size (empty: one dataset of n samples). An epoch is then
+        n consecutive positions of the run's one stream over the sources.
+        """
+
+    @_builtins.property
+    def weights(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightChange]:
+        """The mixture's schedule of weights, the first change at position 0."""
+
+    @_builtins.property
+    def max_epochs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Each source's cap in epochs of its own (0: none); empty: no source is capped."""
+
     def __init__(
         self,
         *,
@@ -87,10 +104,13 @@ class Spec(_message.Message):
         cost: _builtins.str = ...,
         token_window: _builtins.int | None = ...,
         dealing: _builtins.str = ...,
+        sources: _abc.Iterable[_builtins.int] | None = ...,
+        weights: _abc.Iterable[Global___WeightChange] | None = ...,
+        max_epochs: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "buffer_size", b"buffer_size", "lengths", b"lengths", "max_tokens", b"max_tokens", "pack_size", b"pack_size", "token_window", b"token_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "batch_size", b"batch_size", "buffer_size", b"buffer_size", "cost", b"cost", "dealing", b"dealing", "drop_last_batch", b"drop_last_batch", "even_batches", b"even_batches", "lengths", b"lengths", "max_tokens", b"max_tokens", "n", b"n", "pack_size", b"pack_size", "partition", b"partition", "permutation", b"permutation", "scope", b"scope", "seed", b"seed", "tail", b"tail", "token_window", b"token_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "batch_size", b"batch_size", "buffer_size", b"buffer_size", "cost", b"cost", "dealing", b"dealing", "drop_last_batch", b"drop_last_batch", "even_batches", b"even_batches", "lengths", b"lengths", "max_epochs", b"max_epochs", "max_tokens", b"max_tokens", "n", b"n", "pack_size", b"pack_size", "partition", b"partition", "permutation", b"permutation", "scope", b"scope", "seed", b"seed", "sources", b"sources", "tail", b"tail", "token_window", b"token_window", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__buffer_size: _TypeAlias = _typing.Literal["buffer_size"]  # noqa: Y015
     _WhichOneofArgType__buffer_size: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size"]  # noqa: Y015
@@ -114,6 +134,31 @@ class Spec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_window) -> _WhichOneofReturnType__token_window | None: ...
 
 Global___Spec: _TypeAlias = Spec  # noqa: Y015
+
+@_typing.final
+class WeightChange(_message.Message):
+    """From stream position `position` on, each source's weight in parts of 2**24 (they add up to it)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POSITION_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    position: _builtins.int
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        position: _builtins.int = ...,
+        parts: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts", "position", b"position"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightChange: _TypeAlias = WeightChange  # noqa: Y015
 
 @_typing.final
 class Cursor(_message.Message):
