@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,42 +60,52 @@ def parts_of(weights: Sequence[float]) -> tuple[int, ...]:
     Raises:
         ValueError: no weights, a negative, non-finite or all-zero weight list, or more sources than parts.
     """
-    ws = [float(w) for w in weights]
-    if not ws:
+    try:
+        w = np.array(weights, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise ValueError(f"weights must be numbers (got {list(weights)!r})") from None
+    if not w.size:
         raise ValueError("a mixture needs at least one source")
-    for i, w in enumerate(ws):
-        if not np.isfinite(w) or w < 0:
-            raise ValueError(f"weight {weights[i]!r} of source {i} must be finite and >= 0")
+    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"weight {weights[i]!r} of source {i} must be finite and >= 0")
+    ws = w.tolist()
     total = sum(ws)
     if total <= 0:
         raise ValueError(f"weights {list(weights)!r} add up to {total}: at least one must be > 0")
     positive = [i for i, w in enumerate(ws) if w > 0]
     if len(positive) > PARTS:
         raise ValueError(f"{len(positive)} sources with a weight: at most {PARTS}")
-    exact = [w / total * PARTS for w in ws]
-    parts = [int(x) for x in exact]
-    for i in positive:
-        parts[i] = max(parts[i], 1)
-    short = PARTS - sum(parts)
-    # Largest remainder first (ties by source), only among sources that have a weight.
-    order = sorted(positive, key=lambda i: (-(exact[i] - int(exact[i])), i))
-    step = 1 if short > 0 else -1
-    k = 0
-    while short != 0:
-        i = order[k % len(order)] if step > 0 else max(positive, key=lambda j: (parts[j], -j))
-        if step > 0 or parts[i] > 1:
-            parts[i] += step
-            short -= step
-        k += 1
+    exact = np.array(ws, dtype=np.float64) / total * PARTS
+    floor = exact.astype(np.int64)
+    pos = np.array(positive, dtype=np.int64)
+    arr = floor.copy()
+    arr[pos] = np.maximum(arr[pos], 1)
+    short = PARTS - int(arr.sum())
+    if short > 0:
+        # Largest remainder first (ties by source), only among sources that have a weight; round and round.
+        order = pos[np.lexsort((pos, -(exact[pos] - floor[pos])))]
+        q, r = divmod(short, order.size)
+        arr[order] += q
+        arr[order[:r]] += 1
+    parts = arr.tolist()
+    while short < 0:  # sources raised to one part took more than the remainders gave: the largest part gives one back
+        i = max(positive, key=lambda j: (parts[j], -j))
+        parts[i] -= 1
+        short += 1
     return tuple(parts)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Node:
-    weight: int
-    left: int  # child node ids; a leaf has left = right = -1 and source >= 0
-    right: int
-    source: int = -1
+class _Tree:
+    """The Huffman tree as lists indexed by node id (leaves first, the root last); a leaf has
+    first = second = -1 and its source, an inner node source -1."""
+
+    weight: list[int]
+    first: list[int]  # the heavier child: it takes the node's first position
+    second: list[int]
+    source: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,33 +140,46 @@ class Mixture:
     # ---------------------------------------------------------------- the tree
 
     @functools.cached_property
-    def _tree(self) -> tuple[_Node, ...]:
-        nodes = [_Node(p, -1, -1, s) for s, p in enumerate(self.parts) if p > 0]
-        heap = [(n.weight, i, i) for i, n in enumerate(nodes)]  # (weight, tie-break, node id)
-        heapq.heapify(heap)
-        while len(heap) > 1:
-            wa, ta, a = heapq.heappop(heap)
-            wb, tb, b = heapq.heappop(heap)
-            # The heavier child first: it takes the node's first position.
-            first, second = (a, b) if (wa, ta) > (wb, tb) else (b, a)
-            nodes.append(_Node(wa + wb, first, second))
-            heapq.heappush(heap, (wa + wb, len(nodes) - 1, len(nodes) - 1))
-        return tuple(nodes)
+    def _tree(self) -> _Tree:
+        parts = np.array(self.parts, dtype=np.int64)
+        src = np.flatnonzero(parts > 0)
+        weight, source = parts[src].tolist(), src.tolist()
+        leaves = len(weight)
+        first, second = [-1] * leaves, [-1] * leaves
+        # Huffman's two queues: the leaves by (weight, id), and the merged nodes, which come out in
+        # that order too; the lighter front is the next to merge, as a heap of every node would pick.
+        queue: list[int] = np.lexsort((np.arange(leaves), np.array(weight, dtype=np.int64))).tolist()
+        li, mi = 0, leaves  # fronts of the leaf queue and of the merged nodes (ids leaves, leaves + 1, ...)
+
+        def pop() -> int:
+            nonlocal li, mi
+            if li < leaves and (mi >= len(weight) or (weight[queue[li]], queue[li]) < (weight[mi], mi)):
+                li += 1
+                return queue[li - 1]
+            mi += 1
+            return mi - 1
+
+        for _ in range(leaves - 1):
+            a, b = pop(), pop()  # a is the lighter: the heavier child goes first
+            weight.append(weight[a] + weight[b])
+            first.append(b)
+            second.append(a)
+            source.append(-1)
+        return _Tree(weight, first, second, source)
 
     @functools.cached_property
     def _paths(self) -> dict[int, tuple[tuple[int, bool], ...]]:
         """Each dealt source's path from the root: (inner node id, goes to its first child) per level."""
-        tree = self._tree
+        t = self._tree
         paths: dict[int, tuple[tuple[int, bool], ...]] = {}
-        stack: list[tuple[int, tuple[tuple[int, bool], ...]]] = [(len(tree) - 1, ())]
+        stack: list[tuple[int, tuple[tuple[int, bool], ...]]] = [(len(t.weight) - 1, ())]
         while stack:
             node, path = stack.pop()
-            n = tree[node]
-            if n.source >= 0:
-                paths[n.source] = path
+            if t.source[node] >= 0:
+                paths[t.source[node]] = path
                 continue
-            stack.append((n.left, path + ((node, True),)))
-            stack.append((n.right, path + ((node, False),)))
+            stack.append((t.first[node], path + ((node, True),)))
+            stack.append((t.second[node], path + ((node, False),)))
         return paths
 
     @functools.cached_property
@@ -175,7 +197,7 @@ class Mixture:
         if path is None:
             return 0.0  # never dealt: its count is exactly 0 = 0 * K
         w = self.parts[source]
-        return 1.0 + sum(w / self._tree[node].weight for node, _ in path[1:])
+        return 1.0 + sum(w / self._tree.weight[node] for node, _ in path[1:])
 
     # ---------------------------------------------------------------- positions
 
@@ -187,12 +209,11 @@ class Mixture:
     @functools.cached_property
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The tree as arrays indexed by node id: first child's weight, weight, first child, second child, source."""
-        tree = self._tree
-        return (np.array([tree[n.left].weight if n.source < 0 else 0 for n in tree], dtype=np.int64),
-                np.array([n.weight for n in tree], dtype=np.int64),
-                np.array([n.left for n in tree], dtype=np.int64),
-                np.array([n.right for n in tree], dtype=np.int64),
-                np.array([n.source for n in tree], dtype=np.int64))
+        t = self._tree
+        weight = np.array(t.weight, dtype=np.int64)
+        first = np.array(t.first, dtype=np.int64)
+        first_w = np.where(first >= 0, weight[np.maximum(first, 0)], 0)
+        return first_w, weight, first, np.array(t.second, dtype=np.int64), np.array(t.source, dtype=np.int64)
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, k) of each global position: the source dealing it and how many that source dealt before it."""
@@ -219,9 +240,10 @@ class Mixture:
         if path is None:
             return 0
         q = int(position)
+        t = self._tree
         for node, first in path:
-            n = self._tree[node]
-            before = (q * self._tree[n.left].weight + n.weight // 2) // n.weight
+            total = t.weight[node]
+            before = (q * t.weight[t.first[node]] + total // 2) // total
             q = before if first else q - before
         return q
 
@@ -271,55 +293,83 @@ def indices_of(sizes: Sequence[int], seed: int, source: np.ndarray, k: np.ndarra
         return offset + offsets[source], source, epoch
     index = np.empty_like(k)
     # One Feistel pass per distinct source size, each element keyed by its (source, source epoch).
-    pairs, which = _pairs(source, epoch)
-    keys = np.stack([_round_keys(seed, s, e) for s, e in pairs], axis=1)  # (ROUNDS, pairs)
-    for n in np.unique(size):
+    combo, which = _pairs(source, epoch)
+    keys = _round_keys(_base_key(seed, _SOURCE_TAG), combo)  # (ROUNDS, pairs)
+    # NOTE: distinct sizes from a set, not np.unique: numpy 2's unique of plain values imports numpy.ma on first
+    # use, some 10 ms of a resumed process's first batch.
+    for n in sorted(set(size.tolist())):
         sel = size == n
-        index[sel] = feistel.permute(offset[sel], int(n), keys[:, which[sel]])
+        index[sel] = feistel.permute(offset[sel], n, keys[:, which[sel]])
     return index + offsets[source], source, epoch
 
 
-def _pairs(source: np.ndarray, epoch: np.ndarray) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """The distinct (source, source epoch) pairs, and which pair each element is (one 1-D unique, not a 2-D one)."""
-    # Sources are below 2**23 (MAX_SOURCES) and source epochs below MAX_POSITION < 2**40: one int64 each.
+# NOTE: the keys of the source epochs and of the samples' seeds are derived in numpy, for a whole
+# lease at once: one blake2b key per job (core.feistel.derive_key, with a tag of its own), then
+# the SplitMix64 finaliser, a bijection of 64-bit words, over (source, source epoch) packed in one
+# word. A resumed batch of a mixture of 1,000 sources touches up to 256 source epochs, and a
+# blake2b per round key of each (1,800 of them) was most of its first batch.
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """The SplitMix64 finaliser of each uint64 (a bijection)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        out: np.ndarray = z ^ (z >> np.uint64(31))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _base_key(seed: int, tag: int) -> int:
+    return feistel.derive_key(seed, tag)
+
+
+def _pairs(source: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (source, source epoch) pairs packed one in an int64 (source << 40 | epoch), and
+    which pair each element is (one 1-D unique, not a 2-D one)."""
+    # Sources are below 2**23 (MAX_SOURCES) and source epochs below MAX_POSITION < 2**40.
     combo, which = np.unique((source << 40) | epoch, return_inverse=True)
-    return [(c >> 40, c & ((1 << 40) - 1)) for c in combo.tolist()], which.reshape(-1)
+    return combo, which.reshape(-1)
 
 
-def _round_keys(seed: int, source: int, epoch: int) -> np.ndarray:
-    return feistel.round_keys(feistel.derive_key(seed, _SOURCE_TAG, source, epoch))
+def _pair_keys(base: int, combo: np.ndarray) -> np.ndarray:
+    """A 64-bit key per packed (source, source epoch) under `base`: distinct pairs, distinct keys."""
+    return _mix(np.uint64(base) ^ _mix(combo.astype(np.uint64)))
+
+
+def _round_keys(base: int, combo: np.ndarray) -> np.ndarray:
+    """The Feistel round keys of each packed (source, source epoch): shape (ROUNDS, pairs)."""
+    key = _pair_keys(base, combo)
+    with np.errstate(over="ignore"):
+        rounds = np.arange(1, feistel.ROUNDS + 1, dtype=np.uint64)[:, None] * _GOLDEN
+        return _mix(key[None, :] + rounds)
 
 
 def permute_source(seed: int, source: int, epoch: int, n: int, offsets: np.ndarray) -> np.ndarray:
     """Source `source`'s samples at `offsets` of its epoch `epoch`: a keyed permutation of [0, n)."""
-    return feistel.permute(np.asarray(offsets, dtype=np.int64), n, _round_keys(seed, source, epoch))
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1)
+    keys = _round_keys(_base_key(seed, _SOURCE_TAG), np.array([(source << 40) | epoch], dtype=np.int64))
+    return feistel.permute(off, n, np.repeat(keys, off.size, axis=1))
 
 
 def sample_seeds(seed: int, source: np.ndarray, epoch: np.ndarray, index: np.ndarray) -> np.ndarray:
     """The seed of each dealt sample (int64, in [0, 2**63)) from (job seed, source, source epoch, index).
 
-    A key per (source, source epoch) is derived with :func:`croupier.core.feistel.derive_key`,
-    then mixed with the index by the SplitMix64 finaliser, for a whole lease at once.
+    A key per (source, source epoch) under the job's seed, mixed with the index by the SplitMix64
+    finaliser, for a whole lease at once.
     """
     src = np.asarray(source, dtype=np.int64).reshape(-1)
     ep = np.asarray(epoch, dtype=np.int64).reshape(-1)
     idx = np.asarray(index, dtype=np.int64).reshape(-1)
     if src.size == 0:
         return np.zeros(0, dtype=np.int64)
-    pairs, which = _pairs(src, ep)
-    keys = np.array([_seed_key(seed, s, e) for s, e in pairs], dtype=np.uint64)[which]
+    combo, which = _pairs(src, ep)
+    keys = _pair_keys(_base_key(seed, _SAMPLE_TAG), combo)[which]
     with np.errstate(over="ignore"):
-        z = keys ^ (idx.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
+        z = _mix(keys ^ (idx.astype(np.uint64) * _GOLDEN))
     out: np.ndarray = (z >> np.uint64(1)).astype(np.int64)
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _seed_key(seed: int, source: int, epoch: int) -> int:
-    return feistel.derive_key(seed, _SAMPLE_TAG, source, epoch)
 
 
 def sample_seed(seed: int, source: int, epoch: int, index: int) -> int:
@@ -414,6 +464,7 @@ class Stream:
             if spent:
                 parts = list(parts_of(parts))
             mixture = Mixture(self.sizes, tuple(parts), self.seed)
+            _ = mixture._arrays  # its tree, made with the stream (when a sampler is made), not in a first batch
             end = nxt
             for s, p in enumerate(parts):
                 c = self.cap(s)
@@ -436,7 +487,7 @@ class Stream:
         which = np.searchsorted(starts, pos, side="right") - 1
         source = np.empty_like(pos)
         k = np.empty_like(pos)
-        for i in np.unique(which).tolist():
+        for i in sorted(set(which.tolist())):
             g = segments[i]
             sel = which == i
             s, q = g.mixture.locate(pos[sel] - g.start)
