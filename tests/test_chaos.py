@@ -88,11 +88,32 @@ def test_full_chaos_run_100_faults(tmp_path: pathlib.Path) -> None:
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0
 
 
+def _source_rows(out: str) -> dict[tuple[int, int], tuple[int, ...]]:
+    """The audit's table by source and source epoch: (source, source epoch) -> size, expected, trained, dups, missing."""
+    rows = re.findall(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+)  ok", out, re.M)
+    return {(int(r[0]), int(r[1])): tuple(int(x) for x in r[2:]) for r in rows}
+
+
+def test_short_chaos_run_of_a_mixture_is_exactly_once_per_source_epoch(tmp_path: pathlib.Path) -> None:
+    """The same faults over a mixture of three sources whose weights change halfway, the smallest capped at 2 epochs."""
+    faults, epochs, n = 6, 2, 1200
+    out, m = chaos(tmp_path / "chaos", "--faults", str(faults), "--epochs", str(epochs), "--n", str(n), "--seed", "1",
+                   "--mixture", timeout=240)
+    assert int(m["faults"]) == faults and int(m["samples"]) == epochs * n
+    assert int(m["dups"]) == 0 and int(m["missing"]) == 0
+    rows = _source_rows(out.stdout)
+    assert "by source and source epoch" in out.stdout and rows, out.stdout[-3000:]
+    assert all(dups == 0 and missing == 0 and trained == expected for _, expected, trained, dups, missing in rows.values())
+    # the capped source (200 samples) dealt its 2 epochs whole and no more
+    assert sorted(e for s, e in rows if s == 2) == [0, 1] and all(rows[(2, e)][1] == 200 for e in (0, 1))
+    assert sum(expected for _, expected, _, _, _ in rows.values()) == epochs * n
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("batching", ["tokens", "dynamic"])
+@pytest.mark.parametrize("batching", ["tokens", "dynamic", "mixture"])
 def test_chaos_run_30_faults_token_budgets_and_dynamic_dealing(tmp_path: pathlib.Path, batching: str) -> None:
-    out, m = chaos(tmp_path / "chaos", "--faults", "30", "--epochs", "4", "--n", "2400", "--batching", batching,
-                   timeout=1800)
+    how = ["--mixture"] if batching == "mixture" else ["--batching", batching]
+    out, m = chaos(tmp_path / "chaos", "--faults", "30", "--epochs", "4", "--n", "2400", *how, timeout=1800)
     assert int(m["faults"]) == 30 and int(m["resizes"]) > 0 and int(m["older"]) > 0
     assert int(m["epochs"]) == 4 and int(m["samples"]) == 4 * 2400
     assert int(m["missing"]) == 0

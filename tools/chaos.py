@@ -55,6 +55,7 @@ from croupier.tools import history
 from croupier.tools._serve import ServeGroup, ServeProcess, active_clients
 from croupier.tools.audit import EpochReport, render
 from croupier.tools.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
+from croupier.tools.demo_train import mixture_of
 from croupier.tools.history import JOB, ChaosError
 
 BATCH = 12  # per worker; with N a multiple of 12 every world size 1..4 consumes whole steps: no pad, no repeats
@@ -114,9 +115,8 @@ class Run:
 
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
                  servers: ServeGroup, log: IO[str], database: DatabaseControl | None = None,
-                 batching: str = "fixed", replicated: bool = False) -> None:
-        self.work = work
-        self.batching = batching
+                 batching: str = "fixed", replicated: bool = False, mixture: bool = False) -> None:
+        self.work, self.batching, self.mixture = work, batching, mixture
         self.faults = faults
         self.restart_s = RESTART_S  # the longest coordinator (replica, database) restart seen so far
         self.database = database
@@ -157,7 +157,7 @@ class Run:
         cfg = {"workdir": str(self.work), "n": self.n, "epochs": self.epochs, "batch_size": BATCH,
                "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD, "step_ms": STEP_MS,
                "resume_from": str(resume) if resume is not None else None, "batching": self.batching,
-               "max_tokens": MAX_TOKENS}
+               "max_tokens": MAX_TOKENS, "mixture": mixture_of(self.n, self.epochs) if self.mixture else None}
         env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.servers.address,
                "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -396,7 +396,7 @@ class Run:
 
 def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int = 3600,
          seed: int | None = None, store: str | None = None, replicas: int = 1,
-         database: DatabaseControl | None = None, batching: str = "fixed") -> int:
+         database: DatabaseControl | None = None, batching: str = "fixed", mixture: bool = False) -> int:
     """Runs the chaos run; returns 0 when every audit passes, 1 on a violation or an unexpected failure.
 
     Args:
@@ -416,13 +416,16 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         batching: ``fixed`` (the index sampler, batches of 12), ``tokens`` (token-budget batches
             of up to MAX_TOKENS over long-tailed synthetic lengths) or ``dynamic`` (batches of 12
             dealt to whichever rank asks, DDP's Join at each epoch's end).
+        mixture: Deal the samples as a mixture of three sources whose weights change halfway
+            through the run, one of them capped (``tools/demo_train.mixture_of``), audited by
+            source epoch.
 
     Raises:
         ValueError: a setting out of range, or a store that is not an empty PostgreSQL database.
         StoreError: the store could not be opened.
     """
-    if batching not in BATCHINGS:
-        raise ValueError(f"batching must be one of {list(BATCHINGS)} (got {batching!r})")
+    if batching not in BATCHINGS or mixture and batching != "fixed":
+        raise ValueError(f"batching must be one of {list(BATCHINGS)}, 'fixed' with a mixture (got {batching=}, {mixture=})")
     if faults < 0 or epochs < 1 or n < 1:
         raise ValueError(f"faults must be >= 0, epochs and n >= 1 (got {faults=}, {epochs=}, {n=})")
     if n < 4 * BATCH:
@@ -444,6 +447,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     work.mkdir(parents=True)
     what = {"fixed": f"batch {BATCH} per worker", "tokens": f"token-budget batches of up to {MAX_TOKENS} tokens",
             "dynamic": f"batches of {BATCH} dealt dynamically"}[batching]
+    what += ", a mixture of 3 sources, its weights changed halfway" if mixture else ""
     print(f"croupier chaos: {faults} faults over {epochs} epochs of {n} samples, {what}, "
           f"a checkpoint every {CKPT_EVERY} steps, 1-4 workers, seed {seed}; logs in {work}", flush=True)
     if n % 12:
@@ -461,7 +465,8 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         else:
             servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
                                                f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
-        run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None)
+        run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None,
+                  mixture)
         checked: history.History | None = None
         try:
             servers.start()
@@ -484,7 +489,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             servers.kill()
     unfinished = sorted(set(range(epochs)) - {r.epoch for r in reports if r.finished})
     print(f"\naudit of what the training loops received (croupier audit {work / 'audit'}):\n")
-    print(render(reports))
+    print(render(reports) + history.by_source_table(reports))
     if unfinished:
         print(f"\nchaos: FAILED: the job ended without finishing epochs {unfinished}")
         return 1

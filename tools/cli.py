@@ -85,7 +85,7 @@ def _chaos_cmd(args: argparse.Namespace) -> int:
 
     # NOTE: no database control from the command line: it cannot restart a server it does not own.
     return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed, store=args.store,
-                 replicas=args.replicas, batching=args.batching)
+                 replicas=args.replicas, batching=args.batching, mixture=args.mixture)
 
 
 def _infer_demo_cmd(args: argparse.Namespace) -> int:
@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--replicas", type=int, default=1, help="replicas on --store (default 1)")
     c.add_argument("--batching", choices=("fixed", "tokens", "dynamic"), default="fixed",
                    help="fixed batches (default), token-budget batches, or batches dealt dynamically (DDP's Join)")
+    c.add_argument("--mixture", action="store_true",
+                   help="deal the samples as a mixture of 3 sources, weights changed halfway, one capped; audited by "
+                        "source epoch (with --batching fixed)")
     c.set_defaults(func=_chaos_cmd)
 
     f = sub.add_parser("infer-demo", help="exactly-once batch inference on preemptible workers (dynamic dealing) under "

@@ -22,6 +22,7 @@ import os
 import pathlib
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,14 @@ def lengths(n: int) -> list[int]:
     g = torch.Generator().manual_seed(1)
     out: list[int] = torch.exp(3.0 + 0.8 * torch.randn(n, generator=g)).clamp(1, 200).int().tolist()
     return out
+
+
+def mixture_of(n: int, epochs: int) -> dict[str, Any]:
+    """``croupier chaos --mixture``'s mixture over the `n` samples: three sources (a half, a third and
+    the rest), weights 5 : 3 : 2 changed to 2 : 3 : 5 halfway through the run, the smallest capped at
+    `epochs` epochs of its own (it reaches the cap before the end: its weight then goes to the others)."""
+    sizes = [n // 2, n // 3, n - n // 2 - n // 3]
+    return {"sources": sizes, "weights": [(0, [5, 3, 2]), (n * epochs // 2, [2, 3, 5])], "max_epochs": [None, None, epochs]}
 
 
 def init_process_group() -> None:
@@ -114,6 +123,8 @@ def main() -> None:
         sampler = DistributedBatchSampler(data, cfg["batch_size"], seed=1234, dealing="dynamic")
         loader = DataLoader(data, batch_sampler=sampler, num_workers=0)
     else:
+        if cfg.get("mixture"):  # croupier chaos --mixture: the n samples as three sources (mixture_of)
+            extra.update(cfg["mixture"])
         sampler = DistributedSampler(data, shuffle=True, seed=1234, **extra)
         loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))

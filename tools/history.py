@@ -255,3 +255,11 @@ def summary(t: Tally, reports: list[EpochReport], seconds: float, replicated: bo
             f"{t.launches} launches; {sum(r.trained for r in reports)} samples audited over {len(reports)} epochs: "
             f"{sum(r.duplicates for r in reports)} duplicates, {sum(r.missing for r in reports)} missing; G1 holds "
             f"({seconds:.0f} s)")
+
+
+def by_source_table(reports: list[EpochReport]) -> str:
+    """A mixture's audit by source and source epoch, after a blank line; "" for a job of one dataset."""
+    from croupier.tools.audit import by_source, render_sources
+
+    rows = by_source(reports)
+    return "\n\nby source and source epoch:\n" + render_sources(rows) if rows else ""
