@@ -14,8 +14,9 @@ With ``CROUPIER_AUDIT_DIR=<dir>`` set for both runs, ``croupier audit <dir>`` th
 epoch was trained exactly once across the two. ``--trained-log DIR`` makes each rank also write the
 dataset indices its loop trained on (``DIR/<run>-rank<r>.jsonl``, one line per batch), counted
 after the loader, not at the sampler. ``--plain-prepare`` prepares the loader with
-``accelerator.prepare`` as it is (no integration), to show what goes wrong: Accelerate re-shards
-croupier's batches and each rank trains half of its share.
+``accelerator.prepare`` as it is (no integration), to show what croupier does then: Accelerate would
+re-shard croupier's batches (each rank training half of its share), and the sampler refuses with an
+error that names ``prepare_data_loader``.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ With ``CROUPIER_AUDIT_DIR=<dir>`` set for both runs, ``croupier audit <dir>`` th
 epoch was trained exactly once across the two. ``--trained-log DIR`` makes each rank also write the
 dataset indices the model's forward received (``DIR/<run>-rank<r>.jsonl``), counted after the
 loader. ``--plain-trainer`` uses the plain ``Trainer`` with croupier's ``DistributedSampler`` as its
-train sampler (no integration), to show what goes wrong: Accelerate re-shards it and each rank
-trains half of its share.
+train sampler (no integration), to show what is refused: Accelerate would re-shard it and each rank
+train half of its share, so the sampler raises an error naming ``CroupierTrainer`` instead.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", default=None, help="a checkpoint-N folder to resume from")
     ap.add_argument("--trained-log", default=None, help="each rank writes the indices its model trained on under DIR")
     ap.add_argument("--plain-trainer", action="store_true",
-                    help="the plain Trainer with croupier's sampler (wrong: Accelerate re-shards it)")
+                    help="the plain Trainer with croupier's sampler (refused: Accelerate would re-shard it)")
     args = ap.parse_args(argv)
 
     targs = TrainingArguments(

@@ -18,11 +18,11 @@ _CLEARED = ("CROUPIER_ADDRESS", "CROUPIER_TOKEN", "CROUPIER_JOB")
 
 
 def torchrun(example: str, nproc: int, workdir: pathlib.Path, args: list[str], env: dict[str, str] | None = None,
-             timeout: float = 150.0) -> tuple[str, str]:
+             timeout: float = 150.0, fails: bool = False) -> tuple[str, str]:
     """Runs ``examples/EXAMPLE`` on `nproc` ranks in `workdir`, with its audit logs in ``workdir/audit`` and
     embedded coordinator stores in ``workdir/state`` (unless `env` says otherwise); returns (stdout, stderr).
 
-    Raises AssertionError when it exits non-zero or outlives `timeout`: then every process it
+    Raises AssertionError when it exits non-zero (zero, with `fails`) or outlives `timeout`: then every process it
     started is sent SIGABRT first, so that each prints where its threads stand (``faulthandler``, on
     through PYTHONFAULTHANDLER) into the error, and killed after (torchrun gives each worker a
     session of its own).
@@ -47,7 +47,7 @@ def torchrun(example: str, nproc: int, workdir: pathlib.Path, args: list[str], e
         out, err = proc.communicate(timeout=30)
         raise AssertionError(f"{example} on {nproc} ranks timed out after {timeout} s:\n{out}\n{err[-30000:]}") from None
     print(out, end="")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}"
+    assert (proc.returncode != 0) == fails, f"{' '.join(cmd)} exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}"
     return out, err
 
 
