@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from croupier.client._guard import MissingCallbackWarning
 from croupier.client._rpc import CHANNEL_OPTIONS, CoordinatorClient, Security
 from croupier.client._sample import Sample
 
@@ -12,7 +13,8 @@ if TYPE_CHECKING:
     from croupier.client._shards import shards
     from croupier.client._workers import worker_options
 
-__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Sample", "Security",
+__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "MissingCallbackWarning",
+           "Sample", "Security",
            "shards", "worker_options"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator

@@ -12,7 +12,7 @@ from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
 from croupier.client._base import _Base, _position
-from croupier.client._guard import refuse_resharding
+from croupier.client._guard import check_callers
 from croupier.client._rpc import Security
 from croupier.client._sample import tagged
 from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields
@@ -151,7 +151,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         return len(self) * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        refuse_resharding()
+        check_callers(self._start is None, self._resume is not None)
         # Chained in C: taking an index costs what taking one from torch's list does; Python runs
         # once per lease, and `_taken()` reads the position inside the lease from its iterator.
         return itertools.chain.from_iterable(self._leases(object()))
@@ -261,7 +261,7 @@ class DistributedBatchSampler(_Base, BatchSampler):
         self.sampler = _IndexView(self)
 
     def __iter__(self) -> Iterator[list[int]]:
-        refuse_resharding()
+        check_callers(self._start is None, self._resume is not None)
         return self._batches(object())
 
     def _batches(self, me: object) -> Iterator[list[int]]:

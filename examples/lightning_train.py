@@ -12,8 +12,8 @@ Run with torchrun (gloo, CPU; rank 0 hosts croupier's embedded coordinator)::
 Default Trainer settings (``use_distributed_sampler=True``): croupier's sampler is an instance of
 torch's ``DistributedSampler``, so Lightning keeps it. ``--loader stateful`` uses torchdata's
 ``StatefulDataLoader`` instead of the plain ``DataLoader``; ``--no-callback`` leaves out
-:class:`~croupier.integrations.lightning.CroupierCheckpoint` (what a resume without the
-integration does: the audit shows it).
+:class:`~croupier.integrations.lightning.CroupierCheckpoint`: the run warns that its checkpoints
+cannot resume croupier, and a resume so is refused before its first batch.
 """
 
 from __future__ import annotations

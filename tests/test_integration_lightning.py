@@ -6,7 +6,7 @@ ahead). A first run on 2 ranks checkpoints at step 5 (``ModelCheckpoint``) and i
 at step 7 (every rank ``os._exit``). From that checkpoint, ``trainer.fit(ckpt_path=...)`` resumes
 with 2 ranks and, separately (a copy of the audit directory), with 1 rank; both run to the end of
 3 epochs, and ``croupier audit`` must find every epoch exactly once. Without
-:class:`~croupier.integrations.lightning.CroupierCheckpoint`, the same resume fails the audit.
+:class:`~croupier.integrations.lightning.CroupierCheckpoint`, the same resume is refused (with either loader).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ EPOCHS, SAVE_AT, STOP_AT = 3, 5, 7
 TIMEOUT = 150  # seconds, per torchrun
 
 
-def torchrun(nproc: int, work: pathlib.Path, audit_dir: pathlib.Path, job: str, *args: str) -> str:
-    """Runs the example under torchrun; returns its stderr (asserts exit 0)."""
+def torchrun(nproc: int, work: pathlib.Path, audit_dir: pathlib.Path, job: str, *args: str, fails: bool = False) -> str:
+    """Runs the example under torchrun; returns its stderr (asserts exit 0, or non-zero with `fails`)."""
     env = {"CROUPIER_JOB": job, "CROUPIER_AUDIT_DIR": str(audit_dir), "CROUPIER_STATE_DIR": str(work / "coordinator"),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONWARNINGS": "ignore"}
     args = ("--ckpt-dir", str(work / "ckpt"), "--epochs", str(EPOCHS), "--workers", "2", *args)
-    return run_example(EXAMPLE, nproc, work, list(args), env=env, timeout=TIMEOUT)[1]
+    return run_example(EXAMPLE, nproc, work, list(args), env=env, timeout=TIMEOUT, fails=fails)[1]
 
 
 def cut_records(audit_dir: pathlib.Path) -> list[dict[str, Any]]:
@@ -106,8 +106,16 @@ def test_stateful_loader_resumes_from_an_epoch_end_checkpoint(tmp_path: pathlib.
     assert "cuts epoch" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize("preempted", ["plain"], indirect=True)
-def test_resume_without_the_callback_fails_the_audit(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    """The same resume with a plain DataLoader and no CroupierCheckpoint: the sampler starts the epoch over, the audit says so."""
-    ok, text, _ = resume(preempted, tmp_path, 1, "--no-callback")
-    assert not ok, text
+def test_resume_without_the_callback_is_refused(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    """The same resume on 1 rank without CroupierCheckpoint (a plain DataLoader would start the epoch over, a
+    StatefulDataLoader size it for 2 ranks): refused before the first batch, naming the callback."""
+    loader, work = preempted
+    audit_dir = tmp_path / "audit"
+    shutil.copytree(work / "audit", audit_dir)
+    before = sorted(p.name for p in audit_dir.rglob("*"))
+    run = tmp_path / "run"
+    shutil.copytree(work / "ckpt", run / "ckpt")
+    err = torchrun(1, run, audit_dir, f"lt-{loader}", "--loader", loader, "--no-callback", "--resume",
+                   str(run / "ckpt" / f"step={SAVE_AT}.ckpt"), fails=True)
+    assert "without croupier.integrations.lightning.CroupierCheckpoint" in err, err[-3000:]
+    assert sorted(p.name for p in audit_dir.rglob("*")) == before  # not one index dealt
