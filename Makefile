@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint slow chaos bench clean
+.PHONY: demo test check lint site docs slow chaos bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,16 +16,23 @@ demo: $(STAMP)  ## the main job (see README)
 
 # NOTE: the in-process tests run on both cores (pytest-xdist); the end-to-end runs, which start
 # processes of their own and measure stalls, run one at a time.
-test: lint  ## everything CI runs: lint, types, and the whole default suite (end-to-end runs included)
+test: lint site  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
 	$(PY) -m pytest -q -n 2 -m "not slow and not e2e" --durations=10
 	$(PY) -m pytest -q -m "e2e and not slow" --durations=25
 
-check: lint  ## the fast lane for the edit loop: lint, types, the in-process tests
+check: lint site  ## the fast lane for the edit loop: lint, types, the in-process tests
 	CROUPIER_SM_EXAMPLES=40 $(PY) -m pytest -q -x -n 2 -m "not slow and not e2e and not exhaustive"
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/typecheck.py
+
+# MkDocs reads mkdocs.yml: docs/ and the API reference from the docstrings (scripts/docs_hooks.py).
+site: $(STAMP)  ## the docs site, built in strict mode (a broken link, anchor or API reference fails) into out/site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+docs: $(STAMP)  ## the docs site, served on http://127.0.0.1:8000 (rebuilt on every change)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict
 
 slow: $(STAMP)  ## the long runs: 5000-example state machine, 200 coordinator kills, 100-fault chaos, 30-fault token and dynamic chaos
 	$(PY) -m pytest -q -m slow -s

@@ -74,8 +74,9 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         process_group: The data-parallel group, when the job is larger than its data-parallel
             world (tensor or pipeline parallelism): `num_replicas` and `rank` come from it, and
             every process of one data-parallel rank receives the same batches.
-        device_mesh, mesh_dim: Instead of `process_group`, a ``DeviceMesh`` and its data-parallel
-            dimension `mesh_dim` (a name or an index).
+        device_mesh: Instead of `process_group`, a ``DeviceMesh``, with its data-parallel dimension
+            in `mesh_dim`.
+        mesh_dim: The data-parallel dimension of `device_mesh` (a name or an index).
         join_timeout: Seconds the first batch waits for the other ranks of its generation before
             raising ``TimeoutError`` naming them (default ``CROUPIER_JOIN_TIMEOUT``, else 600);
             while waiting, the ranks still missing are logged every 30 s.
@@ -215,8 +216,9 @@ class DistributedBatchSampler(_Base, BatchSampler):
         token_window: Positions of the epoch's order one packing window holds (default 4,096).
         lease_ahead: Batches per lease (``len()``'s unit here). Default: 256 (16 with
             `max_tokens`, 2 with ``dealing="dynamic"``).
-        Other arguments: as :class:`DistributedSampler`; ``lengths`` with ``permutation="bucket"``,
-            ``buffer_size`` and ``pack_size`` gives d9d's length bucketing.
+
+    The other arguments are :class:`DistributedSampler`'s; ``lengths`` with
+    ``permutation="bucket"``, ``buffer_size`` and ``pack_size`` gives d9d's length bucketing.
     """
 
     _unit: int

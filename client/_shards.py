@@ -139,7 +139,8 @@ def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None,
         batch_size: None for the index sampler's shares (lists of indices); else the batch
             sampler's (lists of batches), with its meaning of ``drop_last`` and ``tail``.
         even_batches: With `batch_size`: every rank gets the same number of batches.
-        Other arguments: as the samplers'.
+
+    The other arguments are the samplers'.
 
     Raises:
         ValueError: a setting is out of range, or `epoch` contradicts `state`.

@@ -146,9 +146,8 @@ class CroupierTrainerMixin:
             (batched by ``per_device_train_batch_size``). Default: a ``DistributedBatchSampler`` over
             ``train_dataset`` made from the arguments (see the module).
         croupier_sampler_kwargs: Extra arguments for the default sampler (``job=``, ``tail=``, ...).
-        Everything else: as the Trainer.
 
-    See the module for what it overrides and why.
+    Everything else is the Trainer's. See the module for what it overrides and why.
     """
 
     # What the mixin expects of the Trainer it is mixed into (for the type checker).
