@@ -96,6 +96,7 @@ class _Base(Sampler[Any]):
         self._life = EpochLife()  # the life of self._epoch
         self._active: object | None = None  # the iterator allowed to yield
         self._prefetcher: _Prefetcher | None = None
+        self._read_ahead: str | None = None  # a known wrapper that reads this sampler ahead of the loop (_guard)
         self._origin: str | None = None  # the loaded checkpoint state's origin, for the audit log
         self._token_used = ""
         self._audit_dir = audit_dir or settings.get("CROUPIER_AUDIT_DIR")
@@ -347,6 +348,15 @@ class _Base(Sampler[Any]):
             f"set_epoch({epoch}) contradicts the job's progress: this sampler is at epoch {self._epoch} "
             f"({'finished' if finished else f'{self.items_done} items in'}); the next epoch is {nxt}"
         )
+
+    @property
+    def items_resumed(self) -> int:
+        """Items (indices, or batches for the batch sampler) of the current epoch that were taken before
+        the checkpoint this sampler resumed from: where the loop's count of the epoch starts (0 unless
+        the epoch was resumed)."""
+        if self._empty:
+            return 0
+        return self._items_before(self.epoch if self._start is None else self._epoch)
 
     @property
     def items_done(self) -> int:

@@ -47,6 +47,12 @@ def state_dict(s: _Base, consumed: int | None = None, *, step: int | None = None
         check_int("step", step, 0, None, ValueError)
     if s._empty:
         return {}
+    if consumed is None and s._read_ahead is not None and s._start is not None:
+        raise ValueError(
+            f"{s._read_ahead} reads this sampler one batch ahead of the training loop, so what the sampler "
+            "handed out is not what was trained: pass consumed= (the items the loop took in this epoch), or "
+            "prepare the loader with croupier.integrations.ray.prepare_data_loader and save with its report()"
+        )
     if s._start is None:
         # NOTE: the items key is there before the first batch too: a loader that fills a new
         # sampler's state template (DCP) then carries the saved count.

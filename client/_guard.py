@@ -1,6 +1,6 @@
 """Refusals of the known wrong ways to drive a croupier sampler, where a run would otherwise lose data silently.
 
-Two are known, both read from the frames that call a sampler's ``__iter__``:
+Three are known, all read from the frames that call a sampler's ``__iter__``:
 
 * a wrapper that re-shards what croupier already dealt to this rank (Accelerate's
   ``BatchSamplerShard``): each rank would train a fraction of its share and exit 0;
@@ -8,7 +8,10 @@ Two are known, both read from the frames that call a sampler's ``__iter__``:
   its checkpoints do not hold croupier's position, so ``fit(ckpt_path=...)`` would start the
   epoch over (plain ``DataLoader``) or size the resumed epoch for the old world
   (``StatefulDataLoader`` on another number of devices). Resuming so is refused; a fresh ``fit``
-  without the callback warns once, since every checkpoint it saves would lead to that refusal.
+  without the callback warns once, since every checkpoint it saves would lead to that refusal;
+* a wrapper that reads the sampler a batch ahead of the loop (Ray Train's ``prepare_data_loader``):
+  ``state_dict()`` would name a batch the loop never trained as done, so it then insists on
+  ``consumed=`` (``croupier.integrations.ray`` counts it).
 """
 
 from __future__ import annotations
@@ -30,26 +33,39 @@ class MissingCallbackWarning(UserWarning):
     """A Lightning Trainer drives a croupier sampler without ``CroupierCheckpoint``: its checkpoints cannot resume it."""
 
 
-def check_callers(first: bool, loaded: bool) -> None:
+def check_callers(first: bool, loaded: bool) -> str | None:
     """Raises RuntimeError when a sampler's ``__iter__`` is called on a known wrong path (see the module).
 
     `first`: the sampler has not joined its job yet (the Trainer is looked for then only).
     `loaded`: a checkpoint state was loaded into the sampler (by the user's own code, say).
+
+    Returns the name of a known wrapper that reads the sampler a batch ahead of the training loop
+    (Ray Train's ``prepare_data_loader``), for ``state_dict()`` to insist on ``consumed=``; else None.
     """
     frame: FrameType | None = sys._getframe(2)  # the caller of the sampler's __iter__
     depth = _TRAINER_DEPTH if first else _SHARD_DEPTH
+    ahead = None
     for level in range(depth):
         if frame is None:
-            return
+            break
         owner = frame.f_locals.get("self")
         if owner is not None:
             if level < _SHARD_DEPTH:
                 _refuse_shard(owner)
+                ahead = ahead or _reads_ahead(owner)
             trainer = _lightning_trainer(owner) if first else None
             if trainer is not None:
                 _check_trainer(trainer, loaded)
-                return
+                break
         frame = frame.f_back
+    return ahead
+
+
+def _reads_ahead(owner: object) -> str | None:
+    cls = type(owner)
+    if cls.__name__ == "_WrappedDataLoader" and cls.__module__.startswith("ray.train."):
+        return "Ray Train's prepare_data_loader"
+    return None
 
 
 def _refuse_shard(owner: object) -> None:

@@ -152,7 +152,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         return len(self) * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        check_callers(self._start is None, self._resume is not None)
+        self._read_ahead = check_callers(self._start is None, self._resume is not None) or self._read_ahead
         # Chained in C: taking an index costs what taking one from torch's list does; Python runs
         # once per lease, and `_taken()` reads the position inside the lease from its iterator.
         return itertools.chain.from_iterable(self._leases(object()))
@@ -263,7 +263,7 @@ class DistributedBatchSampler(_Base, BatchSampler):
         self.sampler = _IndexView(self)
 
     def __iter__(self) -> Iterator[list[int]]:
-        check_callers(self._start is None, self._resume is not None)
+        self._read_ahead = check_callers(self._start is None, self._resume is not None) or self._read_ahead
         return self._batches(object())
 
     def _batches(self, me: object) -> Iterator[list[int]]:

@@ -90,3 +90,25 @@ def test_lightning_with_the_callback_neither_warns_nor_refuses(state_dir: pathli
         trainer = _trainer(state_dir, 2, CroupierCheckpoint())
         trainer.fit(_Tiny("lt-callback"), ckpt_path=state_dir / "ckpt" / "last.ckpt")
     assert trainer.global_step == 8  # 4 batches an epoch, 2 epochs
+
+
+# --------------------------------------------------------------------------- a loader that reads ahead
+
+
+def test_a_sampler_read_ahead_by_rays_loader_wants_what_the_loop_consumed() -> None:
+    """Ray Train's prepared loader moves the next batch while this one trains: the sampler has handed out one
+    batch more than the loop took, so its state_dict() without consumed= is refused."""
+    train_loop_utils = pytest.importorskip("ray.train.torch.train_loop_utils")
+    dataset = TensorDataset(torch.arange(32))
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=2)
+    try:
+        loader = train_loop_utils._WrappedDataLoader(DataLoader(dataset, batch_size=4, sampler=sampler),
+                                                     torch.device("cpu"), False)
+        it = iter(loader)
+        next(it)  # the loop has taken 1 batch; the sampler has handed out 2
+        assert sampler.items_done == 8
+        with pytest.raises(ValueError, match="Ray Train's prepare_data_loader reads this sampler one batch ahead"):
+            sampler.state_dict()
+        assert sampler.state_dict(consumed=4)["items"] == 4
+    finally:
+        sampler.close()
