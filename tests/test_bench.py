@@ -13,6 +13,7 @@ pytestmark = pytest.mark.e2e  # several processes
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
 
 
+@pytest.mark.slow  # make slow (make bench runs the whole)
 def test_bench_quick_writes_its_table_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)],

@@ -48,7 +48,7 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("nproc", [2, 1])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 1])  # the same world: in make slow
 def test_resume_any_world_exactly_once(preempted: pathlib.Path, tmp_path: pathlib.Path, nproc: int) -> None:
     for name in ("audit", "state", "trained"):
         shutil.copytree(preempted / name, tmp_path / name)

@@ -68,7 +68,7 @@ def test_checkpoint_holds_one_copy_of_the_sampler_state(preempted: pathlib.Path)
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("nproc", [2, 1])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 1])  # the same world: in make slow
 def test_resume_any_world_exactly_once(preempted: pathlib.Path, tmp_path: pathlib.Path, nproc: int) -> None:
     reports = resume_from(preempted, tmp_path, nproc)
     ok, summary = verdict(reports)

@@ -26,12 +26,9 @@ import sys
 import numpy as np
 import pytest
 
+from croupier.core.mixture import sample_seed
+
 pytestmark = pytest.mark.e2e  # several processes
-
-pytest.importorskip("grain")
-pytest.importorskip("jax")
-
-from croupier.core.mixture import sample_seed  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECORDS, BATCH, EPOCHS, SEED, SAVE, STOP = 36, 6, 2, 7, 3, 5

@@ -84,7 +84,7 @@ def resume(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path, nproc: i
     return ok, text, err
 
 
-@pytest.mark.parametrize("nproc", [2, 1])
+@pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 1])  # the same world: in make slow
 def test_resume_mid_epoch_exactly_once(preempted: tuple[str, pathlib.Path], tmp_path: pathlib.Path, nproc: int) -> None:
     """Preempted on 2 ranks, resumed from the mid-epoch checkpoint on `nproc`: every epoch exactly once."""
     ok, text, err = resume(preempted, tmp_path, nproc)

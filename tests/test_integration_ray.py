@@ -21,11 +21,9 @@ import sys
 
 import pytest
 
+from croupier.tools.audit import audit, render, verdict
+
 pytestmark = pytest.mark.e2e  # a Ray cluster and its workers
-
-pytest.importorskip("ray.train")
-
-from croupier.tools.audit import audit, render, verdict  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SAMPLES, EPOCHS, KILL, STOP = 96, 2, 7, 9  # 72 of epoch 0 by step 9: the 24 left divide by 3

@@ -155,6 +155,7 @@ def test_a_batch_is_each_source_epoch_permutation_element_by_element() -> None:
         assert i == m.offsets[int(s)] + permute_source(4, int(s), int(e), n, np.array([kk % n]))[0]
 
 
+@pytest.mark.e2e  # the benchmark program, in fresh processes
 def test_the_benchmark_runs_quick(tmp_path: object) -> None:
     import subprocess
     import sys

@@ -79,7 +79,7 @@ def resume_case(tmp_path: pathlib.Path, w1: int, w2: int, workers: int, by_step:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("w1, w2", [(3, 2), (2, 4)])
+@pytest.mark.parametrize("w1, w2", [(3, 2), pytest.param(2, 4, marks=pytest.mark.slow)])  # 2 -> 4: make slow
 def test_resume_after_kill_with_another_world_size(tmp_path: pathlib.Path, w1: int, w2: int, workers: int) -> None:
     resume_case(tmp_path, w1, w2, workers)
 

@@ -1,7 +1,9 @@
 """The known wrong ways to drive a croupier sampler are refused, naming the integration to use (no silent loss).
 
-A wrapper that re-shards a croupier sampler (Accelerate's ``BatchSamplerShard``), and a Lightning
-resume without ``CroupierCheckpoint`` (a fresh ``fit`` without it warns). In process, one rank.
+A wrapper that re-shards a croupier sampler (Accelerate's ``BatchSamplerShard``), a Lightning
+resume without ``CroupierCheckpoint`` (a fresh ``fit`` without it warns), and a state taken from a
+sampler that Ray's loader reads ahead. In process, one rank. The trainers are imported by the tests
+that use them (importing Lightning and Accelerate takes seconds, paid by every collecting worker).
 """
 
 from __future__ import annotations
@@ -10,15 +12,11 @@ import pathlib
 import warnings
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from accelerate.data_loader import BatchSamplerShard
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 from croupier.client import DistributedBatchSampler, DistributedSampler, MissingCallbackWarning
-from croupier.integrations.lightning import CroupierCheckpoint
 
 
 @pytest.mark.parametrize("make", [
@@ -26,12 +24,16 @@ from croupier.integrations.lightning import CroupierCheckpoint
     lambda: BatchSampler(DistributedSampler(16, num_replicas=2, rank=0), 4, False),
 ], ids=["batch sampler", "index sampler in torch's BatchSampler"])
 def test_accelerate_resharding_a_croupier_sampler_is_refused(make) -> None:  # type: ignore[no-untyped-def]
+    from accelerate.data_loader import BatchSamplerShard
+
     shard = BatchSamplerShard(make(), num_processes=2, process_index=1)
     with pytest.raises(RuntimeError, match=r"re-sharding a croupier sampler.*prepare_data_loader\(accelerator, loader\)"):
         next(iter(shard))
 
 
 def test_a_batch_sampler_shard_of_one_process_changes_nothing_and_passes() -> None:
+    from accelerate.data_loader import BatchSamplerShard
+
     sampler = DistributedBatchSampler(16, 4, num_replicas=1, rank=0, seed=3)
     try:
         batches = list(BatchSamplerShard(sampler, num_processes=1, process_index=0))
@@ -43,29 +45,40 @@ def test_a_batch_sampler_shard_of_one_process_changes_nothing_and_passes() -> No
 # --------------------------------------------------------------------------- Lightning without CroupierCheckpoint
 
 
-class _Tiny(pl.LightningModule):
-    def __init__(self, job: str) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(2, 1)
-        self.job = job
-        x = torch.arange(32, dtype=torch.float32).reshape(16, 2)
-        self.dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
+def _tiny(job: str) -> Any:
+    """A LightningModule of one linear layer over 16 samples, with croupier's sampler on one rank."""
+    import lightning.pytorch as pl
 
-    def train_dataloader(self) -> DataLoader[Any]:
-        sampler = DistributedSampler(self.dataset, num_replicas=1, rank=0, job=self.job, seed=1)
-        return DataLoader(self.dataset, batch_size=4, sampler=sampler)
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+            x = torch.arange(32, dtype=torch.float32).reshape(16, 2)
+            self.dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        def train_dataloader(self) -> DataLoader[Any]:
+            sampler = DistributedSampler(self.dataset, num_replicas=1, rank=0, job=job, seed=1)
+            return DataLoader(self.dataset, batch_size=4, sampler=sampler)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Tiny()
 
 
-def _trainer(tmp_path: pathlib.Path, epochs: int, *callbacks: pl.Callback) -> pl.Trainer:
+def _trainer(tmp_path: pathlib.Path, epochs: int, callback: bool = False) -> Any:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from croupier.integrations.lightning import CroupierCheckpoint
+
+    extra = [CroupierCheckpoint()] if callback else []
     return pl.Trainer(max_epochs=epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True),
-                                                            *callbacks])
+                                                            *extra])
 
 
 @pytest.fixture(autouse=False)
@@ -76,19 +89,19 @@ def state_dir(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathli
 
 def test_lightning_fit_without_the_callback_warns_and_its_resume_is_refused(state_dir: pathlib.Path) -> None:
     with pytest.warns(MissingCallbackWarning, match=r"without croupier\.integrations\.lightning\.CroupierCheckpoint"):
-        _trainer(state_dir, 1).fit(_Tiny("lt-no-callback"))
+        _trainer(state_dir, 1).fit(_tiny("lt-no-callback"))
     last = state_dir / "ckpt" / "last.ckpt"
     assert last.exists()
     with pytest.raises(RuntimeError, match=r"resumes from .*last\.ckpt without .*CroupierCheckpoint.*callbacks="):
-        _trainer(state_dir, 2).fit(_Tiny("lt-no-callback"), ckpt_path=last)
+        _trainer(state_dir, 2).fit(_tiny("lt-no-callback"), ckpt_path=last)
 
 
 def test_lightning_with_the_callback_neither_warns_nor_refuses(state_dir: pathlib.Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", MissingCallbackWarning)
-        _trainer(state_dir, 1, CroupierCheckpoint()).fit(_Tiny("lt-callback"))
-        trainer = _trainer(state_dir, 2, CroupierCheckpoint())
-        trainer.fit(_Tiny("lt-callback"), ckpt_path=state_dir / "ckpt" / "last.ckpt")
+        _trainer(state_dir, 1, callback=True).fit(_tiny("lt-callback"))
+        trainer = _trainer(state_dir, 2, callback=True)
+        trainer.fit(_tiny("lt-callback"), ckpt_path=state_dir / "ckpt" / "last.ckpt")
     assert trainer.global_step == 8  # 4 batches an epoch, 2 epochs
 
 
