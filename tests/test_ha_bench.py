@@ -15,6 +15,7 @@ pytestmark = pytest.mark.e2e  # PostgreSQL and several coordinator processes
 HA_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "ha_bench.py"
 
 
+@pytest.mark.slow  # make slow
 def test_ha_bench_quick_writes_its_table(tmp_path: Path) -> None:
     reason = unavailable_reason()
     if reason is not None:

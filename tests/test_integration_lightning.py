@@ -58,7 +58,7 @@ def check_audit(audit_dir: pathlib.Path, title: str) -> tuple[bool, str]:
     return ok and not cuts, text
 
 
-@pytest.fixture(scope="module", params=["plain", "stateful"])
+@pytest.fixture(scope="module", params=["plain", pytest.param("stateful", marks=pytest.mark.slow)])  # stateful: make slow
 def preempted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, pathlib.Path]]:
     """A first run on 2 ranks: checkpoint at step SAVE_AT, preempted at STOP_AT. Yields (loader, its directory)."""
     loader: str = request.param
@@ -93,6 +93,7 @@ def test_resume_mid_epoch_exactly_once(preempted: tuple[str, pathlib.Path], tmp_
     assert f"{EPOCHS} finished epochs audited" in text
 
 
+@pytest.mark.slow  # make slow
 def test_stateful_loader_resumes_from_an_epoch_end_checkpoint(tmp_path: pathlib.Path) -> None:
     """Lightning restores a StatefulDataLoader's state only inside an epoch; from an epoch's end the callback's state is used."""
     job = "lt-epoch-end"

@@ -52,6 +52,17 @@ def attempts(out: pathlib.Path) -> list[tuple[int, int, list[dict[str, object]]]
     return found
 
 
+def model_log(groups: list[tuple[int, int, list[dict[str, object]]]]) -> dict[int, collections.Counter[int]]:
+    """Per epoch, how often each index reached a model: each attempt up to the step the next one resumed from."""
+    seen: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for i, (_, _, records) in enumerate(groups):
+        until = groups[i + 1][0] if i + 1 < len(groups) else None  # the next attempt redoes what came after
+        for r in records:
+            if until is None or int(r["step"]) <= until:  # type: ignore[call-overload]
+                seen[int(r["epoch"])].update(r["idx"])  # type: ignore[call-overload, arg-type]
+    return seen
+
+
 def test_killed_worker_and_a_restart_on_three_workers_exactly_once(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "ray"
     first = run(out, "--workers", "2", "--kill-at", str(KILL), "--stop-at", str(STOP))
@@ -64,12 +75,7 @@ def test_killed_worker_and_a_restart_on_three_workers_exactly_once(tmp_path: pat
     print("attempts (resumed from step, workers): " + ", ".join(f"({s}, {w})" for s, w, _ in groups))
     assert [w for _, w, _ in groups] == [2, 2, 3]  # the first group, Ray's restart after the kill, the new run
     assert 0 < groups[1][0] < KILL and groups[2][0] == STOP
-    seen: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-    for i, (_, _, records) in enumerate(groups):
-        until = groups[i + 1][0] if i + 1 < len(groups) else None  # the next attempt redoes what came after
-        for r in records:
-            if until is None or int(r["step"]) <= until:  # type: ignore[call-overload]
-                seen[int(r["epoch"])].update(r["idx"])  # type: ignore[call-overload, arg-type]
+    seen = model_log(groups)
     print("model's log: " + ", ".join(f"epoch {e}: {sum(c.values())} indices, {len(c)} distinct"
                                       for e, c in sorted(seen.items())))
     assert sorted(seen) == list(range(EPOCHS))
@@ -82,3 +88,4 @@ def test_killed_worker_and_a_restart_on_three_workers_exactly_once(tmp_path: pat
     assert ok, summary
     assert [(r.epoch, r.finished, r.trained, r.duplicates, r.missing) for r in reports] == [
         (0, True, SAMPLES, 0, 0), (1, True, SAMPLES, 0, 0)], render(reports)
+

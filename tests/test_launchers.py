@@ -185,7 +185,7 @@ def common_args(logdir: pathlib.Path, tag: str, job: str | None) -> list[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", ["mesh", "group"])
+@pytest.mark.parametrize("layout", ["mesh", pytest.param("group", marks=pytest.mark.slow)])  # group: make slow
 def test_tp_dp_mesh_resumes_with_another_dp_size(tmp_path: pathlib.Path, layout: str) -> None:
     """2 (dp) x 2 (tp) processes checkpoint; 1 x 2 and then 4 x 1 each resume from that checkpoint.
 

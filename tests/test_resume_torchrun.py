@@ -84,7 +84,7 @@ def test_resume_after_kill_with_another_world_size(tmp_path: pathlib.Path, w1: i
     resume_case(tmp_path, w1, w2, workers)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # with workers: make slow
 def test_resume_by_step_after_kill_with_another_world_size(tmp_path: pathlib.Path, workers: int) -> None:
     """A trainer that keeps only its step: the coordinator's record of that step resumes it exactly."""
     resume_case(tmp_path, 3, 2, workers, by_step=True)

@@ -17,6 +17,7 @@ ROW = re.compile(r"^\| (?P<mode>static|dynamic) \(.*?\) \| (?P<seconds>[\d.]+) \
                  r"(?P<batches>[\d / ]+) \| [\d./ ]+ \| (?P<once>yes|NO) \|$", re.M)
 
 
+@pytest.mark.slow  # make slow
 def test_dynamic_dealing_beats_static_with_a_straggler(tmp_path: Path) -> None:
     began = time.monotonic()
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)], capture_output=True,
