@@ -1,4 +1,4 @@
-"""Runs an example under ``torchrun --standalone`` for the end-to-end tests, and reads the loop logs examples write."""
+"""Runs an example under ``torchrun --standalone`` for the end-to-end tests, reads the loop logs examples write, audits."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import psutil  # type: ignore[import-untyped]
+
+from croupier.tools.audit import EpochReport, audit, render, verdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Variables of the test's own environment that would point the example at another job or coordinator.
@@ -72,3 +74,15 @@ def exactly_once(seen: dict[int, collections.Counter[int]], epochs: int, samples
     """Every epoch of `epochs` saw every index of `samples` exactly once."""
     return sorted(seen) == list(range(epochs)) and all(
         sorted(c) == list(range(samples)) and set(c.values()) == {1} for c in seen.values())
+
+
+def audited_exactly_once(audit_dir: pathlib.Path, title: str, epochs: int, samples: int) -> list[EpochReport]:
+    """``croupier audit`` of `audit_dir`, its table printed under `title` (shown with -s); asserts that the
+    verdict holds and that each of `epochs` epochs finished with each of `samples` indices once. Returns the reports."""
+    reports = audit(audit_dir)
+    ok, summary = verdict(reports)
+    print(f"{title}:\n{render(reports)}\n{summary}")
+    assert ok, summary
+    assert [(r.epoch, r.finished, r.trained, r.duplicates, r.missing) for r in reports] == [
+        (e, True, samples, 0, 0) for e in range(epochs)], render(reports)
+    return reports

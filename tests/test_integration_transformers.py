@@ -19,11 +19,11 @@ import pathlib
 import shutil
 
 import pytest
+from _torchrun import audited_exactly_once, loop_counts
 from _torchrun import exactly_once as each_once
-from _torchrun import loop_counts
 from _torchrun import torchrun as run_example
 
-from croupier.tools.audit import audit, load, render, verdict
+from croupier.tools.audit import load
 
 EXAMPLE = "hf_trainer_train.py"
 SAMPLES, EPOCHS, BATCH, STOP = 64, 2, 4, 11  # world 2: 8 steps an epoch, so step 11 is 3 steps into epoch 1
@@ -62,12 +62,7 @@ def test_resume_any_world_exactly_once(preempted: pathlib.Path, tmp_path: pathli
     out, _ = torchrun(nproc, tmp_path, "--resume", str(preempted / "out" / f"checkpoint-{STOP}"))
     # The data left: epoch 1 from 24 positions in, then nothing; 40 positions in batches of 4 per rank.
     assert f"training done at step {STOP + 40 // (BATCH * nproc)}, world {nproc}" in out
-    reports = audit(tmp_path / "audit")
-    ok, summary = verdict(reports)
-    print(f"audit of the resume on {nproc} rank(s):\n{render(reports)}\n{summary}")
-    assert ok, summary
-    assert [(r.epoch, r.finished, r.trained, r.duplicates, r.missing) for r in reports] == [
-        (0, True, SAMPLES, 0, 0), (1, True, SAMPLES, 0, 0)], render(reports)
+    audited_exactly_once(tmp_path / "audit", f"audit of the resume on {nproc} rank(s)", EPOCHS, SAMPLES)
     incs = load(tmp_path / "audit")["hf-trainer-train"]
     assert len(incs) == 2 and incs[1].world == nproc
     assert incs[1].origin == f"{incs[0].token}/1/{3 * BATCH}"  # checkpoint-11: epoch 1, 12 indices a rank
