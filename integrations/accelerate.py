@@ -70,34 +70,15 @@ from typing import Any
 import accelerate  # type: ignore[import-untyped]
 from accelerate.data_loader import DataLoaderShard  # type: ignore[import-untyped]
 from accelerate.data_loader import prepare_data_loader as _accelerate_prepare_data_loader
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.integrations._loaders import croupier_sampler_of
 
 log = logging.getLogger("croupier")
 
 #: The format of :meth:`CroupierLoaderState.state_dict`.
 FORMAT = 1
-
-
-def _croupier_sampler(loader: DataLoader[Any]) -> tuple[DistributedSampler | DistributedBatchSampler, int]:
-    """The croupier sampler of `loader` and the sampler's items in one loader batch (1, or the batch size)."""
-    batch_sampler = loader.batch_sampler
-    if isinstance(batch_sampler, DistributedBatchSampler):
-        return batch_sampler, 1
-    if isinstance(loader.sampler, DistributedBatchSampler):  # DataLoader(sampler=DistributedBatchSampler, batch_size=None)
-        return loader.sampler, 1
-    if isinstance(loader.sampler, DistributedSampler):
-        if loader.batch_size is None or not isinstance(batch_sampler, BatchSampler):
-            raise TypeError("a DataLoader over croupier's DistributedSampler needs a batch_size (or use "
-                            "DistributedBatchSampler as its batch_sampler)")
-        return loader.sampler, int(loader.batch_size)
-    raise TypeError(
-        f"this DataLoader's sampler is a {type(loader.sampler).__name__} and its batch sampler a "
-        f"{type(batch_sampler).__name__}: croupier.integrations.accelerate.prepare_data_loader is for loaders over "
-        "croupier's DistributedSampler (sampler=) or DistributedBatchSampler (batch_sampler=); use "
-        "accelerator.prepare for the others"
-    )
 
 
 class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate ships no types
@@ -214,7 +195,8 @@ def prepare_data_loader(accelerator: accelerate.Accelerator, data_loader: DataLo
         ValueError: the accelerator dispatches or splits batches.
         TypeError: the loader is not over a croupier sampler, or its dataset is iterable.
     """
-    sampler, unit = _croupier_sampler(data_loader)
+    sampler, unit = croupier_sampler_of(data_loader, "croupier.integrations.accelerate.prepare_data_loader",
+                                        "accelerator.prepare")
     if isinstance(data_loader.dataset, IterableDataset):
         raise TypeError("croupier's samplers deal map-style datasets; this loader's dataset is an IterableDataset")
     if accelerator.dispatch_batches:

@@ -63,6 +63,7 @@ from grain._src.python.data_loader import DataLoader as _GrainDataLoader
 from grain._src.python.record import RecordMetadata
 
 from croupier.core.checkpoint import from_state, to_state
+from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, fresh
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import Plan, order, plan
@@ -93,10 +94,8 @@ class CroupierSampler:
 
     def __init__(self, num_records: int, *, shard_options: grain_sharding.ShardOptions, seed: int = 0,
                  shuffle: bool = True, num_epochs: int = 1, tail: str = "pad", job: str = "grain") -> None:
-        if isinstance(num_records, bool) or not isinstance(num_records, int) or num_records < 1:
-            raise ValueError(f"num_records must be an int >= 1 (got num_records={num_records!r})")
-        if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 1:
-            raise ValueError(f"num_epochs must be an int >= 1 (got num_epochs={num_epochs!r})")
+        check_int("num_records", num_records, 1, None, ValueError)
+        check_int("num_epochs", num_epochs, 1, None, ValueError)
         if not isinstance(shard_options, grain_sharding.ShardOptions):
             raise TypeError(f"shard_options must be a grain.sharding.ShardOptions (got {shard_options!r})")
         if tail not in ("pad", "drop", "pad_last"):
@@ -208,8 +207,7 @@ class CroupierSampler:
             cursor = p.advance(min(max(prefix - begin, 0), end - begin))
             mine = extra[(extra >= begin) & (extra < end)] - begin
             if mine.size:
-                v = (np.arange(s, dtype=np.int64)[:, None] + mine[None, :] * s).ravel() if self.spec.partition == "strided" \
-                    else np.concatenate([p.virtual(r, mine) for r in range(s)])
+                v = np.concatenate([p.virtual(r, mine) for r in range(s)])  # every process read these records
                 cursor = _without(cursor, p.positions(v[v < p.left]))
             if cursor.left or not out:
                 out.append(cursor if cursor.left else fresh(self.spec, p.cursor.epoch + 1))

@@ -52,6 +52,7 @@ import ray.train.torch
 from torch.utils.data import DataLoader
 
 from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.integrations._loaders import croupier_sampler_of
 
 __all__ = ["STATE_FILE", "CountedLoader", "load", "prepare_data_loader", "report"]
 
@@ -62,10 +63,10 @@ STATE_FILE = "croupier_sampler.json"
 class CountedLoader:
     """Ray's prepared loader, counting the batches of the current epoch that reached the training loop."""
 
-    def __init__(self, loader: Any, sampler: DistributedSampler | DistributedBatchSampler, batch_size: int | None) -> None:
+    def __init__(self, loader: Any, sampler: DistributedSampler | DistributedBatchSampler, unit: int) -> None:
         self.loader = loader
         self.sampler = sampler
-        self.batch_size = batch_size
+        self.unit = unit  # sampler items per loader batch: 1 for the batch sampler, the batch size for the index sampler
         self.batches = 0  # batches of the current pass that the loop has received
         self.resumed = 0  # items of the pass's epoch taken before the checkpoint it resumed from
 
@@ -83,27 +84,22 @@ class CountedLoader:
     def consumed(self) -> int:
         """What the loop took of the epoch, as ``state_dict(consumed=)`` counts it: from the epoch's start
         (a resumed epoch's items before the checkpoint included), batches for a batch sampler."""
-        if isinstance(self.sampler, DistributedBatchSampler):
-            return self.resumed + self.batches
         # The last batch of an epoch may be short: counted full, it names the epoch's end all the same.
-        return self.resumed + self.batches * int(self.batch_size or 1)
+        return self.resumed + self.batches * self.unit
 
 
 def prepare_data_loader(loader: DataLoader[Any], **ray_options: Any) -> CountedLoader:
     """``ray.train.torch.prepare_data_loader(loader)`` for a loader driven by a croupier sampler, counting what the loop takes.
 
     Raises:
-        TypeError: `loader` is not driven by a croupier sampler.
+        TypeError: `loader` is not driven by a croupier sampler (or drives the index sampler without a batch size).
     """
-    sampler: Any = loader.sampler
-    batch_sampler: Any = loader.batch_sampler
-    if isinstance(batch_sampler, DistributedBatchSampler):
+    sampler, unit = croupier_sampler_of(loader, "croupier.integrations.ray.prepare_data_loader",
+                                        "ray.train.torch.prepare_data_loader")
+    if isinstance(sampler, DistributedBatchSampler):
+        # Ray would otherwise rebuild the loader around a torch DistributedSampler of its own.
         ray_options.setdefault("add_dist_sampler", False)
-        sampler = batch_sampler
-    elif not isinstance(sampler, DistributedSampler):
-        raise TypeError(f"the loader's sampler is a {type(sampler).__name__}, not croupier's DistributedSampler "
-                        "(or its DistributedBatchSampler as batch_sampler=)")
-    return CountedLoader(ray.train.torch.prepare_data_loader(loader, **ray_options), sampler, loader.batch_size)
+    return CountedLoader(ray.train.torch.prepare_data_loader(loader, **ray_options), sampler, unit)
 
 
 def report(metrics: Mapping[str, Any], loader: CountedLoader | DistributedSampler | DistributedBatchSampler, *,
