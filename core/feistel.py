@@ -125,3 +125,51 @@ def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
         x[idx] = _encrypt(x[idx], bits, sub_keys)
         out[idx] = x[idx] >= un
     return x.astype(np.int64)
+
+
+def _decrypt(x: np.ndarray, bits: int, keys: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_encrypt`: its rounds undone in reverse, in place on the uint64 array `x` (returned)."""
+    widths = []  # (lo_bits, hi_bits) of each round, as _encrypt walks them
+    lo_bits = bits // 2
+    for _ in range(ROUNDS):
+        widths.append((lo_bits, bits - lo_bits))
+        lo_bits = bits - lo_bits
+    for i in reversed(range(ROUNDS)):
+        lo_bits, hi_bits = widths[i]
+        # The round made x = (lo << hi_bits) | (hi ^ F(lo)): lo is the high part, F(lo) recomputed from it.
+        lo = x >> np.uint64(hi_bits)
+        z = lo ^ keys[i]
+        with np.errstate(over="ignore"):
+            z = (z ^ (z >> _S30)) * _M1
+            z = (z ^ (z >> _S27)) * _M2
+        z = (z ^ (z >> _S31)) & np.uint64((1 << hi_bits) - 1)
+        hi = (x & np.uint64((1 << hi_bits) - 1)) ^ z
+        x = (hi << np.uint64(lo_bits)) | lo
+    return x
+
+
+def unpermute(indices: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`permute`: the position of each index in [0, n) under the same keys.
+
+    Args:
+        indices: Integer array of indices, each in [0, n).
+        n: Domain size, 1 <= n <= 2**62.
+        keys: The round keys given to :func:`permute`, shape (ROUNDS,) or (ROUNDS, len(indices)).
+
+    Returns:
+        int64 array of the same shape: ``permute(unpermute(i)) == i``.
+    """
+    if n == 1:
+        return np.zeros(np.shape(indices), dtype=np.int64)
+    bits = _domain_bits(n)
+    x = np.asarray(indices).astype(np.uint64, copy=True).reshape(-1)
+    un = np.uint64(n)
+    x = _decrypt(x, bits, keys)
+    out = x >= un
+    while out.any():
+        # The cycle walked backwards: from an index in [0, n) it returns to [0, n) at the position.
+        idx = np.flatnonzero(out)
+        sub_keys = keys if keys.ndim == 1 else keys[:, idx]
+        x[idx] = _decrypt(x[idx], bits, sub_keys)
+        out[idx] = x[idx] >= un
+    return x.astype(np.int64).reshape(np.shape(indices))

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from croupier.core import feistel
+from croupier.core.amend import Amendment, Timeline, check
 
 PARTS = 1 << 24
 MAX_POSITION = (1 << 63) // PARTS - 1
@@ -404,17 +405,22 @@ class Stream:
     sample of the run is its ``k``-th wherever the weights changed: every source goes on through
     its own epochs across any change, and every sample is still dealt once per source epoch.
 
-    A segment ends where the schedule's next change begins, or where a capped source has dealt
-    its last sample (``max_epochs`` whole epochs of its own): from there its weight is 0 and the
-    others' weights are scaled up in proportion (their parts rounded again by largest remainder).
+    A segment ends where the schedule's next change begins, where an amendment holds from, or
+    where a capped source has dealt its last sample (``max_epochs`` whole epochs of its own): from
+    there its weight is 0 and the others' weights are scaled up in proportion (their parts
+    rounded again by largest remainder).
 
     Attributes:
-        sizes: Samples of each source.
+        sizes: Samples of each source (in the spec: before any grow).
         changes: The schedule: ``(position, parts)`` pairs, the first at 0, positions increasing;
             from ``position`` on, the weights are ``parts`` (parts of PARTS, see :func:`parts_of`).
         max_epochs: Each source's cap in epochs of its own (0: none); empty: no source is capped.
         seed: The job's seed.
         shuffle: Each source epoch in a keyed permutation (True) or in order (False).
+        amendments: Changes recorded while the job ran (``croupier.core.amend``), each with the
+            position it holds from, in order: new weights end the schedule there; a grow or a
+            skip changes its source's epochs from there on. Indices are numbered by the sources'
+            sizes once every grow took effect.
     """
 
     sizes: tuple[int, ...]
@@ -422,6 +428,7 @@ class Stream:
     max_epochs: tuple[int, ...] = ()
     seed: int = 0
     shuffle: bool = True
+    amendments: tuple[Amendment, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.changes or self.changes[0][0] != 0:
@@ -438,23 +445,74 @@ class Stream:
         for i, m in enumerate(self.max_epochs):
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"max_epochs {m!r} of source {i} must be an int >= 0 (0: no cap)")
-        _ = self._segments  # every segment is made (and checked) now: the stream must never run dry
+        prev = 0
+        for i, a in enumerate(self.amendments):
+            if a.at is None or a.at < prev:
+                raise ValueError(f"amendment {i} ({a.describe()}) must hold from a position at or after the one "
+                                 f"before it ({prev})")
+            check(self.sizes, self.amendments[:i], a, PARTS)
+            prev = a.at
+        _ = self._built  # every segment is made (and checked) now: the stream must never run dry
 
     def cap(self, source: int) -> int | None:
         """How many samples `source` deals in the whole run (None: no cap)."""
         m = self.max_epochs[source] if self.max_epochs else 0
-        return m * self.sizes[source] if m else None
+        return self._built[1][source].epoch_start(m) if m else None
+
+    def timeline(self, source: int) -> Timeline:
+        """`source`'s epochs under the amendments (see ``croupier.core.amend.Timeline``)."""
+        return self._built[1][source]
+
+    @property
+    def _segments(self) -> tuple[_Segment, ...]:
+        return self._built[0]
+
+    def _timeline(self, source: int) -> Timeline:
+        n = self.sizes[source]
+        if not self.shuffle:
+            return Timeline(n, lambda e, m, raw: raw, lambda e, m, samples: np.asarray(samples, dtype=np.int64))
+        base = _base_key(self.seed, _SOURCE_TAG)
+
+        def perm(epoch: np.ndarray, m: int, raw: np.ndarray) -> np.ndarray:
+            combo, which = _pairs(np.full(epoch.shape, source, dtype=np.int64), epoch)
+            return feistel.permute(raw, m, _round_keys(base, combo)[:, which])
+
+        def unperm(epoch: int, m: int, samples: np.ndarray) -> np.ndarray:
+            keys = _round_keys(base, np.array([(source << 40) | epoch], dtype=np.int64))
+            return feistel.unpermute(samples, m, np.repeat(keys, samples.size, axis=1))
+
+        return Timeline(n, perm, unperm)
 
     @functools.cached_property
-    def _segments(self) -> tuple[_Segment, ...]:
+    def _built(self) -> tuple[tuple[_Segment, ...], tuple[Timeline, ...]]:
         segments: list[_Segment] = []
+        lines = tuple(self._timeline(s) for s in range(len(self.sizes)))
+        schedule = list(self.changes)
+        todo = list(self.amendments)
         base, pos, ci = [0] * len(self.sizes), 0, 0
+
+        def cap(s: int) -> int | None:
+            m = self.max_epochs[s] if self.max_epochs else 0
+            return lines[s].epoch_start(m) if m else None
+
         while True:
-            while ci + 1 < len(self.changes) and self.changes[ci + 1][0] <= pos:
+            while todo and todo[0].at == pos:
+                a = todo.pop(0)
+                if a.kind == "weights":
+                    schedule = [c for c in schedule if c[0] < pos] + [(pos, a.values)]
+                    ci = len(schedule) - 1
+                elif a.kind == "grow":
+                    lines[a.values[0]].amend(base[a.values[0]], grow_to=a.values[2])
+                else:
+                    for s in sorted({s for s, _ in a.pairs}):
+                        lines[s].amend(base[s], skip=[j for t, j in a.pairs if t == s])
+            while ci + 1 < len(schedule) and schedule[ci + 1][0] <= pos:
                 ci += 1
-            nxt = self.changes[ci + 1][0] if ci + 1 < len(self.changes) else None
-            parts = list(self.changes[ci][1])
-            spent = [s for s in range(len(parts)) if parts[s] and (c := self.cap(s)) is not None and base[s] >= c]
+            nxt = schedule[ci + 1][0] if ci + 1 < len(schedule) else None
+            if todo:
+                nxt = todo[0].at if nxt is None else min(nxt, todo[0].at)
+            parts = list(schedule[ci][1])
+            spent = [s for s in range(len(parts)) if parts[s] and (c := cap(s)) is not None and base[s] >= c]
             for s in spent:
                 parts[s] = 0
             if not any(parts):
@@ -467,13 +525,13 @@ class Stream:
             _ = mixture._arrays  # its tree, made with the stream (when a sampler is made), not in a first batch
             end = nxt
             for s, p in enumerate(parts):
-                c = self.cap(s)
+                c = cap(s)
                 if p and c is not None:
                     at = pos + mixture.position_of(s, c - base[s])
                     end = at if end is None else min(end, at)
             segments.append(_Segment(pos, end, mixture, tuple(base)))
             if end is None:
-                return tuple(segments)
+                return tuple(segments), lines
             base = [b + mixture.count(s, end - pos) for s, b in enumerate(base)]
             pos = end
 
@@ -499,14 +557,27 @@ class Stream:
         g = [g for g in self._segments if g.start <= position][-1]
         return tuple(b + g.mixture.count(s, position - g.start) for s, b in enumerate(g.base))
 
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """Where each source's samples start in the index space, with the sizes once every grow took effect."""
+        sizes = np.array([t.size for t in self._built[1]], dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
     def indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(global index, source, source epoch) of each stream position."""
         source, k = self.locate(positions)
-        return indices_of(self.sizes, self.seed, source, k, self.shuffle)
+        lines = self._built[1]
+        if all(t.plain for t in lines):
+            return indices_of(self.sizes, self.seed, source, k, self.shuffle)
+        epoch, sample = np.empty_like(k), np.empty_like(k)
+        for s in sorted(set(source.tolist())):
+            sel = source == s
+            epoch[sel], sample[sel] = lines[s].locate(k[sel])
+        return sample + self.offsets[source], source, epoch
 
 
 @functools.lru_cache(maxsize=64)
 def stream(sizes: tuple[int, ...], changes: tuple[Change, ...], max_epochs: tuple[int, ...], seed: int,
-           shuffle: bool) -> Stream:
+           shuffle: bool, amendments: tuple[Amendment, ...] = ()) -> Stream:
     """The :class:`Stream` of these settings, made once per process (its segments are worked out when made)."""
-    return Stream(sizes, changes, max_epochs, seed, shuffle)
+    return Stream(sizes, changes, max_epochs, seed, shuffle, amendments)
