@@ -446,12 +446,12 @@ class Stream:
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"max_epochs {m!r} of source {i} must be an int >= 0 (0: no cap)")
         prev = 0
-        for i, a in enumerate(self.amendments):
-            if a.at is None or a.at < prev:
-                raise ValueError(f"amendment {i} ({a.describe()}) must hold from a position at or after the one "
+        for i, am in enumerate(self.amendments):
+            if am.at is None or am.at < prev:
+                raise ValueError(f"amendment {i} ({am.describe()}) must hold from a position at or after the one "
                                  f"before it ({prev})")
-            check(self.sizes, self.amendments[:i], a, PARTS)
-            prev = a.at
+            check(self.sizes, self.amendments[:i], am, PARTS)
+            prev = am.at
         _ = self._built  # every segment is made (and checked) now: the stream must never run dry
 
     def cap(self, source: int) -> int | None:
@@ -509,7 +509,7 @@ class Stream:
             while ci + 1 < len(schedule) and schedule[ci + 1][0] <= pos:
                 ci += 1
             nxt = schedule[ci + 1][0] if ci + 1 < len(schedule) else None
-            if todo:
+            if todo and todo[0].at is not None:
                 nxt = todo[0].at if nxt is None else min(nxt, todo[0].at)
             parts = list(schedule[ci][1])
             spent = [s for s in range(len(parts)) if parts[s] and (c := cap(s)) is not None and base[s] >= c]

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from croupier.core import feistel
-from croupier.core.amend import Amendment, check, skip_of, sizes_after, sizes_before
+from croupier.core.amend import Amendment, check, sizes_after, sizes_before, skip_of
 from croupier.core.mixture import PARTS, Stream, parts_of
 
 LENGTH = 1500  # stream positions dealt per example
