@@ -220,12 +220,14 @@ class Timeline:
 
     def __init__(self, size: int, perm: Perm, unperm: Perm) -> None:
         self._perm, self._unperm = perm, unperm
+        self._size = size
         self.pieces: list[_Piece] = [_Piece(0, 0, 0, size, size, np.zeros(0, dtype=np.int64), size)]
 
     @property
     def plain(self) -> bool:
         """No amendment changed it: sample ``k`` is offset ``k % size`` of epoch ``k // size``."""
-        return len(self.pieces) == 1
+        p = self.pieces[0]
+        return len(self.pieces) == 1 and p.size == p.first_size == self._size and not p.skip.size
 
     @property
     def size(self) -> int:

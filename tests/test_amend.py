@@ -51,7 +51,7 @@ def _dealt(stream: Stream, length: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return index - offsets[source], source, epoch
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(amended_streams())
 def test_every_source_epoch_deals_each_sample_not_skipped_exactly_once(stream: Stream) -> None:
     sample, source, epoch = _dealt(stream, LENGTH)
