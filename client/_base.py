@@ -9,7 +9,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from croupier.client import _checkpointing
+from croupier.client import _amending, _checkpointing
 from croupier.client._audit_log import AuditLog
 from croupier.client._prefetch import _Prefetcher
 from croupier.client._progress import EpochLife
@@ -17,6 +17,7 @@ from croupier.client._resolve import agree, dist_ready, resolve_job, resolve_wor
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Security
 from croupier.client._world import _data_parallel_group, _first_of_its_rank
 from croupier.core import settings
+from croupier.core.amend import Amendment
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, MAX_WORLD, JoinRequest
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, is_fresh
@@ -83,6 +84,8 @@ class _Base(Sampler[Any]):
         self._client: CoordinatorClient | None = None
         self._address_used = ""  # the coordinator this sampler joined, to reconnect after a copy
         self._resume: Cursor | None = None  # from load_state_dict
+        #: a mixture's amendments, each with its position: the loaded state's, then the generation's
+        self._amendments: tuple[Amendment, ...] = ()
         self._resume_items: int | None = None  # items of the resumed epoch taken before the checkpoint (origin)
         self._cut_on_join: tuple[int, int] | None = None  # (epoch, items) cut by set_epoch before the join
         self._hint: int | None = None  # from set_epoch before the first batch
@@ -110,6 +113,12 @@ class _Base(Sampler[Any]):
     resume_latest = _checkpointing.resume_latest
     resume_from_step = _checkpointing.resume_from_step
     commit = _checkpointing.commit
+
+    # ---------------------------------------------------------------- a mixture's changes (croupier.client._amending)
+
+    set_weights = _amending.set_weights
+    grow = _amending.grow
+    skip = _amending.skip
 
     # ---------------------------------------------------------------- world
 
@@ -178,7 +187,7 @@ class _Base(Sampler[Any]):
         self._client = CoordinatorClient(address, security=self._security_used)
         self._address_used = address
         track(self)
-        req = JoinRequest(self.job, self.spec, token, num_replicas, rank, self._resume, self._hint)
+        req = JoinRequest(self.job, self.spec, token, num_replicas, rank, self._resume, self._hint, self._amendments)
         try:
             r = self._client.join_started(req, timeout=self._join_timeout)
         except Aborted as e:
@@ -187,6 +196,9 @@ class _Base(Sampler[Any]):
                 "this process is a zombie: restart it from the last checkpoint"
             ) from None
         assert r.start is not None
+        if r.spec is not None and r.spec != self.spec:  # this rank's sources are grown: the job's spec deals
+            self.spec = r.spec
+        self._amendments = r.amendments
         self._generation, self._start = r.generation, r.start
         self._token_used = token
         self._epoch = r.start.epoch
@@ -205,12 +217,17 @@ class _Base(Sampler[Any]):
             self._life.skip()
         self._yielded = 0
 
+    @property
+    def _dealing_spec(self) -> Spec:
+        """The spec the orders are computed from: the job's, under its amendments (a mixture's history)."""
+        return self.spec.amended(self._amendments) if self._amendments else self.spec
+
     def _plan(self, epoch: int) -> EpochPlan | None:
         world = self._resolve_world()[0]
         if self._start is None:  # before the join: what the generation will start from
             start = bind(self.spec, self._resume or fresh(self.spec, self._hint or 0), world)
-            return plan_epoch(self.spec, start, world, epoch)
-        return plan_epoch(self.spec, self._start, world, epoch)
+            return plan_epoch(self._dealing_spec, start, world, epoch)
+        return plan_epoch(self._dealing_spec, self._start, world, epoch)
 
     def _rest(self, epoch: int) -> int:
         """Items this rank gets in `epoch` from this generation (all of them, unless it resumed inside it).
@@ -246,7 +263,8 @@ class _Base(Sampler[Any]):
             return {}
         return {"mixture": {"sources": list(sp.sources), "weights": [[a, list(p)] for a, p in sp.weights or ()],
                             "max_epochs": list(sp.max_epochs or ()), "seed": sp.seed,
-                            "shuffle": sp.permutation == "feistel"}}
+                            "shuffle": sp.permutation == "feistel",
+                            "amendments": [a.to_list() for a in self._amendments]}}
 
     def _taken_before(self, start: Cursor) -> int:
         """Items of `start`'s epoch taken before `start`, as the checkpointing rank counted them.

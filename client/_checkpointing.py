@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from croupier.client._resolve import agree
 from croupier.client._rpc import CoordinatorClient, Unreachable
-from croupier.core.checkpoint import from_state, items_of, state_of_record, to_state
+from croupier.core.checkpoint import amendments_of, from_state, items_of, state_of_record, to_state
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, epoch_agrees, fresh, show
 from croupier.core.errors import CroupierError, NotFound
@@ -57,7 +57,8 @@ def state_dict(s: _Base, consumed: int | None = None, *, step: int | None = None
         # NOTE: the items key is there before the first batch too: a loader that fills a new
         # sampler's state template (DCP) then carries the saved count.
         items = s._resume_items if s._resume is not None else 0
-        return to_state(s.job, s.spec, s._resume or fresh(s.spec, s._hint or 0), items, s._origin or None)
+        return to_state(s.job, s.spec, s._resume or fresh(s.spec, s._hint or 0), items, s._origin or None,
+                        s._amendments)
     # NOTE: an independent worker's (lockstep=False) state is the union of every worker's
     # commits, which only the coordinator knows: its epoch being over for this worker says
     # nothing of the others' batches in flight.
@@ -91,7 +92,7 @@ def _stamp(s: _Base, cursor: Cursor, epoch: int, items: int, step: int | None,
            progress: tuple[int, int] | None) -> dict[str, Any]:
     """The state of `cursor`, named after where this incarnation made it; logs it for the
     audit and records it at the coordinator (with how far the loop got, `progress`)."""
-    state = to_state(s.job, s.spec, cursor, items, f"{s._token_used}/{epoch}/{items}")
+    state = to_state(s.job, s.spec, cursor, items, f"{s._token_used}/{epoch}/{items}", s._amendments)
     if s._audit is not None:
         s._audit.ckpt(state["origin"], epoch, items)
     if s._client is not None and not s._client.closed:
@@ -134,7 +135,8 @@ def _dealt_state(s: _Base, consumed: int | None, step: int | None) -> dict[str, 
         ) from None
     assert cursor is not None
     same = cursor.epoch == s._epoch
-    state = to_state(s.job, s.spec, cursor, items if same else 0, origin if same else f"{s._token_used}/{cursor.epoch}/0")
+    state = to_state(s.job, s.spec, cursor, items if same else 0, origin if same else f"{s._token_used}/{cursor.epoch}/0",
+                     s._amendments)
     if s._audit is not None:
         s._audit.ckpt(state["origin"], s._epoch, items)
     return state
@@ -234,13 +236,20 @@ def load_state_dict(s: _Base, state_dict: dict[str, Any]) -> None:
     job = s.job
     if not s._job_named and isinstance(state_dict, Mapping) and isinstance(state_dict.get("job"), str):
         job = state_dict["job"]
-    resume = from_state(job, s.spec, state_dict)
-    if resume is not None and s._hint is not None and not epoch_agrees(s.spec, resume, s._hint):
+    amendments = amendments_of(state_dict) if isinstance(state_dict, Mapping) and state_dict else ()
+    spec = s.spec
+    if amendments:
+        # A sampler made on grown sources finds the spec the state was saved with (the job's).
+        spec = next((c for c in s.spec.ungrown(amendments) if c.fingerprint == state_dict.get("fingerprint")), s.spec)
+    resume = from_state(job, spec, state_dict)
+    if resume is not None and s._hint is not None and not epoch_agrees(spec, resume, s._hint):
         raise ValueError(
             f"set_epoch({s._hint}) was called before load_state_dict, but the checkpoint state resumes "
             f"{show(resume)}: call set_epoch with the checkpoint's epoch, or after load_state_dict"
         )
     s.job = job
+    s.spec = spec
+    s._amendments = amendments if resume is not None else ()
     s._resume = resume
     s._origin = state_dict.get("origin") if resume is not None else None
     s._resume_items = items_of(state_dict, resume)

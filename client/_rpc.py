@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -17,10 +17,13 @@ import numpy as np
 from croupier.client import _resolve
 from croupier.core import errors as E
 from croupier.core import settings
+from croupier.core.amend import Amendment
 from croupier.core.api import MAX_MESSAGE_BYTES, CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
 from croupier.core.wire import (
+    amendment_from_proto,
+    amendment_to_proto,
     checkpoint_to_proto,
     cursor_from_proto,
     cursor_to_proto,
@@ -257,8 +260,18 @@ class CoordinatorClient:
             m.resume.CopyFrom(cursor_to_proto(req.resume))
         if req.epoch is not None:
             m.epoch = req.epoch
+        m.amendments.extend(amendment_to_proto(a) for a in req.amendments)
         r = self._call("join", lambda: self.stub.Join(m, timeout=self.call_timeout + wait_s))
-        return JoinResult(r.generation, r.world, cursor_from_proto(r.start) if r.started else None, tuple(r.waiting_for))
+        return JoinResult(r.generation, r.world, cursor_from_proto(r.start) if r.started else None, tuple(r.waiting_for),
+                          tuple(amendment_from_proto(a) for a in r.amendments),
+                          spec_from_proto(r.spec) if r.HasField("spec") else None)
+
+    def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
+        """Records a change of `job`'s mixture (``croupier.core.amend``): it holds from the job's next
+        generation on. Asked once (recording it twice would be two changes)."""
+        m = pb.AmendRequest(job=job, kind=kind, values=[int(v) for v in values])
+        r = self._call("amend", lambda: self.stub.Amend(m, timeout=self.call_timeout), retry_for=0.0)
+        return amendment_from_proto(r.amendment)
 
     def join_started(self, req: JoinRequest, timeout: float = 600.0, poll_s: float = 0.5) -> JoinResult:
         """Joins and keeps waiting (short long-polls, no busy loop) until every rank has joined.
@@ -346,7 +359,8 @@ class CoordinatorClient:
         start: Cursor | None = cursor_from_proto(r.start) if r.started else None
         ranks = tuple(RankCursor(c.rank, c.epoch, c.batches, c.batches_in_epoch, c.reported_unix_ms) for c in r.ranks)
         return JobStatus(spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for)), ranks,
-                         tuple(record_from_proto(c) for c in r.checkpoints))
+                         tuple(record_from_proto(c) for c in r.checkpoints),
+                         tuple(amendment_from_proto(a) for a in r.amendments))
 
     def jobs(self) -> list[str]:
         """The names of the jobs the coordinator holds (those this caller may read)."""

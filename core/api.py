@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from croupier.core.amend import Amendment
 from croupier.core.checks import check_int, check_name
 from croupier.core.cursor import Cursor, validate_cursor
 from croupier.core.errors import InvalidArgument
@@ -51,6 +52,8 @@ class JoinRequest:
         rank: This rank, in [0, world).
         resume: The cursor from the checkpoint state this rank loaded, or None.
         epoch: The epoch given to ``set_epoch`` before the first batch, or None.
+        amendments: The amendments of the checkpoint state this rank loaded (each with its
+            position), in order; a job that lost its store takes them back from it.
     """
 
     job: str
@@ -60,16 +63,26 @@ class JoinRequest:
     rank: int
     resume: Cursor | None = None
     epoch: int | None = None
+    amendments: tuple[Amendment, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class JoinResult:
-    """Where a joined rank stands: its generation, and the resume point once every rank is in."""
+    """Where a joined rank stands: its generation, and the resume point once every rank is in.
+
+    Attributes:
+        amendments: The amendments the generation deals with, each with its position (complete
+            once it started).
+        spec: The job's spec, when it differs from the rank's own (a source grown: the rank may
+            send the sizes it has now); None when the rank's is the job's.
+    """
 
     generation: int
     world: int
     start: Cursor | None
     waiting_for: tuple[int, ...]
+    amendments: tuple[Amendment, ...] = ()
+    spec: Spec | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +136,8 @@ class JobStatus:
     result: JoinResult
     ranks: tuple[RankCursor, ...] = ()
     checkpoints: tuple[CheckpointRecord, ...] = ()
+    #: every amendment recorded, in order: those that hold (with their position), then those pending
+    amendments: tuple[Amendment, ...] = ()
 
 
 def validate_join(req: JoinRequest) -> None:
@@ -140,3 +155,6 @@ def validate_join(req: JoinRequest) -> None:
             validate_cursor(req.spec, req.resume)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
+    for a in req.amendments:
+        if not isinstance(a, Amendment) or a.at is None:
+            raise InvalidArgument(f"a checkpoint's amendments hold from a position each (got {a!r})")

@@ -5,24 +5,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from croupier.core.amend import Amendment
 from croupier.core.cursor import Cursor, validate_cursor
 from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.spec import ORDER_VERSION, Spec
 
-#: The format of the checkpoint state this release writes. Format 3 added ``items``.
+#: The format of the checkpoint state this release writes. Format 3 added ``items``; format 4 is
+#: format 3 with a mixture's ``amendments``, and is written only by a state that has some (so a
+#: release that reads format 3 refuses it by its version, not by an unknown key).
 VERSION = 3
+WITH_AMENDMENTS = 4
 #: Formats this release reads: format 2 is format 3 without ``items``.
-READS = (2, 3)
+READS = (2, 3, 4)
 #: Formats of earlier releases it refuses: format version -> (the release that wrote it, its order version).
 #: Format 1 had no ``order`` key; its orders are order version 1.
 PAST_FORMATS: dict[int, tuple[str, int]] = {1: ("croupier 0.1", 1)}
 _KEYS = {"version", "order", "job", "fingerprint", "epoch", "remaining", "base_world"}
 #: Keys a state may carry beyond the cursor: ``items`` counts what the checkpointing rank had
 #: taken of the state's epoch (format 3); ``origin`` names the checkpoint for the audit log.
-_OPTIONAL = {"items", "origin"}
+_OPTIONAL = {"items", "origin", "amendments"}
 
 
-def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, origin: str | None = None) -> dict[str, Any]:
+def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, origin: str | None = None,
+             amendments: tuple[Amendment, ...] = ()) -> dict[str, Any]:
     """The checkpoint state of `job` at `cursor`: what a sampler's ``state_dict()`` returns.
 
     It names positions of the epoch's order, not per-rank lists, so it loads under any world
@@ -33,9 +38,11 @@ def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, ori
             taken, as its ``len()`` counts them: a resumed sampler's ``len()`` and ``items_done``
             go on from it. None when not known (a state made without a sampler).
         origin: Names the checkpoint for the audit log (``token/epoch/items``).
+        amendments: A mixture's amendments that hold (each with its position): a job whose
+            coordinator lost its store takes them back from the state.
     """
     state: dict[str, Any] = {
-        "version": VERSION,
+        "version": WITH_AMENDMENTS if amendments else VERSION,
         "order": ORDER_VERSION,
         "job": job,
         "fingerprint": spec.fingerprint,
@@ -47,7 +54,30 @@ def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, ori
         state["items"] = items
     if origin is not None:
         state["origin"] = origin
+    if amendments:
+        state["amendments"] = [a.to_list() for a in amendments]
     return state
+
+
+def amendments_of(state: Mapping[str, Any]) -> tuple[Amendment, ...]:
+    """The amendments a checkpoint state carries (none for a state without them).
+
+    Raises:
+        InvalidArgument: they are not a list of ``[kind, values, at]`` with their positions.
+    """
+    raw = state.get("amendments", []) if isinstance(state, Mapping) else []
+    if state.get("version") != WITH_AMENDMENTS and raw:
+        raise InvalidArgument(f"checkpoint state format {state.get('version')!r} has no amendments "
+                              f"(format {WITH_AMENDMENTS} has)")
+    if not isinstance(raw, (list, tuple)):
+        raise InvalidArgument(f"checkpoint state's amendments must be a list (got {raw!r})")
+    try:
+        out = tuple(Amendment.from_list(a) for a in raw)
+    except ValueError as e:
+        raise InvalidArgument(f"checkpoint state's amendments are malformed: {e}") from None
+    if any(a.at is None for a in out):
+        raise InvalidArgument("checkpoint state's amendments must each hold from a position (at)")
+    return out
 
 
 def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:

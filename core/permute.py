@@ -119,7 +119,8 @@ def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -
 def stream_of(spec: Spec) -> _mixture.Stream:
     """The stream of a mixture's spec (``spec.sources`` set)."""
     assert spec.sources is not None and spec.weights is not None  # checked by the caller
-    return _mixture.stream(spec.sources, spec.weights, spec.max_epochs or (), spec.seed, spec.permutation == "feistel")
+    return _mixture.stream(spec.sources, spec.weights, spec.max_epochs or (), spec.seed, spec.permutation == "feistel",
+                           spec.amendments or ())
 
 
 def mixture_order(spec: Spec, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from croupier.core import mixture
+from croupier.core.amend import Amendment, sizes_after, sizes_before
 from croupier.core.checks import check_bool, check_choice, check_int
 
 #: The names of the orders (``croupier.core.permute`` holds one kernel for each name, no other).
@@ -105,6 +106,10 @@ class Spec:
             at 0, each source's weight in parts of ``croupier.core.mixture.PARTS``.
         max_epochs: Each source's cap in epochs of its own (0: no cap); from its last sample on,
             its weight is shared out among the others.
+        amendments: A mixture's changes recorded while the job ran (``croupier.core.amend``), each
+            with the stream position it holds from. Not a setting: the coordinator gives them to
+            each generation, and they are left out of :attr:`fingerprint` (a checkpoint carries
+            them beside it). A rank MUST send its spec without them.
     """
 
     n: int
@@ -126,6 +131,7 @@ class Spec:
     sources: tuple[int, ...] | None = None
     weights: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     max_epochs: tuple[int, ...] | None = None
+    amendments: tuple[Amendment, ...] | None = None
 
     def __post_init__(self) -> None:
         # A spec read back from msgpack or JSON has lists where it had tuples: one form, hashable.
@@ -138,12 +144,15 @@ class Spec:
             object.__setattr__(self, "weights", tuple(
                 (c[0], tuple(c[1])) if isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[1], (list, tuple))
                 else c for c in self.weights))
+        if isinstance(self.amendments, (list, tuple)):
+            object.__setattr__(self, "amendments", tuple(
+                a if isinstance(a, Amendment) else Amendment.from_list(a) for a in self.amendments) or None)
         _validate(self)
 
     @property
     def space(self) -> int:
-        """How many dataset indices there are: ``n``, or a mixture's sources' sizes added up."""
-        return self.n if self.sources is None else sum(self.sources)
+        """How many dataset indices there are: ``n``, or a mixture's sources' sizes added up (once grown)."""
+        return self.n if self.sources is None else sum(sizes_after(self.sources, self.amendments or ()))
 
     @classmethod
     def with_lengths(cls, lengths: Any, **kwargs: Any) -> Spec:
@@ -164,8 +173,50 @@ class Spec:
         return np.frombuffer(self.lengths, dtype="<i8")
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict of the spec (``lengths`` stays bytes), for msgpack and for errors."""
-        return dataclasses.asdict(self)
+        """A plain dict of the spec (``lengths`` stays bytes), for msgpack and for errors; amendments, when
+        there are any, as ``[kind, values, at]`` lists."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.amendments is None:
+            del d["amendments"]
+        else:
+            d["amendments"] = [a.to_list() for a in self.amendments]
+        return d
+
+    def amended(self, amendments: Sequence[Amendment]) -> Spec:
+        """This spec dealing under `amendments` (each with its position): the orders then follow the
+        job's history; the fingerprint stays this spec's."""
+        return dataclasses.replace(self, amendments=tuple(amendments) or None)
+
+    def as_grown(self, amendments: Sequence[Amendment]) -> tuple[Spec, ...]:
+        """The specs a rank of this job may send once `amendments` were recorded: this one, and this one
+        with each grown source's new size (with ``n`` grown alike where it was the sources' total, as a
+        sampler of a ``ConcatDataset`` of the grown sources makes it)."""
+        if self.sources is None or not any(a.kind == "grow" for a in amendments):
+            return (self,)
+        sizes = sizes_after(self.sources, amendments)
+        grown = [self, dataclasses.replace(self, sources=sizes)]
+        if self.n == sum(self.sources):
+            grown.append(dataclasses.replace(self, sources=sizes, n=sum(sizes)))
+        return tuple(grown)
+
+    def ungrown(self, amendments: Sequence[Amendment]) -> tuple[Spec, ...]:
+        """The specs this one may be a grown form of (see :meth:`as_grown`) under `amendments`, itself first:
+        a sampler made on grown sources finds among them the spec its checkpoint was taken with."""
+        if self.sources is None or not any(a.kind == "grow" for a in amendments):
+            return (self,)
+        sizes = sizes_before(self.sources, amendments)
+        out = [self]
+        for n in (self.n, sum(sizes)) if self.n == sum(self.sources) else (self.n,):
+            try:
+                out.append(dataclasses.replace(self, sources=sizes, n=n))
+            except ValueError:
+                continue
+        return tuple(out)
+
+    @property
+    def base(self) -> Spec:
+        """This spec without its amendments: what the job was registered with."""
+        return dataclasses.replace(self, amendments=None) if self.amendments else self
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Spec:
@@ -186,7 +237,7 @@ class Spec:
     @property
     def fingerprint(self) -> str:
         """A stable digest of the spec and :data:`ORDER_VERSION`: same settings and orders, same fingerprint, anywhere."""
-        d: dict[str, Any] = self.to_dict()
+        d: dict[str, Any] = self.base.to_dict()
         d["lengths"] = None if self.lengths is None else hashlib.sha256(self.lengths).hexdigest()
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
@@ -255,6 +306,9 @@ def _validate(s: Spec) -> None:
 
 def _validate_mixture(s: Spec) -> None:
     if s.sources is None:
+        if s.amendments:
+            raise ValueError("amendments (new weights, a grown source, skipped samples) are changes of a mixture: "
+                             "they need sources=")
         if s.weights is not None or s.max_epochs is not None:
             raise ValueError(f"weights and max_epochs are settings of a mixture: they need sources= (got "
                              f"weights={s.weights!r}, max_epochs={s.max_epochs!r}, sources=None)")
@@ -279,7 +333,10 @@ def _validate_mixture(s: Spec) -> None:
     if s.permutation not in ("feistel", "none") or s.scope != "global":
         raise ValueError("a mixture shuffles each source epoch (permutation='feistel') or keeps it in order ('none'), "
                          f"over the whole stream (scope='global') (got permutation={s.permutation!r}, scope={s.scope!r})")
-    mixture.stream(s.sources, s.weights, s.max_epochs or (), s.seed, s.permutation == "feistel")
+    if s.amendments and s.lengths is not None and any(a.kind == "grow" for a in s.amendments):
+        raise ValueError("a grown source would need the lengths of its new samples: token budgets and buckets "
+                         "(lengths=) do not grow")
+    mixture.stream(s.sources, s.weights, s.max_epochs or (), s.seed, s.permutation == "feistel", s.amendments or ())
 
 
 def _validate_tokens(s: Spec) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from croupier.core.amend import Amendment
 from croupier.core.api import CheckpointRecord
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument
@@ -61,6 +62,21 @@ def spec_from_proto(m: pb.Spec) -> Spec:
         )
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"invalid spec: {e}") from None
+
+
+def amendment_to_proto(a: Amendment) -> pb.Amendment:
+    m = pb.Amendment(kind=a.kind, values=a.values)
+    if a.at is not None:
+        m.at = a.at
+    return m
+
+
+def amendment_from_proto(m: pb.Amendment) -> Amendment:
+    """The Amendment a message describes; InvalidArgument (naming the value) if it is not one."""
+    try:
+        return Amendment.from_list([m.kind, list(m.values), m.at if m.HasField("at") else None])
+    except ValueError as e:
+        raise InvalidArgument(f"invalid amendment: {e}") from None
 
 
 def cursor_to_proto(c: Cursor) -> pb.Cursor:

@@ -13,7 +13,7 @@ file, a JSON document::
 - ``name`` names the credential in errors and logs (the secret never appears in either).
 - ``sha256`` (preferred: the file then holds no secret) or ``secret``.
 - ``role``: ``read`` may call GetJob, GetCheckpoint and ListJobs; ``train`` also Join, Lease,
-  Grant and Report; ``admin`` may call everything, for every job.
+  Grant, Report and Amend (a trainer skips the samples it finds corrupt); ``admin`` may call everything, for every job.
 - ``jobs``: shell-style patterns (``fnmatch``, case-sensitive) of the job names the credential
   may use; default ``["*"]``. ListJobs lists only the jobs a credential may read.
 
@@ -51,7 +51,7 @@ log = logging.getLogger("croupier.server")
 ROLES = ("read", "train", "admin")
 #: The least role each RPC needs.
 NEEDS = {"GetJob": "read", "GetCheckpoint": "read", "ListJobs": "read",
-         "Join": "train", "Lease": "train", "Grant": "train", "Report": "train"}
+         "Join": "train", "Lease": "train", "Grant": "train", "Report": "train", "Amend": "train"}
 METADATA_KEY = "authorization"
 _SCHEME = "Bearer "
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from croupier.core.amend import Amendment
 from croupier.core.api import (
     MAX_COUNT,
     MAX_JOIN_WAIT_S,
@@ -156,6 +157,17 @@ class Coordinator:
                 lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint, lockstep),
                 durable=checkpoint is not None)
 
+    def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
+        """Records a change of a running mixture (``croupier.core.amend``); answers once it is durable.
+
+        It holds from the first stream position the job's next generation deals (a restart, a
+        resize or a rollback starts one), so that no rank of the running generation, which computes
+        its own batches, deals by other rules than its peers.
+        """
+        with self._cond:
+            self._fresh()
+            return self._commit(lambda: self._state.decide_amend(job, kind, values), durable=True)
+
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest
         record for None (NotFound if none)."""
@@ -208,7 +220,7 @@ class Coordinator:
         with self._cond:
             self._fresh()
             gen = self._state.generation(job, generation)
-            spec = self._state.jobs[job].spec
+            spec = self._state.jobs[job].dealing_spec
             start, world = gen.start, gen.world
         assert start is not None
         check_int("rank", rank, 0, world, InvalidArgument)
@@ -271,14 +283,15 @@ class Coordinator:
             self._fresh()
             gen = self._state.current(job)
             j = self._state.jobs[job]
-            result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
+            result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held)
+            amendments = tuple(j.amendments)
             progress = sorted(j.progress.items())
             checkpoints = tuple(j.checkpoints)
             dealt = {(e, r): b.dealt(r) for e, b in j.deals.items() for r in b.runs}
         ranks = []
         for rank, (epoch, batches, at) in progress:
-            ranks.append(RankCursor(rank, epoch, batches, _share(j.spec, gen.start, gen.world, rank, epoch, dealt), at))
-        return JobStatus(j.spec, result, tuple(ranks), checkpoints)
+            ranks.append(RankCursor(rank, epoch, batches, _share(j.dealing_spec, gen.start, gen.world, rank, epoch, dealt), at))
+        return JobStatus(j.spec, result, tuple(ranks), checkpoints, amendments)
 
     def jobs(self) -> list[str]:
         """The names of the jobs the coordinator holds, sorted."""

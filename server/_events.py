@@ -109,8 +109,28 @@ class BatchesCommitted:
     batches: int
 
 
+@dataclasses.dataclass(frozen=True)
+class AmendmentRecorded:
+    """A change of the job's mixture was recorded (``croupier.core.amend``): `kind` with `values`; it
+    holds from stream position `at`, or, when None, from the first position of the next generation."""
+
+    job: str
+    kind: str
+    values: tuple[int, ...]
+    at: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AmendmentsHeld:
+    """The generation started: every amendment recorded and pending holds from stream position `at` on."""
+
+    job: str
+    generation: int
+    at: int
+
+
 Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
-         | BatchesDealt | BatchesCommitted)
+         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsHeld)
 
 # --------------------------------------------------------------------------- versions
 
@@ -118,15 +138,16 @@ Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | Pro
 #: Journals outlive releases: a release that changes either format MUST bump this, and MUST
 #: still read every older version or refuse it with an error naming both versions
 #: (tests/fixtures/journal-v2.db is a journal of version 2). Version 1 was croupier 0.1's, whose
-#: journal records had no version at all. Version 4 added dynamic dealing's BatchesDealt and
+#: journal records had no version at all. Version 5 added the AmendmentRecorded and AmendmentsHeld
+#: events and each job's ``amendments`` in snapshots. Version 4 added dynamic dealing's BatchesDealt and
 #: BatchesCommitted events and each job's ``deals`` in snapshots. Version 3 added the ProgressReported and
 #: CheckpointRecorded events and each job's ``progress`` and ``checkpoints`` in snapshots; a
 #: version 2 journal is read as it is (its jobs have neither). Each event and snapshot also carries the
 #: ``ORDER_VERSION`` its specs' orders were computed with: the generations' resume points are
 #: positions of those orders, so a journal of another order version is refused, not re-mapped.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 #: Every format version this croupier reads.
-READS = (2, 3, 4)
+READS = (2, 3, 4, 5)
 
 
 class FormatError(ValueError):
@@ -212,6 +233,10 @@ def as_cursor(what: str, v: Any) -> Cursor:
     return Cursor(as_int(f"{what} epoch", epoch), tuple(intervals), as_int(f"{what} base world", base_world))
 
 
+def as_ints(what: str, v: Any) -> tuple[int, ...]:
+    return tuple(as_int(f"{what}[{i}]", x) for i, x in enumerate(as_list(what, v)))
+
+
 def cursor_to(c: Cursor | None) -> Any:
     """A cursor as the journal and the snapshot write it: ``[epoch, [[start, end], ...], base world]``."""
     return None if c is None else [c.epoch, [[a, b] for a, b in c.remaining], c.base_world]
@@ -256,6 +281,7 @@ OPT_INT = _optional(INT)
 SPEC = Codec("Spec", Spec.to_dict, as_spec)
 CURSOR = Codec("Cursor", cursor_to, as_cursor)
 OPT_CURSOR = _optional(CURSOR)
+INTS = Codec("tuple[int, ...]", list, as_ints)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +308,8 @@ SCHEMA: tuple[EventSchema, ...] = (
                 (_JOB, _GEN, _RANK, ("step", OPT_INT), ("cursor", CURSOR), ("origin", STR), ("at_ms", INT))),
     EventSchema("BatchesDealt", BatchesDealt, (_JOB, _GEN, _RANK, ("epoch", INT), ("first", INT), ("count", INT))),
     EventSchema("BatchesCommitted", BatchesCommitted, (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT))),
+    EventSchema("AmendmentRecorded", AmendmentRecorded, (_JOB, ("kind", STR), ("values", INTS), ("at", OPT_INT))),
+    EventSchema("AmendmentsHeld", AmendmentsHeld, (_JOB, _GEN, ("at", INT))),
 )
 
 

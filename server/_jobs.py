@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from croupier.core.amend import Amendment
 from croupier.core.api import CheckpointRecord
 from croupier.core.cursor import Cursor
 from croupier.core.dynamic import EpochDeals
@@ -17,6 +18,7 @@ from croupier.core.spec import Spec
 from croupier.server._events import (
     CURSOR,
     INT,
+    INTS,
     OPT_CURSOR,
     OPT_INT,
     SPEC,
@@ -44,7 +46,8 @@ class Generation:
 @dataclasses.dataclass
 class Job:
     """A job: its spec, its current generation, every token that ever opened one, its ranks' last
-    progress, its checkpoint records and, with dynamic dealing, what its generation dealt."""
+    progress, its checkpoint records, with dynamic dealing what its generation dealt, and a
+    mixture's amendments."""
 
     name: str
     spec: Spec
@@ -56,6 +59,19 @@ class Job:
     checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
     #: dynamic dealing: epoch -> what the current generation dealt in it
     deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
+    #: a mixture's amendments in the order recorded: those that hold (``at`` set), then the pending
+    amendments: list[Amendment] = dataclasses.field(default_factory=list)
+
+    @property
+    def held(self) -> tuple[Amendment, ...]:
+        """The amendments that hold, each with its position (what the current generation deals with)."""
+        return tuple(a for a in self.amendments if a.at is not None)
+
+    @property
+    def dealing_spec(self) -> Spec:
+        """The spec the current generation's orders are computed from: the job's, under its held amendments."""
+        held = self.held
+        return self.spec.amended(held) if held else self.spec
 
 
 def snapshot_job(j: Job) -> dict[str, Any]:
@@ -77,18 +93,20 @@ def snapshot_job(j: Job) -> dict[str, Any]:
                         for c in j.checkpoints],
         "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
+        "amendments": [a.to_list() for a in j.amendments],
     }
 
 
 def restore_job(what: str, v: Any, version: int) -> Job:
     """One job of a snapshot of format `version`, read back (a version 2 job has no progress and
-    no checkpoints, a version 3 job no deals).
+    no checkpoints, a version 3 job no deals, a version 4 job no amendments).
 
     Raises:
         FormatError: `v` is not what :func:`snapshot_job` (of that version) writes; the message
             starts with `what` and names the field.
     """
-    later = (["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
+    later = ((["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
+             + (["amendments"] if version >= 5 else []))
     jd = as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = STR.decode(f"{what} name", jd["name"])
     tokens = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
@@ -104,6 +122,11 @@ def restore_job(what: str, v: Any, version: int) -> Job:
             INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t)))
     for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))):
         job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
+    for k, entry in enumerate(as_list(f"{what} amendments", jd.get("amendments", []))):
+        w = f"{what} amendment {k}"
+        kind, values, at = as_list(f"{w} ([kind, values, at])", entry, 3)
+        job.amendments.append(Amendment(STR.decode(f"{w} kind", kind), INTS.decode(f"{w} values", values),
+                                        OPT_INT.decode(f"{w} at", at)))
     if jd["generation"] is not None:
         job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"])
     return job

@@ -16,9 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from croupier.core import errors as E
+from croupier.core.amend import KINDS
 from croupier.core.api import JoinRequest, JoinResult
 from croupier.core.wire import (
     SERVICE,
+    amendment_from_proto,
+    amendment_to_proto,
     checkpoint_from_proto,
     cursor_from_proto,
     cursor_to_proto,
@@ -58,13 +61,22 @@ def _join_response(r: JoinResult) -> pb.JoinResponse:
     m = pb.JoinResponse(generation=r.generation, world=r.world, started=r.start is not None, waiting_for=list(r.waiting_for))
     if r.start is not None:
         m.start.CopyFrom(cursor_to_proto(r.start))
+        m.amendments.extend(amendment_to_proto(a) for a in r.amendments)
+    return m
+
+
+def _join_reply(r: JoinResult, req: JoinRequest) -> pb.JoinResponse:
+    """A join's answer: with the job's spec when the rank sent another form of it (its sources grown)."""
+    m = _join_response(r)
+    if r.spec is not None and r.spec != req.spec:
+        m.spec.CopyFrom(spec_to_proto(r.spec))
     return m
 
 
 #: A join refused for a limit is answered after this long, up to _HELD_REFUSALS at a time.
 _HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
 #: The coordinator's RPCs, as the servicer names its methods.
-RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs")
+RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend")
 
 
 class CoordinatorServicer:
@@ -108,6 +120,7 @@ class CoordinatorServicer:
             job=m.job, spec=spec_from_proto(m.spec), token=m.token, world=m.world, rank=m.rank,
             resume=cursor_from_proto(m.resume) if m.HasField("resume") else None,
             epoch=m.epoch if m.HasField("epoch") else None,
+            amendments=tuple(amendment_from_proto(a) for a in m.amendments),
         )
         if m.world > self.options.max_world:
             raise E.ResourceExhausted(f"world {m.world} is more than this coordinator's limit of {self.options.max_world} "
@@ -119,12 +132,12 @@ class CoordinatorServicer:
         # generation starts once the last rank has, whoever holds the waiting places.
         result = self.core.join(req, 0.0)
         if result.start is not None or m.wait_ms == 0:
-            return _join_response(result)
+            return _join_reply(result, req)
         if not self._joins.acquire(blocking=False):
             raise E.ResourceExhausted(f"rank {m.rank} joined, but {self.options.max_concurrent_joins} joins are waiting, "
                                       "this coordinator's limit (croupier serve --max-concurrent-joins); ask again")
         try:
-            return _join_response(self.core.join(req, m.wait_ms / 1000.0))
+            return _join_reply(self.core.join(req, m.wait_ms / 1000.0), req)
         finally:
             self._joins.release()
 
@@ -158,7 +171,17 @@ class CoordinatorServicer:
         out.ranks.extend(pb.RankCursor(rank=c.rank, epoch=c.epoch, batches=c.batches, batches_in_epoch=c.batches_in_epoch,
                                        reported_unix_ms=c.reported_ms) for c in st.ranks)
         out.checkpoints.extend(record_to_proto(r) for r in st.checkpoints)
+        out.amendments.extend(amendment_to_proto(a) for a in st.amendments)
         return out
+
+    def Amend(self, raw: bytes, context: grpc.ServicerContext) -> pb.AmendResponse:
+        who = self._caller(context)
+        m = _parse(pb.AmendRequest, raw)
+        _allow(who, "Amend", m.job)
+        if m.kind not in KINDS:
+            raise E.InvalidArgument(f"amendment kind must be one of {', '.join(map(repr, KINDS))} (got {m.kind!r})")
+        a = self.core.amend(m.job, m.kind, tuple(m.values))
+        return pb.AmendResponse(amendment=amendment_to_proto(a))
 
     def Report(self, raw: bytes, context: grpc.ServicerContext) -> pb.ReportResponse:
         who = self._caller(context)

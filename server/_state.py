@@ -19,10 +19,12 @@ after a restart.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from croupier.core import dynamic
+from croupier.core import amend, dynamic
+from croupier.core.amend import Amendment
 from croupier.core.api import (
     CHECKPOINT_HISTORY,
     MAX_COUNT,
@@ -36,11 +38,14 @@ from croupier.core.checks import check_int, check_name
 from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, show, validate_cursor
 from croupier.core.dynamic import EpochDeals
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from croupier.core.mixture import PARTS
 from croupier.core.plan import Runs
 from croupier.core.plans import kind_of
-from croupier.core.spec import ORDER_VERSION, Spec
+from croupier.core.spec import MAX_N, ORDER_VERSION, Spec
 from croupier.server._events import (
     FORMAT_VERSION,
+    AmendmentRecorded,
+    AmendmentsHeld,
     BatchesCommitted,
     BatchesDealt,
     CheckpointRecorded,
@@ -82,11 +87,14 @@ class State:
         job = self.jobs.get(req.job)
         if job is None:
             events.append(JobRegistered(req.job, req.spec))
-        elif job.spec != req.spec:
+        elif req.spec not in job.spec.as_grown(job.amendments):
             raise FailedPrecondition(
                 f"job {req.job!r} was registered with spec ({job.spec.describe()}); this rank sent a "
                 f"different spec ({req.spec.describe()})"
             )
+        elif req.spec != job.spec:  # a rank's sources as grown: the job's spec is what it deals
+            req = dataclasses.replace(req, spec=job.spec)
+        events += _adopt(req, job)
         gen = job.generation if job else None
         if gen is not None and req.token == gen.token:
             if req.world != gen.world:
@@ -118,8 +126,55 @@ class State:
         events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
         joined[req.rank] = mine
         if len(joined) == world:
-            events.append(GenerationStarted(req.job, number, _decide_start(req.spec, joined, world)))
+            start = _decide_start(req.spec, joined, world)
+            events.append(GenerationStarted(req.job, number, start))
+            if job is not None and any(a.at is None for a in job.amendments):
+                events.append(AmendmentsHeld(req.job, number, _hold_from(job, start)))
         return events
+
+    def decide_amend(self, job: str, kind: str, values: Sequence[int]) -> tuple[Amendment, list[Event]]:
+        """The amendment a request records (pending: it holds from the next generation's first
+        position) and its event.
+
+        Args:
+            job: The job's name.
+            kind: ``"weights"`` (`values`: each source's parts), ``"grow"`` (source, new size) or
+                ``"skip"`` (dataset indices, numbered after every amendment recorded before).
+
+        Raises:
+            NotFound: an unknown job.
+            FailedPrecondition: a job that deals no mixture, or a grow of a spec with lengths.
+            InvalidArgument: values that do not make such an amendment (the message names them).
+        """
+        self.current(job)
+        j = self.jobs[job]
+        if j.spec.sources is None:
+            raise FailedPrecondition(f"job {job!r} deals one dataset, not a mixture of sources: new weights, grown "
+                                     "sources and skipped samples are changes of a mixture (sources=)")
+        vals = tuple(values)
+        if len(vals) > amend.MAX_SKIP:
+            raise InvalidArgument(f"an amendment names at most {amend.MAX_SKIP} values (got {len(vals)})")
+        try:
+            if kind == "grow":
+                if j.spec.lengths is not None:
+                    raise FailedPrecondition(f"job {job!r} has lengths= (token budgets or buckets): a grown source "
+                                             "would need the lengths of its new samples, which a spec cannot take")
+                if len(vals) != 2:
+                    raise ValueError(f"grow takes (source, new size) (got {list(vals)})")
+                now = amend.sizes_after(j.spec.sources, j.amendments)
+                if not 0 <= vals[0] < len(now):
+                    raise ValueError(f"source {vals[0]} is not one of the job's {len(now)} sources")
+                a = amend.Amendment("grow", (vals[0], now[vals[0]], vals[1]))
+                if sum(now) - now[vals[0]] + vals[1] > MAX_N:
+                    raise ValueError(f"the sources would add up to more than {MAX_N} samples")
+            elif kind == "skip":
+                a = amend.skip_of(vals, j.spec.sources, j.amendments)
+            else:
+                a = amend.Amendment(kind, vals)
+            amend.check(j.spec.sources, j.amendments, a, PARTS)
+        except ValueError as e:
+            raise InvalidArgument(f"job {job!r}: {e}") from None
+        return a, [AmendmentRecorded(job, a.kind, a.values, None)]
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
                       checkpoint: tuple[int | None, Cursor | None, str] | None = None,
@@ -199,7 +254,7 @@ class State:
         j = self.jobs[job]
         gen = self.generation(job, generation)
         assert gen.start is not None
-        p = dynamic.one_rank_plan(j.spec, gen.start, epoch)
+        p = dynamic.one_rank_plan(j.dealing_spec, gen.start, epoch)
         if p is None:  # the epoch just before the generation's fresh start: complete
             return gen.start, []
         self._reachable(job, gen, epoch)
@@ -217,7 +272,7 @@ class State:
             # committed (a slow worker), the job's record stays in that epoch: this commit is kept
             # (BatchesCommitted), but a relaunch redoes the later epoch's work; it never skips any.
             for e in sorted(j.deals):
-                earlier, pe = j.deals[e], dynamic.one_rank_plan(j.spec, gen.start, e)
+                earlier, pe = j.deals[e], dynamic.one_rank_plan(j.dealing_spec, gen.start, e)
                 if e >= epoch or pe is None:
                     break
                 if any(earlier.committed.get(r, 0) < earlier.dealt(r) for r in earlier.runs):
@@ -230,7 +285,7 @@ class State:
         assert gen.start is not None
         if epoch <= gen.start.epoch:
             return
-        spec = self.jobs[job].spec
+        spec = self.jobs[job].dealing_spec
         before = self.jobs[job].deals.get(epoch - 1)
         p = dynamic.one_rank_plan(spec, gen.start, epoch - 1)
         if p is not None and (before is None or before.next < dynamic.total(p)):
@@ -255,7 +310,7 @@ class State:
         them for anyone), and the events of a new deal (none for a repeated ask)."""
         gen = self.generation(job, generation)
         assert gen.start is not None
-        spec = self.jobs[job].spec
+        spec = self.jobs[job].dealing_spec
         if not kind_of(spec).coordinator_deals:
             raise FailedPrecondition(f"job {job!r} deals statically (dealing={spec.dealing!r})")
         check_int("rank", rank, 0, gen.world, InvalidArgument)
@@ -330,6 +385,12 @@ class State:
                 # an epoch with workers' commits (own) is kept while some of its batches are not committed
                 if not b.committed or all(b.committed.get(r, 0) >= b.dealt(r) for r in b.runs):
                     del deals[old]
+        elif isinstance(ev, AmendmentRecorded):
+            self.jobs[ev.job].amendments.append(Amendment(ev.kind, ev.values, ev.at))
+        elif isinstance(ev, AmendmentsHeld):
+            self._generation(ev.job, ev.generation)
+            j = self.jobs[ev.job]
+            j.amendments = [a if a.at is not None else dataclasses.replace(a, at=ev.at) for a in j.amendments]
         elif isinstance(ev, BatchesCommitted):
             self._generation(ev.job, ev.generation)
             book = self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals())
@@ -348,7 +409,8 @@ class State:
     def join_result(self, job: str, rank: int) -> JoinResult:
         """Where `rank` of `job`'s current generation stands (after its join was applied)."""
         gen = self.current(job)
-        return JoinResult(gen.number, gen.world, gen.start, gen.waiting_for())
+        j = self.jobs[job]
+        return JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, j.spec)
 
     def current(self, job: str) -> Generation:
         """The job's current generation. Raises NotFound for an unknown job."""
@@ -460,6 +522,49 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
                     raise FailedPrecondition(
                         f"set_epoch({req.epoch}) on rank {req.rank} disagrees with set_epoch({e}) on rank {r} in {where}"
                     )
+
+
+def _adopt(req: JoinRequest, job: Job | None) -> list[Event]:
+    """The amendments a join's checkpoint carries that the job does not hold (its store was lost): recorded
+    with their positions. The job's held amendments and the checkpoint's MUST agree where both have them.
+
+    Raises:
+        FailedPrecondition: the checkpoint's amendments and the job's disagree, or the job has pending ones
+            the checkpoint's would have to come before.
+        InvalidArgument: amendments that cannot belong to the job's spec.
+    """
+    if not req.amendments:
+        return []
+    name = req.job
+    held = list(job.held) if job else []
+    mine = list(req.amendments)
+    common = min(len(held), len(mine))
+    if held[:common] != mine[:common]:
+        raise FailedPrecondition(
+            f"the checkpoint rank {req.rank} loaded holds the amendments [{'; '.join(a.describe() for a in mine)}] "
+            f"of job {name!r}, which holds [{'; '.join(a.describe() for a in held)}]: they are not one history")
+    if len(mine) <= len(held):
+        return []
+    if job is not None and len(job.amendments) > len(held):
+        raise FailedPrecondition(
+            f"job {name!r} has amendments waiting for its next generation, recorded after its store lost those the "
+            f"checkpoint of rank {req.rank} holds; record them again once this generation has started")
+    spec = job.spec if job else req.spec
+    try:
+        spec.amended(mine)
+    except ValueError as e:
+        raise InvalidArgument(f"the checkpoint's amendments do not fit job {name!r}'s spec: {e}") from None
+    return [AmendmentRecorded(name, a.kind, a.values, a.at) for a in mine[len(held):]]
+
+
+def _hold_from(job: Job, start: Cursor) -> int:
+    """The stream position a generation starting at `start` deals its pending amendments from: past every
+    position its resume point says was consumed, and not before the amendments that hold already."""
+    n = job.spec.n
+    last = start.remaining[-1]
+    at = start.epoch * n + (n if last[1] < n else last[0])
+    held = job.held
+    return max([at, *(a.at for a in held if a.at is not None)])
 
 
 def _decide_start(spec: Spec, joined: Mapping[int, tuple[Cursor | None, int | None]], world: int) -> Cursor:

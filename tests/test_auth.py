@@ -92,6 +92,7 @@ def _requests(gen: int) -> dict[str, bytes]:
                                    checkpoint=ckpt).SerializeToString(),
         "GetCheckpoint": pb.GetCheckpointRequest(job="j", step=1).SerializeToString(),
         "ListJobs": pb.ListJobsRequest().SerializeToString(),
+        "Amend": pb.AmendRequest(job="j", kind="skip", values=[0]).SerializeToString(),
     }
 
 

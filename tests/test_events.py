@@ -25,6 +25,8 @@ from croupier.server._events import (
     OPT_CURSOR,
     SCHEMA,
     STR,
+    AmendmentRecorded,
+    AmendmentsHeld,
     BatchesCommitted,
     BatchesDealt,
     CheckpointRecorded,
@@ -70,6 +72,11 @@ GOLDEN: list[tuple[Event, dict[str, Any]]] = [
      {"type": "BatchesDealt", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "first": 6, "count": 3}),
     (BatchesCommitted("j", 1, 0, 2, 5),
      {"type": "BatchesCommitted", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "batches": 5}),
+    (AmendmentRecorded("j", "skip", (0, 3, 1, 7), None),
+     {"type": "AmendmentRecorded", **HEAD, "job": "j", "kind": "skip", "values": [0, 3, 1, 7], "at": None}),
+    (AmendmentRecorded("j", "grow", (1, 10, 12), 96),
+     {"type": "AmendmentRecorded", **HEAD, "job": "j", "kind": "grow", "values": [1, 10, 12], "at": 96}),
+    (AmendmentsHeld("j", 2, 96), {"type": "AmendmentsHeld", **HEAD, "job": "j", "generation": 2, "at": 96}),
 ]
 
 
@@ -109,6 +116,7 @@ _VALUES = {
     "Spec": _SPECS,
     "Cursor": _CURSORS,
     "Cursor | None": st.none() | _CURSORS,
+    "tuple[int, ...]": st.lists(_INTS, max_size=6).map(tuple),
 }
 
 
@@ -139,7 +147,7 @@ def _without(d: dict[str, Any], key: str) -> dict[str, Any]:
     ("d", "why"),
     [
         ([1, 2], r"an event must be a map \(got list\)"),
-        (_record(1, type="GenerationClosed"), r"unknown event type 'GenerationClosed' \(known: \['BatchesCommitted'"),
+        (_record(1, type="GenerationClosed"), r"unknown event type 'GenerationClosed' \(known: \['AmendmentRecorded'"),
         (_record(1, type=7), r"unknown event type 7"),
         (_without(GOLDEN[1][1], "version"), r"the event has no format version"),
         (_without(GOLDEN[1][1], "token"), r"a GenerationOpened event must have the fields .* \(missing \['token'\]"),

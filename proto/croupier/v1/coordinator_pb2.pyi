@@ -161,6 +161,40 @@ class WeightChange(_message.Message):
 Global___WeightChange: _TypeAlias = WeightChange  # noqa: Y015
 
 @_typing.final
+class Amendment(_message.Message):
+    """A change of a running mixture, as the job's history holds it (croupier.core.amend)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    kind: _builtins.str
+    """"weights", "grow" or "skip"."""
+    at: _builtins.int
+    """The stream position from which it holds; unset while it waits for the next generation."""
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """weights: each source's parts; grow: (source, old size, new size); skip: (source, sample) pairs."""
+
+    def __init__(
+        self,
+        *,
+        kind: _builtins.str = ...,
+        values: _abc.Iterable[_builtins.int] | None = ...,
+        at: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_at", b"_at", "at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_at", b"_at", "at", b"at", "kind", b"kind", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__at: _TypeAlias = _typing.Literal["at"]  # noqa: Y015
+    _WhichOneofArgType__at: _TypeAlias = _typing.Literal["_at", b"_at"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__at) -> _WhichOneofReturnType__at | None: ...
+
+Global___Amendment: _TypeAlias = Amendment  # noqa: Y015
+
+@_typing.final
 class Cursor(_message.Message):
     """A topology-free position in a job's data order."""
 
@@ -201,6 +235,7 @@ class JoinRequest(_message.Message):
     RESUME_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
+    AMENDMENTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Names this call; a retry carries the same id."""
     job: _builtins.str
@@ -218,6 +253,12 @@ class JoinRequest(_message.Message):
     def resume(self) -> Global___Cursor:
         """The cursor of the checkpoint state this rank loaded, if any."""
 
+    @_builtins.property
+    def amendments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Amendment]:
+        """The amendments the checkpoint state this rank loaded carries (a job whose store was lost
+        takes them back from it).
+        """
+
     def __init__(
         self,
         *,
@@ -230,10 +271,11 @@ class JoinRequest(_message.Message):
         resume: Global___Cursor | None = ...,
         epoch: _builtins.int | None = ...,
         wait_ms: _builtins.int = ...,
+        amendments: _abc.Iterable[Global___Amendment] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "epoch", b"epoch", "resume", b"resume", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "epoch", b"epoch", "job", b"job", "rank", b"rank", "request_id", b"request_id", "resume", b"resume", "spec", b"spec", "token", b"token", "wait_ms", b"wait_ms", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "amendments", b"amendments", "epoch", b"epoch", "job", b"job", "rank", b"rank", "request_id", b"request_id", "resume", b"resume", "spec", b"spec", "token", b"token", "wait_ms", b"wait_ms", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
     _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
@@ -255,6 +297,8 @@ class JoinResponse(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     START_FIELD_NUMBER: _builtins.int
     WAITING_FOR_FIELD_NUMBER: _builtins.int
+    AMENDMENTS_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world: _builtins.int
     started: _builtins.bool
@@ -264,6 +308,14 @@ class JoinResponse(_message.Message):
 
     @_builtins.property
     def waiting_for(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def amendments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Amendment]:
+        """The amendments the generation deals with, each with its position (set when started)."""
+
+    @_builtins.property
+    def spec(self) -> Global___Spec:
+        """The job's spec, when a grown source makes the rank's own differ from it."""
+
     def __init__(
         self,
         *,
@@ -272,12 +324,16 @@ class JoinResponse(_message.Message):
         started: _builtins.bool = ...,
         start: Global___Cursor | None = ...,
         waiting_for: _abc.Iterable[_builtins.int] | None = ...,
+        amendments: _abc.Iterable[Global___Amendment] | None = ...,
+        spec: Global___Spec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_spec", b"_spec", "spec", b"spec", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spec", b"_spec", "amendments", b"amendments", "generation", b"generation", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__spec: _TypeAlias = _typing.Literal["spec"]  # noqa: Y015
+    _WhichOneofArgType__spec: _TypeAlias = _typing.Literal["_spec", b"_spec"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spec) -> _WhichOneofReturnType__spec | None: ...
 
 Global___JoinResponse: _TypeAlias = JoinResponse  # noqa: Y015
 
@@ -507,6 +563,7 @@ class GetJobResponse(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _builtins.int
     RANKS_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    AMENDMENTS_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world: _builtins.int
     started: _builtins.bool
@@ -526,6 +583,12 @@ class GetJobResponse(_message.Message):
     def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___CheckpointRecord]:
         """The checkpoints the job recorded, oldest first (the last 64)."""
 
+    @_builtins.property
+    def amendments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Amendment]:
+        """The job's amendments, in the order recorded: those that hold with their position, then
+        those waiting for the next generation.
+        """
+
     def __init__(
         self,
         *,
@@ -537,10 +600,11 @@ class GetJobResponse(_message.Message):
         waiting_for: _abc.Iterable[_builtins.int] | None = ...,
         ranks: _abc.Iterable[Global___RankCursor] | None = ...,
         checkpoints: _abc.Iterable[Global___CheckpointRecord] | None = ...,
+        amendments: _abc.Iterable[Global___Amendment] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "generation", b"generation", "ranks", b"ranks", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amendments", b"amendments", "checkpoints", b"checkpoints", "generation", b"generation", "ranks", b"ranks", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -795,3 +859,55 @@ class ListJobsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListJobsResponse: _TypeAlias = ListJobsResponse  # noqa: Y015
+
+@_typing.final
+class AmendRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    kind: _builtins.str
+    """"weights": `values` are each source's parts of 2**24 (they add up to it); "grow": (source,
+    new size); "skip": dataset indices, numbered as a ConcatDataset of the sources numbers them
+    once every amendment recorded before took effect.
+    """
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        values: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "kind", b"kind", "values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AmendRequest: _TypeAlias = AmendRequest  # noqa: Y015
+
+@_typing.final
+class AmendResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AMENDMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def amendment(self) -> Global___Amendment:
+        """The amendment as recorded (pending: it holds from the next generation's first position)."""
+
+    def __init__(
+        self,
+        *,
+        amendment: Global___Amendment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["amendment", b"amendment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amendment", b"amendment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AmendResponse: _TypeAlias = AmendResponse  # noqa: Y015

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
                 response_deserializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsResponse.FromString,
                 _registered_method=True)
+        self.Amend = channel.unary_unary(
+                '/croupier.v1.Coordinator/Amend',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.AmendRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.AmendResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -133,6 +138,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Amend(self, request, context):
+        """Records a change of a running mixture (new weights, a source grown, samples skipped): it
+        takes effect when the job's next generation starts, from the first stream position that
+        generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +184,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsRequest.FromString,
                     response_serializer=croupier_dot_v1_dot_coordinator__pb2.ListJobsResponse.SerializeToString,
+            ),
+            'Amend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Amend,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.AmendRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.AmendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -361,6 +380,33 @@ class Coordinator:
             '/croupier.v1.Coordinator/ListJobs',
             croupier_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
             croupier_dot_v1_dot_coordinator__pb2.ListJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Amend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/Amend',
+            croupier_dot_v1_dot_coordinator__pb2.AmendRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.AmendResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,6 +65,11 @@ class CoordinatorStub:
     """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
     ListJobs: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]
     """The jobs the coordinator holds (those the caller may read), by name (read-only)."""
+    Amend: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.AmendRequest, _coordinator_pb2.AmendResponse]
+    """Records a change of a running mixture (new weights, a source grown, samples skipped): it
+    takes effect when the job's next generation starts, from the first stream position that
+    generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -98,6 +103,11 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """The checkpoint state a job recorded at a training step (resume by step; read-only)."""
     ListJobs: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ListJobsRequest, _coordinator_pb2.ListJobsResponse]  # type: ignore[assignment]
     """The jobs the coordinator holds (those the caller may read), by name (read-only)."""
+    Amend: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.AmendRequest, _coordinator_pb2.AmendResponse]  # type: ignore[assignment]
+    """Records a change of a running mixture (new weights, a source grown, samples skipped): it
+    takes effect when the job's next generation starts, from the first stream position that
+    generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
+    """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -170,5 +180,16 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ListJobsResponse, _abc.Awaitable[_coordinator_pb2.ListJobsResponse]]:
         """The jobs the coordinator holds (those the caller may read), by name (read-only)."""
+
+    @_abc_1.abstractmethod
+    def Amend(
+        self,
+        request: _coordinator_pb2.AmendRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.AmendResponse, _abc.Awaitable[_coordinator_pb2.AmendResponse]]:
+        """Records a change of a running mixture (new weights, a source grown, samples skipped): it
+        takes effect when the job's next generation starts, from the first stream position that
+        generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
+        """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
