@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from croupier.client._resolve import agree
 from croupier.client._rpc import CoordinatorClient, Unreachable
-from croupier.core.checkpoint import amendments_of, from_state, items_of, state_of_record, to_state
+from croupier.core.checkpoint import amendments_of, from_state, items_of, spec_of, state_of_record, to_state
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, epoch_agrees, fresh, show
 from croupier.core.errors import CroupierError, NotFound
@@ -237,10 +237,7 @@ def load_state_dict(s: _Base, state_dict: dict[str, Any]) -> None:
     if not s._job_named and isinstance(state_dict, Mapping) and isinstance(state_dict.get("job"), str):
         job = state_dict["job"]
     amendments = amendments_of(state_dict) if isinstance(state_dict, Mapping) and state_dict else ()
-    spec = s.spec
-    if amendments:
-        # A sampler made on grown sources finds the spec the state was saved with (the job's).
-        spec = next((c for c in s.spec.ungrown(amendments) if c.fingerprint == state_dict.get("fingerprint")), s.spec)
+    spec = spec_of(s.spec, state_dict)  # a sampler made on grown sources: the spec the state was saved with
     resume = from_state(job, spec, state_dict)
     if resume is not None and s._hint is not None and not epoch_agrees(spec, resume, s._hint):
         raise ValueError(

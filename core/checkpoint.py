@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,8 +12,10 @@ from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.spec import ORDER_VERSION, Spec
 
 #: The format of the checkpoint state this release writes. Format 3 added ``items``; format 4 is
-#: format 3 with a mixture's ``amendments``, and is written only by a state that has some (so a
-#: release that reads format 3 refuses it by its version, not by an unknown key).
+#: format 3 with a mixture's ``sources`` (the sizes the job's spec has, so that a sampler made on
+#: grown sources finds the spec the state was saved with) and its ``amendments``. A mixture's state
+#: is format 4, any other format 3 (so a release that reads format 3 refuses a mixture's state by
+#: its version, not by an unknown key).
 VERSION = 3
 WITH_AMENDMENTS = 4
 #: Formats this release reads: format 2 is format 3 without ``items``.
@@ -23,7 +26,7 @@ PAST_FORMATS: dict[int, tuple[str, int]] = {1: ("croupier 0.1", 1)}
 _KEYS = {"version", "order", "job", "fingerprint", "epoch", "remaining", "base_world"}
 #: Keys a state may carry beyond the cursor: ``items`` counts what the checkpointing rank had
 #: taken of the state's epoch (format 3); ``origin`` names the checkpoint for the audit log.
-_OPTIONAL = {"items", "origin", "amendments"}
+_OPTIONAL = {"items", "origin", "amendments", "sources"}
 
 
 def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, origin: str | None = None,
@@ -42,7 +45,7 @@ def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, ori
             coordinator lost its store takes them back from the state.
     """
     state: dict[str, Any] = {
-        "version": WITH_AMENDMENTS if amendments else VERSION,
+        "version": VERSION if spec.sources is None else WITH_AMENDMENTS,
         "order": ORDER_VERSION,
         "job": job,
         "fingerprint": spec.fingerprint,
@@ -54,9 +57,30 @@ def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, ori
         state["items"] = items
     if origin is not None:
         state["origin"] = origin
+    if spec.sources is not None:
+        state["sources"] = list(spec.sources)
     if amendments:
         state["amendments"] = [a.to_list() for a in amendments]
     return state
+
+
+def spec_of(spec: Spec, state: Mapping[str, Any]) -> Spec:
+    """The spec a mixture's `state` was saved with, when `spec` is the same but for grown sources (a
+    sampler made on a dataset whose sources grew since); else `spec`."""
+    saved = state.get("sources") if isinstance(state, Mapping) else None
+    if spec.sources is None or not isinstance(saved, list) or tuple(saved) == spec.sources:
+        return spec
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in saved) or len(saved) != len(spec.sources):
+        return spec
+    ns = (spec.n, sum(saved)) if spec.n == sum(spec.sources) else (spec.n,)
+    for n in ns:
+        try:
+            cand = dataclasses.replace(spec, sources=tuple(saved), n=n)
+        except ValueError:
+            continue
+        if cand.fingerprint == state.get("fingerprint"):
+            return cand
+    return spec
 
 
 def amendments_of(state: Mapping[str, Any]) -> tuple[Amendment, ...]:

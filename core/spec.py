@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from croupier.core import mixture
-from croupier.core.amend import Amendment, sizes_after, sizes_before
+from croupier.core.amend import Amendment, sizes_after
 from croupier.core.checks import check_bool, check_choice, check_int
 
 #: The names of the orders (``croupier.core.permute`` holds one kernel for each name, no other).
@@ -198,20 +198,6 @@ class Spec:
         if self.n == sum(self.sources):
             grown.append(dataclasses.replace(self, sources=sizes, n=sum(sizes)))
         return tuple(grown)
-
-    def ungrown(self, amendments: Sequence[Amendment]) -> tuple[Spec, ...]:
-        """The specs this one may be a grown form of (see :meth:`as_grown`) under `amendments`, itself first:
-        a sampler made on grown sources finds among them the spec its checkpoint was taken with."""
-        if self.sources is None or not any(a.kind == "grow" for a in amendments):
-            return (self,)
-        sizes = sizes_before(self.sources, amendments)
-        out = [self]
-        for n in (self.n, sum(sizes)) if self.n == sum(self.sources) else (self.n,):
-            try:
-                out.append(dataclasses.replace(self, sources=sizes, n=n))
-            except ValueError:
-                continue
-        return tuple(out)
 
     @property
     def base(self) -> Spec:

@@ -56,11 +56,12 @@ class SourceRow:
 
     source: int
     source_epoch: int
-    size: int  # the source's samples: a source epoch deals each of them once
+    size: int  # the samples this source epoch deals, each once (its source's, less those skipped)
     expected: int  # samples of this source epoch the epoch was to deal
     trained: int  # of those, trained
     duplicates: int  # trained beyond what the epoch was to deal of them
     missing: int  # of those, not trained
+    skipped: int = 0  # the source's samples taken out of this source epoch (croupier skip): not dealt, not missing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +174,7 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
                 cut[e] = items
                 trained.setdefault(e, [])
         for e, idx in _cut(inc, ce or 0, ci).items():
-            trained[e] += idx
+            trained[e] += _renumber(inc, chain[-1][0], idx)
             if idx:
                 worlds[e].append(inc.world)
         for e, count in inc.ends.items():
@@ -234,6 +235,31 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     return reports
 
 
+def _amendments(mixture: dict[str, Any]) -> tuple[Any, ...]:
+    from croupier.core.amend import Amendment
+
+    return tuple(Amendment.from_list(a) for a in mixture.get("amendments") or ())
+
+
+def _renumber(inc: Incarnation, last: Incarnation, idx: list[int]) -> list[int]:
+    """`inc`'s indices of a mixture numbered as `last` numbers them: a grown source moves the indices of the
+    sources after it (each generation numbers them by the sizes it deals with)."""
+    if inc.mixture is None or last.mixture is None or not idx:
+        return idx
+    from croupier.core.amend import sizes_after
+
+    base = tuple(inc.mixture["sources"])
+    mine, theirs = sizes_after(base, _amendments(inc.mixture)), sizes_after(base, _amendments(last.mixture))
+    if mine == theirs:
+        return idx
+    a = np.asarray(idx, dtype=np.int64)
+    off_mine = np.concatenate([[0], np.cumsum(mine)])
+    off_theirs = np.concatenate([[0], np.cumsum(theirs)])
+    src = np.searchsorted(off_mine, a, side="right") - 1
+    out: list[int] = (a - off_mine[src] + off_theirs[src]).tolist()
+    return out
+
+
 def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
                    trained: list[int]) -> tuple[int, int, tuple[SourceRow, ...]]:
     """Duplicates, missing and the rows by source epoch of one epoch of a mixture.
@@ -248,7 +274,8 @@ def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
     from croupier.core.mixture import stream
 
     st = stream(tuple(mixture["sources"]), tuple((int(a), tuple(p)) for a, p in mixture["weights"]),
-                tuple(mixture.get("max_epochs") or ()), int(mixture["seed"]), bool(mixture.get("shuffle", True)))
+                tuple(mixture.get("max_epochs") or ()), int(mixture["seed"]), bool(mixture.get("shuffle", True)),
+                _amendments(mixture))
     idx, src, sep = st.indices(np.arange(epoch * n, (epoch + 1) * n, dtype=np.int64))
     order = np.lexsort((sep, idx))  # by index, then source epoch
     idx, src, sep = idx[order], src[order], sep[order]
@@ -272,7 +299,8 @@ def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
         sel = which == j
         exp = int(sel.sum())
         tr = int(done[sel].sum())
-        rows.append(SourceRow(int(s), int(se), st.sizes[int(s)], exp, tr, int(extra[sel].sum()), exp - tr))
+        dealt, domain = st.timeline(int(s)).epoch_sizes(int(se))
+        rows.append(SourceRow(int(s), int(se), dealt, exp, tr, int(extra[sel].sum()), exp - tr, domain - dealt))
     dups = int(extra.sum()) + unexpected
     missing = int((~done).sum())
     return dups, missing, tuple(rows)
@@ -283,7 +311,7 @@ def by_source(reports: Iterable[EpochReport]) -> list[SourceRow]:
     total: dict[tuple[int, int], list[int]] = {}
     for r in reports:
         for row in r.sources:
-            t = total.setdefault((row.source, row.source_epoch), [row.size, 0, 0, 0, 0])
+            t = total.setdefault((row.source, row.source_epoch), [row.size, 0, 0, 0, 0, row.skipped])
             for i, v in enumerate((row.expected, row.trained, row.duplicates, row.missing)):
                 t[i + 1] += v
     return [SourceRow(s, e, *v) for (s, e), v in sorted(total.items())]
@@ -291,8 +319,10 @@ def by_source(reports: Iterable[EpochReport]) -> list[SourceRow]:
 
 def render_sources(rows: Iterable[SourceRow]) -> str:
     """The per-source table: each source epoch's samples expected, trained, duplicated and missing."""
+    rows = list(rows)
+    skips = any(r.skipped for r in rows)
     lines = [f"{'source':>6} {'epoch':>5} {'size':>9} {'expected':>9} {'trained':>9} {'duplicates':>10} "
-             f"{'missing':>8}  verdict"]
+             f"{'missing':>8}{'  skipped' if skips else ''}  verdict"]
     for r in rows:
         size, whole = r.size, r.expected == r.size
         if r.duplicates or r.missing:
@@ -302,7 +332,7 @@ def render_sources(rows: Iterable[SourceRow]) -> str:
         else:
             why = "ok: every sample exactly once" if whole else "ok: each once (part of this source epoch audited)"
         lines.append(f"{r.source:>6} {r.source_epoch:>5} {size:>9} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} "
-                     f"{r.missing:>8}  {why}")
+                     f"{r.missing:>8}{f' {r.skipped:>8}' if skips else ''}  {why}")
     return "\n".join(lines)
 
 

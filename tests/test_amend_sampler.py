@@ -1,0 +1,197 @@
+"""A running mixture changed through the samplers and the coordinator: samples skipped, weights set and a source
+grown mid-run, then a resume 4 -> 3 audited exactly once per source epoch; the coordinator's decisions and refusals."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+
+import pytest
+
+from croupier.client import DistributedSampler
+from croupier.core.amend import Amendment
+from croupier.core.api import JoinRequest
+from croupier.core.cursor import Cursor
+from croupier.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from croupier.core.mixture import PARTS, parts_of
+from croupier.core.spec import Spec
+from croupier.server._service import Server
+from croupier.server._state import State
+from croupier.tools.audit import audit, by_source, render_sources, verdict
+
+N, SOURCES, GROWN = 240, [30, 90, 400], [40, 90, 400]
+WEIGHTS = [5, 3, 2]
+#: samples of source 2 (indices 120 + j in the job's numbering before the grow, 130 + j after it)
+SKIP = [120 + 7, 120 + 211, 120 + 399]
+
+
+def _generation(server: Server, logdir: pathlib.Path, world: int, token: str, sources: list[int], state: dict | None,
+                epochs: int, stop_at: int | None = None, save_at: int | None = None,
+                during=None, job: str = "amend") -> tuple[dict, dict[int, list[int]]]:
+    from _ranks import on_ranks
+
+    saved: dict = {}
+    seen: dict[int, list[int]] = collections.defaultdict(list)
+
+    def rank(r: int) -> None:
+        s = DistributedSampler(N, world, r, address=server.address, job=job, token=token, tail="uneven",
+                               sources=sources, weights=WEIGHTS, audit_dir=str(logdir), lease_ahead=8)
+        if state:
+            s.load_state_dict(state)
+        for _ in range(epochs):
+            for k, i in enumerate(s, 1):
+                seen[r].append(int(i))
+                if k == save_at and r == 0:
+                    saved.update(s.state_dict())
+                if k == 5 and r == 0 and during is not None:
+                    during(s)
+                if k == stop_at:
+                    s.close()
+                    return
+        s.close()
+
+    on_ranks(world, rank)
+    return saved, seen
+
+
+def _changes(s: DistributedSampler) -> None:
+    """What a trainer does mid-run: takes three corrupt samples out, anneals the weights, appends to source 0."""
+    assert s.skip(SKIP).kind == "skip"
+    assert s.set_weights([1, 1, 8]).values == parts_of([1, 1, 8])
+    grown = s.grow(0, 40)
+    assert grown.values == (0, 30, 40) and grown.at is None  # pending until the next generation
+
+
+@pytest.mark.e2e
+def test_skips_weights_and_a_grow_mid_run_then_a_resume_4_to_3_is_exactly_once_per_source_epoch(
+        server: Server, tmp_path: pathlib.Path) -> None:
+    ck, _ = _generation(server, tmp_path, 4, "g1", SOURCES, None, 1, stop_at=30, save_at=20, during=_changes)
+    # The running generation deals by the rules it started with: the changes wait for the next one.
+    st = server.core.job("amend")
+    assert [a.kind for a in st.amendments] == ["skip", "weights", "grow"] and all(a.at is None for a in st.amendments)
+    # The restarted job is made on the grown dataset (source 0 has 40 samples now), on 3 ranks.
+    ck2, seen = _generation(server, tmp_path, 3, "g2", GROWN, ck, 2, save_at=60)
+    held = server.core.job("amend").amendments
+    at = held[0].at
+    assert at is not None and all(a.at == at for a in held)
+    assert at == ck["epoch"] * N + ck["remaining"][0][0]  # the first position the resumed generation dealt
+    # The skipped samples (numbered on the grown sizes now: +10) never came again.
+    trained = [i for r in seen.values() for i in r]
+    assert not {i + 10 for i in SKIP} & set(trained)
+    reports = audit(tmp_path)
+    ok, summary = verdict(reports)
+    assert ok, summary + "\n" + "\n".join(r.why for r in reports)
+    rows = by_source(reports)
+    assert all(r.duplicates == 0 and r.missing == 0 for r in rows), render_sources(rows)
+    # Source 2's epoch 0 was going on when its samples were skipped: they are counted as skipped, not missing.
+    assert [(r.source, r.source_epoch, r.skipped) for r in rows if r.skipped] == [(2, 0, 3)]
+    # Source 0 grew: the source epoch in progress kept its 30, the ones after deal 40.
+    sizes0 = {r.source_epoch: r.size for r in rows if r.source == 0}
+    first_grown = min(e for e, n in sizes0.items() if n == 40)
+    assert all(n == 30 for e, n in sizes0.items() if e < first_grown) and first_grown >= 1
+    assert "skipped" in render_sources(rows)
+    # The state the resumed job saves carries its amendments and the job's own sizes.
+    assert ck2["sources"] == SOURCES and [a[0] for a in ck2["amendments"]] == ["skip", "weights", "grow"]
+
+
+@pytest.mark.e2e
+def test_a_coordinator_that_lost_its_store_takes_the_amendments_back_from_the_checkpoint(
+        server: Server, tmp_path: pathlib.Path) -> None:
+    _, _ = _generation(server, tmp_path / "a", 2, "g1", SOURCES, None, 1, stop_at=12, during=_changes)
+    ck, _ = _generation(server, tmp_path / "a", 2, "g2", GROWN, None, 1, save_at=10, stop_at=10)
+    assert ck["amendments"]
+    again, on_old = _generation(server, tmp_path / "b", 2, "g3", GROWN, ck, 1)
+    fresh = Server(f"sqlite:///{tmp_path}/other.db").start()  # the store is gone: a new, empty coordinator
+    try:
+        _, on_new = _generation(fresh, tmp_path / "c", 2, "g1", GROWN, ck, 1)
+        assert [a.at for a in fresh.core.job("amend").amendments] == [a[2] for a in ck["amendments"]]
+    finally:
+        fresh.stop(grace=0.5)
+    assert on_new == on_old  # the same rest of the epoch, rank by rank
+
+
+# --------------------------------------------------------------------------- the coordinator's decisions
+
+
+MIX = Spec(n=100, sources=(30, 70), weights=((0, parts_of([1, 1])),))
+
+
+def _started(spec: Spec = MIX, resume: Cursor | None = None, token: str = "t1", world: int = 1,
+             state: State | None = None, amendments: tuple[Amendment, ...] = ()) -> State:
+    st = state or State()
+    for r in range(world):
+        for ev in st.decide_join(JoinRequest("j", spec, token, world, r, resume, amendments=amendments)):
+            st.apply(ev)
+    return st
+
+
+def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_position() -> None:
+    st = _started()
+    a, events = st.decide_amend("j", "skip", [3, 40])
+    assert a.pairs == [(0, 3), (1, 10)] and a.at is None
+    for ev in events:
+        st.apply(ev)
+    assert st.jobs["j"].dealing_spec == MIX  # the running generation is not changed
+    _started(resume=Cursor(2, ((37, 100),)), token="t2", state=st)
+    assert [x.at for x in st.jobs["j"].amendments] == [2 * 100 + 37]
+    assert st.jobs["j"].dealing_spec.amendments == (Amendment("skip", (0, 3, 1, 10), 237),)
+    # Resumed from an older checkpoint, a later change still cannot come before the ones that hold.
+    _, events = st.decide_amend("j", "weights", parts_of([1, 3]))
+    for ev in events:
+        st.apply(ev)
+    _started(resume=Cursor(1, ((5, 100),)), token="t3", state=st)
+    assert [x.at for x in st.jobs["j"].amendments] == [237, 237]
+    # A snapshot holds them.
+    assert State.restore(st.snapshot()).jobs["j"].amendments == st.jobs["j"].amendments
+
+
+@pytest.mark.parametrize("job, kind, values, error, words", [
+    ("nope", "skip", [1], NotFound, "not known"),
+    ("j", "weights", [1, 2], InvalidArgument, "adding up to"),
+    ("j", "grow", [0, 20], InvalidArgument, "only grows"),
+    ("j", "grow", [2, 200], InvalidArgument, "source 2 is not one"),
+    ("j", "skip", [100], InvalidArgument, "index 100 is not in the dataset"),
+    ("j", "skip", list(range(30)), InvalidArgument, "none to deal"),
+    ("plain", "skip", [1], FailedPrecondition, "not a mixture"),
+])
+def test_a_bad_amendment_is_refused_by_name_and_changes_nothing(job: str, kind: str, values: list[int],
+                                                                 error: type, words: str) -> None:
+    st = _started()
+    for ev in st.decide_join(JoinRequest("plain", Spec(n=10), "p", 1, 0)):
+        st.apply(ev)
+    before = st.snapshot()
+    with pytest.raises(error, match=words):
+        st.decide_amend(job, kind, values)
+    assert st.snapshot() == before
+
+
+def test_a_checkpoint_from_another_history_is_refused() -> None:
+    st = _started()
+    mine = (Amendment("skip", (0, 1), 50),)
+    other = (Amendment("skip", (0, 2), 50),)
+    _started(resume=Cursor(0, ((60, 100),)), token="t2", state=st, amendments=mine)  # adopted (store lost)
+    assert st.jobs["j"].held == mine
+    with pytest.raises(FailedPrecondition, match="not one history"):
+        st.decide_join(JoinRequest("j", MIX, "t3", 1, 0, Cursor(0, ((60, 100),)), amendments=other))
+
+
+def test_a_grown_rank_spec_is_the_job_spec_and_other_sizes_are_refused() -> None:
+    st = _started()
+    for ev in st.decide_amend("j", "grow", [1, 80])[1]:
+        st.apply(ev)
+    grown = Spec(n=110, sources=(30, 80), weights=MIX.weights)  # a ConcatDataset of the grown sources
+    for ev in st.decide_join(JoinRequest("j", grown, "t2", 1, 0)):
+        st.apply(ev)
+    assert st.join_result("j", 0).spec == MIX and st.jobs["j"].spec == MIX
+    with pytest.raises(FailedPrecondition, match="different spec"):
+        st.decide_join(JoinRequest("j", Spec(n=110, sources=(30, 81), weights=MIX.weights), "t3", 1, 0))
+
+
+def test_the_hold_position_follows_the_resume_point() -> None:
+    for start, at in [(None, 0), (Cursor(3, ((0, 100),)), 300), (Cursor(3, ((40, 100),)), 340),
+                      (Cursor(3, ((10, 20), (40, 90))), 400)]:
+        st = _started()
+        for ev in st.decide_amend("j", "weights", [PARTS // 2, PARTS // 2])[1]:
+            st.apply(ev)
+        _started(resume=start, token="t2", state=st)
+        assert st.jobs["j"].amendments[0].at == at, start
