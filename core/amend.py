@@ -93,7 +93,7 @@ def sizes_after(sizes: Sequence[int], amendments: Sequence[Amendment]) -> tuple[
     out = list(sizes)
     for a in amendments:
         if a.kind == "grow":
-            out[a.values[0]] = a.values[2]
+            out[a.values[0]] = max(out[a.values[0]], a.values[2])
     return tuple(out)
 
 
@@ -144,7 +144,7 @@ def skip_of(indices: Sequence[int], sizes: Sequence[int], before: Sequence[Amend
     return Amendment("skip", tuple(x for p in sorted(pairs) for x in p))
 
 
-def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, parts: int) -> None:
+def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, parts: int, strict: bool = True) -> None:
     """Raises ValueError, naming the value, if `new` cannot follow `before` on sources of `sizes`.
 
     Args:
@@ -152,6 +152,11 @@ def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, par
         before: The amendments already recorded, in order.
         new: The one to check (its ``at`` is not checked).
         parts: What a weights amendment's parts must add up to (``mixture.PARTS``).
+        strict: As a new request is checked: a grow from the source's size now to a larger one, a
+            skip of samples not skipped yet. Not strict, as a history is read: a grow to a size the
+            source has reached already, or a sample skipped twice, changes nothing (a checkpoint's
+            amendments taken back by a coordinator that lost its store may come before ones
+            recorded since).
     """
     now = sizes_after(sizes, before)
     v = new.values
@@ -161,7 +166,7 @@ def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, par
     elif new.kind == "grow":
         if len(v) != 3 or not 0 <= v[0] < len(sizes):
             raise ValueError(f"grow names a source in [0, {len(sizes)}) and its old and new sizes (got {list(v)})")
-        if v[1] != now[v[0]]:
+        if strict and v[1] != now[v[0]]:
             raise ValueError(f"source {v[0]} has {now[v[0]]} samples, not {v[1]} (grow from its size now)")
         if v[2] <= v[1]:
             raise ValueError(f"a source only grows: source {v[0]} has {v[1]} samples (got new size {v[2]})")
@@ -176,7 +181,7 @@ def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, par
             raise ValueError("skip's (source, sample) pairs must be sorted and distinct")
         seen = skipped(before)
         again = [p for p in pairs if p in seen]
-        if again:
+        if again and strict:
             raise ValueError(f"(source, sample) {again[0]} is skipped already")
         total = seen | set(pairs)
         if len(total) > MAX_SKIP:
@@ -309,6 +314,10 @@ class Timeline:
         last = self.pieces[-1]
         if k < last.start:
             raise ValueError(f"an amendment at count {k} comes before the last one's {last.start}")
+        if grow_to is not None and grow_to <= last.size:
+            grow_to = None  # grown that far already: nothing changes
+            if not len(skip):
+                return
         e, raw, first = self._where(k)
         dom_e = last.first_size if e == last.epoch else last.size
         size = grow_to if grow_to is not None else last.size

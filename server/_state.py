@@ -129,7 +129,13 @@ class State:
             start = _decide_start(req.spec, joined, world)
             events.append(GenerationStarted(req.job, number, start))
             if job is not None and any(a.at is None for a in job.amendments):
-                events.append(AmendmentsHeld(req.job, number, _hold_from(job, start)))
+                at = _hold_from(job, start)
+                try:
+                    job.spec.amended([a if a.at is not None else dataclasses.replace(a, at=at) for a in job.amendments])
+                except ValueError as e:
+                    raise FailedPrecondition(f"job {req.job!r} cannot start generation {number}: its amendments, held "
+                                             f"from stream position {at}, leave it with nothing to deal ({e})") from None
+                events.append(AmendmentsHeld(req.job, number, at))
         return events
 
     def decide_amend(self, job: str, kind: str, values: Sequence[int]) -> tuple[Amendment, list[Event]]:
@@ -172,6 +178,11 @@ class State:
             else:
                 a = amend.Amendment(kind, vals)
             amend.check(j.spec.sources, j.amendments, a, PARTS)
+            # NOTE: where it will hold is decided when the next generation starts; checked here from
+            # where the job is now, a schedule or caps it leaves with nothing to deal are refused.
+            gen = j.generation
+            at = _hold_from(j, gen.start) if gen is not None and gen.start is not None else 0
+            j.spec.amended([*j.held, *(dataclasses.replace(x, at=at) for x in (*j.amendments[len(j.held):], a))])
         except ValueError as e:
             raise InvalidArgument(f"job {job!r}: {e}") from None
         return a, [AmendmentRecorded(job, a.kind, a.values, None)]
@@ -386,7 +397,10 @@ class State:
                 if not b.committed or all(b.committed.get(r, 0) >= b.dealt(r) for r in b.runs):
                     del deals[old]
         elif isinstance(ev, AmendmentRecorded):
-            self.jobs[ev.job].amendments.append(Amendment(ev.kind, ev.values, ev.at))
+            j = self.jobs[ev.job]
+            # taken back from a checkpoint (it holds): after those that hold, before the pending ones
+            j.amendments.insert(len(j.held) if ev.at is not None else len(j.amendments),
+                                Amendment(ev.kind, ev.values, ev.at))
         elif isinstance(ev, AmendmentsHeld):
             self._generation(ev.job, ev.generation)
             j = self.jobs[ev.job]
@@ -526,11 +540,11 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
 
 def _adopt(req: JoinRequest, job: Job | None) -> list[Event]:
     """The amendments a join's checkpoint carries that the job does not hold (its store was lost): recorded
-    with their positions. The job's held amendments and the checkpoint's MUST agree where both have them.
+    with their positions, after those the job holds and before its pending ones. The job's held amendments
+    and the checkpoint's MUST agree where both have them.
 
     Raises:
-        FailedPrecondition: the checkpoint's amendments and the job's disagree, or the job has pending ones
-            the checkpoint's would have to come before.
+        FailedPrecondition: the checkpoint's amendments and the job's disagree.
         InvalidArgument: amendments that cannot belong to the job's spec.
     """
     if not req.amendments:
@@ -545,10 +559,6 @@ def _adopt(req: JoinRequest, job: Job | None) -> list[Event]:
             f"of job {name!r}, which holds [{'; '.join(a.describe() for a in held)}]: they are not one history")
     if len(mine) <= len(held):
         return []
-    if job is not None and len(job.amendments) > len(held):
-        raise FailedPrecondition(
-            f"job {name!r} has amendments waiting for its next generation, recorded after its store lost those the "
-            f"checkpoint of rank {req.rank} holds; record them again once this generation has started")
     spec = job.spec if job else req.spec
     try:
         spec.amended(mine)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -195,3 +197,35 @@ def test_the_hold_position_follows_the_resume_point() -> None:
             st.apply(ev)
         _started(resume=start, token="t2", state=st)
         assert st.jobs["j"].amendments[0].at == at, start
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "croupier.tools.cli", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.e2e
+def test_croupier_skip_and_amend_record_changes_and_refuse_bad_ones_by_name(server: Server) -> None:
+    from croupier.client import CoordinatorClient
+
+    with CoordinatorClient(server.address) as c:
+        c.join_started(JoinRequest("cli", MIX, "t1", 1, 0))
+    ok = _cli("skip", "cli", "3", "40", "--address", server.address)
+    assert ok.returncode == 0, ok.stderr
+    assert "recorded skip 2 samples (pending)" in ok.stdout and "next generation" in ok.stdout
+    assert _cli("amend", "cli", "--weights", "1,3", "--address", server.address).returncode == 0
+    assert _cli("amend", "cli", "--grow", "1", "90", "--address", server.address).returncode == 0
+    before = server.core.snapshot_state()
+    bad = _cli("skip", "cli", "3", "--address", server.address)
+    assert bad.returncode == 1 and "index 3 (source 0, sample 3) is skipped already" in bad.stderr
+    bad = _cli("amend", "cli", "--grow", "1", "50", "--address", server.address)
+    assert bad.returncode == 1 and "only grows" in bad.stderr
+    bad = _cli("amend", "cli", "--address", server.address)
+    assert bad.returncode == 2 and "takes one change" in bad.stderr
+    bad = _cli("amend", "cli", "--weights", "1,x", "--address", server.address)
+    assert bad.returncode == 2 and "weights takes numbers" in bad.stderr
+    assert server.core.snapshot_state() == before
+    assert [a.kind for a in server.core.job("cli").amendments] == ["skip", "weights", "grow"]

@@ -38,6 +38,7 @@ from hypothesis.stateful import (
 from croupier.client import DistributedBatchSampler, DistributedSampler, _sampler
 from croupier.client._rpc import CoordinatorClient
 from croupier.core import dynamic
+from croupier.core.amend import Amendment, sizes_after
 from croupier.core.order import Plan
 from croupier.core.spec import Spec
 from croupier.core.tokens import TokenPlan
@@ -321,6 +322,7 @@ class Elastic(RuleBasedStateMachine):
         self.end_worlds: dict[int, int] = {}  # epoch -> world of the generation that completed it
         self.finished: list[tuple[int, int]] = []  # (epoch, final world) of the epochs finished
         self.checkpoints: list[Checkpoint] = []
+        self.held: tuple[Amendment, ...] = ()  # a mixture's amendments held by the latest generation
         self.epoch = start or 0  # the training loop's epoch variable
         self.live: World | None = None
 
@@ -356,7 +358,17 @@ class Elastic(RuleBasedStateMachine):
         """
         self.incarnation += 1
         self.live = World(self.setup, self.server.address, world, self.incarnation, start_epoch, hint, prepare)
+        if self.setup.sources:
+            # What the generation deals with: the amendments it holds (each with its position). A rollback
+            # keeps them; a lost store takes back those of the checkpoint resumed from, which are all that
+            # the positions the log still holds were dealt with (the later ones went with the timeline).
+            self.held = tuple(a for a in self.server.core.job(JOB).amendments if a.at is not None)
         self.step()
+
+    @property
+    def spec(self) -> Spec:
+        """The job's spec under the amendments held (what the audit checks against)."""
+        return self.setup.spec.amended(self.held) if self.held else self.setup.spec
 
     # ------------------------------------------------------------------ the training loop
 
@@ -376,7 +388,7 @@ class Elastic(RuleBasedStateMachine):
                 self.log.append((self.epoch, live.incarnation, live.world, tuple(b)))
                 trained = True
         self.stats["train_steps"] += trained
-        audit_partial(self.setup.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
+        audit_partial(self.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
         return False
 
     def _finish_epoch(self) -> None:
@@ -386,7 +398,7 @@ class Elastic(RuleBasedStateMachine):
         if live.start_epoch <= e:
             self.end_worlds.setdefault(e, live.world)
         assert e in self.end_worlds, f"epoch {e} is over, but no generation completed it"
-        audit_epoch(self.setup.spec, self.trained(e), *self.allowance(e), e)
+        audit_epoch(self.spec, self.trained(e), *self.allowance(e), e)
         self.stats["epochs_audited"] += 1
         self.finished.append((e, self.end_worlds[e]))
         self.epoch += 1
@@ -593,11 +605,38 @@ class Elastic(RuleBasedStateMachine):
         self.stats["stores_lost"] += 1
         self._restart(data, world, live.world)
 
+    @precondition(lambda self: bool(self.setup.sources) and self.live is not None)
+    @rule(data=st.data())
+    def amend(self, data: st.DataObject) -> None:
+        """A change of the running mixture through rank 0's sampler: new weights, samples skipped, or the last
+        source grown (its indices stay the last, so the log's indices keep their numbering); it holds from the
+        next generation's first position on."""
+        self.busy = True
+        live = self.live
+        assert live is not None
+        s = live.samplers[0]
+        k = len(self.setup.sources)
+        sizes = sizes_after(self.setup.sources, self.server.core.job(JOB).amendments)
+        kinds = ["weights", "skip", "skip"] + (["grow"] if self.setup.kind != "tokens" else [])
+        kind = data.draw(st.sampled_from(kinds), label="amendment")
+        try:
+            if kind == "weights":
+                s.set_weights(data.draw(st.lists(st.integers(0, 5), min_size=k, max_size=k).filter(any), label="weights"))
+            elif kind == "skip":
+                s.skip(data.draw(st.lists(st.integers(0, sum(sizes) - 1), min_size=1, max_size=2, unique=True),
+                                 label="indices"))
+            else:
+                s.grow(k - 1, sizes[-1] + data.draw(st.integers(1, 6), label="grown by"))
+        except ValueError:  # skipped already, a source left empty, nothing left to deal: refused, nothing changed
+            self.stats["amendments_refused"] += 1
+            return
+        self.stats[f"amendments_{kind}"] += 1
+
     @invariant()
     def no_duplicates_so_far(self) -> None:
         if hasattr(self, "setup"):
             self.stats["rule_steps"] += 1
-            audit_partial(self.setup.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
+            audit_partial(self.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
             self.busy = False
 
     # ------------------------------------------------------------------ restarts
@@ -638,7 +677,7 @@ class Elastic(RuleBasedStateMachine):
         if not hint and ck.state["epoch"] > ck.epoch:
             # Saved once every rank had had all its batches: that epoch is complete, and a loop
             # without set_epoch goes straight on to the next.
-            audit_epoch(self.setup.spec, self.trained(ck.epoch), *self.allowance(ck.epoch), ck.epoch)
+            audit_epoch(self.spec, self.trained(ck.epoch), *self.allowance(ck.epoch), ck.epoch)
             self.stats["epochs_audited"] += 1
             self.finished.append((ck.epoch, self.end_worlds[ck.epoch]))
         self._start_world(world, ck.state["epoch"], hint, prepare)

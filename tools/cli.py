@@ -101,6 +101,18 @@ def _status_cmd(args: argparse.Namespace) -> int:
     return status(args.address, args.job, args.watch)
 
 
+def _amend_cmd(args: argparse.Namespace) -> int:
+    from croupier.tools.amend import main as amend
+
+    if args.kind == "skip":
+        return amend(args.address, args.job, "skip", args.indices)
+    if (args.weights is None) == (args.grow is None):
+        raise ValueError("croupier amend takes one change: --weights W,W,... or --grow SOURCE SIZE")
+    if args.weights is not None:
+        return amend(args.address, args.job, "weights", [args.weights])
+    return amend(args.address, args.job, "grow", args.grow)
+
+
 def _health_cmd(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -213,6 +225,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--watch", nargs="?", type=watch_seconds, const=DEFAULT_WATCH_S, metavar="SECONDS",
                    help=f"redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C; put it after JOB")
     t.set_defaults(func=_status_cmd)
+
+    m = sub.add_parser("amend", help="record a change of a running mixture: new weights, or a source grown; it holds "
+                                     "from the job's next generation (docs/mixtures.md)")
+    m.add_argument("job", metavar="JOB")
+    m.add_argument("--weights", metavar="W,W,...", help="one weight per source (any positive scale)")
+    m.add_argument("--grow", nargs=2, metavar=("SOURCE", "SIZE"), help="source SOURCE has SIZE samples now")
+    m.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
+    m.set_defaults(func=_amend_cmd, kind="amend")
+
+    k = sub.add_parser("skip", help="take samples out of a running mixture for good (found corrupt): never dealt again "
+                                    "from the job's next generation on, counted by the audit as skipped")
+    k.add_argument("job", metavar="JOB")
+    k.add_argument("indices", nargs="+", metavar="INDEX", help="dataset indices, as the sampler hands them out")
+    k.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
+    k.set_defaults(func=_amend_cmd, kind="skip")
 
     a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing")
     a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")
