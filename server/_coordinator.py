@@ -284,7 +284,7 @@ class Coordinator:
             gen = self._state.current(job)
             j = self._state.jobs[job]
             result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held)
-            amendments = tuple(j.amendments)
+            amendments = (*j.held, *j.pending)
             progress = sorted(j.progress.items())
             checkpoints = tuple(j.checkpoints)
             dealt = {(e, r): b.dealt(r) for e, b in j.deals.items() for r in b.runs}

@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from croupier.core.amend import Amendment
 from croupier.core.cursor import Cursor
 from croupier.core.spec import ORDER_VERSION, Spec
 
@@ -111,26 +112,34 @@ class BatchesCommitted:
 
 @dataclasses.dataclass(frozen=True)
 class AmendmentRecorded:
-    """A change of the job's mixture was recorded (``croupier.core.amend``): `kind` with `values`; it
-    holds from stream position `at`, or, when None, from the first position of the next generation."""
+    """A change of the job's mixture was recorded (``croupier.core.amend``): `kind` with `values`. It holds
+    from the first stream position of the next generation that starts (see :class:`GenerationAmended`)."""
 
     job: str
     kind: str
     values: tuple[int, ...]
-    at: int | None
 
 
 @dataclasses.dataclass(frozen=True)
-class AmendmentsHeld:
-    """The generation started: every amendment recorded and pending holds from stream position `at` on."""
+class AmendmentsLoaded:
+    """A rank joined the generation with a checkpoint whose amendments are these (each with its position)."""
 
     job: str
     generation: int
-    at: int
+    amendments: tuple[Amendment, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationAmended:
+    """The generation started: it deals with these amendments, each from its position."""
+
+    job: str
+    generation: int
+    amendments: tuple[Amendment, ...]
 
 
 Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
-         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsHeld)
+         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsLoaded | GenerationAmended)
 
 # --------------------------------------------------------------------------- versions
 
@@ -138,8 +147,9 @@ Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | Pro
 #: Journals outlive releases: a release that changes either format MUST bump this, and MUST
 #: still read every older version or refuse it with an error naming both versions
 #: (tests/fixtures/journal-v2.db is a journal of version 2). Version 1 was croupier 0.1's, whose
-#: journal records had no version at all. Version 5 added the AmendmentRecorded and AmendmentsHeld
-#: events and each job's ``amendments`` in snapshots. Version 4 added dynamic dealing's BatchesDealt and
+#: journal records had no version at all. Version 5 added the AmendmentRecorded, AmendmentsLoaded
+#: and GenerationAmended events and each job's ``amendments``, ``held`` and ``loaded`` in
+#: snapshots. Version 4 added dynamic dealing's BatchesDealt and
 #: BatchesCommitted events and each job's ``deals`` in snapshots. Version 3 added the ProgressReported and
 #: CheckpointRecorded events and each job's ``progress`` and ``checkpoints`` in snapshots; a
 #: version 2 journal is read as it is (its jobs have neither). Each event and snapshot also carries the
@@ -237,6 +247,21 @@ def as_ints(what: str, v: Any) -> tuple[int, ...]:
     return tuple(as_int(f"{what}[{i}]", x) for i, x in enumerate(as_list(what, v)))
 
 
+def as_amendments(what: str, v: Any) -> tuple[Amendment, ...]:
+    out = []
+    for i, a in enumerate(as_list(what, v)):
+        try:
+            out.append(Amendment.from_list(a))
+        except ValueError as e:
+            raise FormatError(f"{what}[{i}] is not an amendment: {e}") from None
+    return tuple(out)
+
+
+def amendments_to(v: tuple[Amendment, ...]) -> list[Any]:
+    """Amendments as the journal and the snapshot write them: ``[[kind, values, at], ...]``."""
+    return [a.to_list() for a in v]
+
+
 def cursor_to(c: Cursor | None) -> Any:
     """A cursor as the journal and the snapshot write it: ``[epoch, [[start, end], ...], base world]``."""
     return None if c is None else [c.epoch, [[a, b] for a, b in c.remaining], c.base_world]
@@ -282,6 +307,7 @@ SPEC = Codec("Spec", Spec.to_dict, as_spec)
 CURSOR = Codec("Cursor", cursor_to, as_cursor)
 OPT_CURSOR = _optional(CURSOR)
 INTS = Codec("tuple[int, ...]", list, as_ints)
+AMENDMENTS = Codec("tuple[Amendment, ...]", amendments_to, as_amendments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,8 +334,9 @@ SCHEMA: tuple[EventSchema, ...] = (
                 (_JOB, _GEN, _RANK, ("step", OPT_INT), ("cursor", CURSOR), ("origin", STR), ("at_ms", INT))),
     EventSchema("BatchesDealt", BatchesDealt, (_JOB, _GEN, _RANK, ("epoch", INT), ("first", INT), ("count", INT))),
     EventSchema("BatchesCommitted", BatchesCommitted, (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT))),
-    EventSchema("AmendmentRecorded", AmendmentRecorded, (_JOB, ("kind", STR), ("values", INTS), ("at", OPT_INT))),
-    EventSchema("AmendmentsHeld", AmendmentsHeld, (_JOB, _GEN, ("at", INT))),
+    EventSchema("AmendmentRecorded", AmendmentRecorded, (_JOB, ("kind", STR), ("values", INTS))),
+    EventSchema("AmendmentsLoaded", AmendmentsLoaded, (_JOB, _GEN, ("amendments", AMENDMENTS))),
+    EventSchema("GenerationAmended", GenerationAmended, (_JOB, _GEN, ("amendments", AMENDMENTS))),
 )
 
 

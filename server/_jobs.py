@@ -16,13 +16,14 @@ from croupier.core.cursor import Cursor
 from croupier.core.dynamic import EpochDeals
 from croupier.core.spec import Spec
 from croupier.server._events import (
+    AMENDMENTS,
     CURSOR,
     INT,
-    INTS,
     OPT_CURSOR,
     OPT_INT,
     SPEC,
     STR,
+    amendments_to,
     as_list,
     as_map,
     cursor_to,
@@ -59,19 +60,23 @@ class Job:
     checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
     #: dynamic dealing: epoch -> what the current generation dealt in it
     deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
-    #: a mixture's amendments in the order recorded: those that hold (``at`` set), then the pending
+    #: a mixture's amendments in the order recorded (``at`` None: each generation holds them from a position)
     amendments: list[Amendment] = dataclasses.field(default_factory=list)
-
-    @property
-    def held(self) -> tuple[Amendment, ...]:
-        """The amendments that hold, each with its position (what the current generation deals with)."""
-        return tuple(a for a in self.amendments if a.at is not None)
+    #: the amendments the current generation deals with, each with its position (set when it starts)
+    held: tuple[Amendment, ...] = ()
+    #: the amendments of the checkpoint the current generation's ranks joined with (None: none yet)
+    loaded: tuple[Amendment, ...] | None = None
 
     @property
     def dealing_spec(self) -> Spec:
-        """The spec the current generation's orders are computed from: the job's, under its held amendments."""
-        held = self.held
-        return self.spec.amended(held) if held else self.spec
+        """The spec the current generation's orders are computed from: the job's, under the amendments it holds."""
+        return self.spec.amended(self.held) if self.held else self.spec
+
+    @property
+    def pending(self) -> tuple[Amendment, ...]:
+        """The amendments recorded that the current generation does not hold (the next one will)."""
+        held = {(a.kind, a.values) for a in self.held}
+        return tuple(a for a in self.amendments if (a.kind, a.values) not in held)
 
 
 def snapshot_job(j: Job) -> dict[str, Any]:
@@ -93,7 +98,8 @@ def snapshot_job(j: Job) -> dict[str, Any]:
                         for c in j.checkpoints],
         "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
-        "amendments": [a.to_list() for a in j.amendments],
+        "amendments": amendments_to(tuple(j.amendments)), "held": amendments_to(j.held),
+        "loaded": None if j.loaded is None else amendments_to(j.loaded),
     }
 
 
@@ -106,7 +112,7 @@ def restore_job(what: str, v: Any, version: int) -> Job:
             starts with `what` and names the field.
     """
     later = ((["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
-             + (["amendments"] if version >= 5 else []))
+             + (["amendments", "held", "loaded"] if version >= 5 else []))
     jd = as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = STR.decode(f"{what} name", jd["name"])
     tokens = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
@@ -122,11 +128,10 @@ def restore_job(what: str, v: Any, version: int) -> Job:
             INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t)))
     for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))):
         job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
-    for k, entry in enumerate(as_list(f"{what} amendments", jd.get("amendments", []))):
-        w = f"{what} amendment {k}"
-        kind, values, at = as_list(f"{w} ([kind, values, at])", entry, 3)
-        job.amendments.append(Amendment(STR.decode(f"{w} kind", kind), INTS.decode(f"{w} values", values),
-                                        OPT_INT.decode(f"{w} at", at)))
+    job.amendments = list(AMENDMENTS.decode(f"{what} amendments", jd.get("amendments", [])))
+    job.held = AMENDMENTS.decode(f"{what} held", jd.get("held", []))
+    loaded = jd.get("loaded")
+    job.loaded = None if loaded is None else AMENDMENTS.decode(f"{what} loaded", loaded)
     if jd["generation"] is not None:
         job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"])
     return job

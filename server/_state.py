@@ -45,12 +45,13 @@ from croupier.core.spec import MAX_N, ORDER_VERSION, Spec
 from croupier.server._events import (
     FORMAT_VERSION,
     AmendmentRecorded,
-    AmendmentsHeld,
+    AmendmentsLoaded,
     BatchesCommitted,
     BatchesDealt,
     CheckpointRecorded,
     Event,
     FormatError,
+    GenerationAmended,
     GenerationOpened,
     GenerationStarted,
     JobRegistered,
@@ -124,18 +125,22 @@ class State:
             return events
         _check_agreement(req, number, joined)
         events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
+        loaded = job.loaded if job is not None and job.generation is not None and job.generation.number == number else None
+        if req.resume is not None:
+            if loaded is None and req.amendments:
+                events.append(AmendmentsLoaded(req.job, number, req.amendments))
+            elif loaded is not None and loaded != req.amendments:
+                raise FailedPrecondition(
+                    f"rank {req.rank} joins generation {number} of job {req.job!r} with a checkpoint whose amendments "
+                    f"are [{'; '.join(a.describe() for a in req.amendments)}]; another rank's are "
+                    f"[{'; '.join(a.describe() for a in loaded)}]: every rank must load the same checkpoint")
         joined[req.rank] = mine
         if len(joined) == world:
             start = _decide_start(req.spec, joined, world)
             events.append(GenerationStarted(req.job, number, start))
-            if job is not None and any(a.at is None for a in job.amendments):
-                at = _hold_from(job, start)
-                try:
-                    job.spec.amended([a if a.at is not None else dataclasses.replace(a, at=at) for a in job.amendments])
-                except ValueError as e:
-                    raise FailedPrecondition(f"job {req.job!r} cannot start generation {number}: its amendments, held "
-                                             f"from stream position {at}, leave it with nothing to deal ({e})") from None
-                events.append(AmendmentsHeld(req.job, number, at))
+            held = _hold(req, job, number, start, events)
+            if held:
+                events.append(GenerationAmended(req.job, number, held))
         return events
 
     def decide_amend(self, job: str, kind: str, values: Sequence[int]) -> tuple[Amendment, list[Event]]:
@@ -181,11 +186,12 @@ class State:
             # NOTE: where it will hold is decided when the next generation starts; checked here from
             # where the job is now, a schedule or caps it leaves with nothing to deal are refused.
             gen = j.generation
-            at = _hold_from(j, gen.start) if gen is not None and gen.start is not None else 0
-            j.spec.amended([*j.held, *(dataclasses.replace(x, at=at) for x in (*j.amendments[len(j.held):], a))])
+            at = max([_frontier(j.spec, gen.start) if gen is not None and gen.start is not None else 0,
+                      *(x.at for x in j.held if x.at is not None)])
+            j.spec.amended([*j.held, *(dataclasses.replace(x, at=at) for x in (*j.pending, a))])
         except ValueError as e:
             raise InvalidArgument(f"job {job!r}: {e}") from None
-        return a, [AmendmentRecorded(job, a.kind, a.values, None)]
+        return a, [AmendmentRecorded(job, a.kind, a.values)]
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
                       checkpoint: tuple[int | None, Cursor | None, str] | None = None,
@@ -374,6 +380,7 @@ class State:
             job.tokens.append(ev.token)
             job.progress = {}  # the replaced world's ranks
             job.deals = {}
+            job.held, job.loaded = (), None
         elif isinstance(ev, RankJoined):
             gen = self._generation(ev.job, ev.generation)
             gen.joined[ev.rank] = (ev.resume, ev.epoch)
@@ -397,14 +404,13 @@ class State:
                 if not b.committed or all(b.committed.get(r, 0) >= b.dealt(r) for r in b.runs):
                     del deals[old]
         elif isinstance(ev, AmendmentRecorded):
-            j = self.jobs[ev.job]
-            # taken back from a checkpoint (it holds): after those that hold, before the pending ones
-            j.amendments.insert(len(j.held) if ev.at is not None else len(j.amendments),
-                                Amendment(ev.kind, ev.values, ev.at))
-        elif isinstance(ev, AmendmentsHeld):
+            self.jobs[ev.job].amendments.append(Amendment(ev.kind, ev.values))
+        elif isinstance(ev, AmendmentsLoaded):
             self._generation(ev.job, ev.generation)
-            j = self.jobs[ev.job]
-            j.amendments = [a if a.at is not None else dataclasses.replace(a, at=ev.at) for a in j.amendments]
+            self.jobs[ev.job].loaded = ev.amendments
+        elif isinstance(ev, GenerationAmended):
+            self._generation(ev.job, ev.generation)
+            self.jobs[ev.job].held = ev.amendments
         elif isinstance(ev, BatchesCommitted):
             self._generation(ev.job, ev.generation)
             book = self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals())
@@ -539,42 +545,61 @@ def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[C
 
 
 def _adopt(req: JoinRequest, job: Job | None) -> list[Event]:
-    """The amendments a join's checkpoint carries that the job does not hold (its store was lost): recorded
-    with their positions, after those the job holds and before its pending ones. The job's held amendments
-    and the checkpoint's MUST agree where both have them.
+    """The amendments a join's checkpoint carries that the job has no record of (its store was lost):
+    recorded, in the checkpoint's order, after the job's own records.
 
     Raises:
-        FailedPrecondition: the checkpoint's amendments and the job's disagree.
         InvalidArgument: amendments that cannot belong to the job's spec.
     """
     if not req.amendments:
         return []
-    name = req.job
-    held = list(job.held) if job else []
-    mine = list(req.amendments)
-    common = min(len(held), len(mine))
-    if held[:common] != mine[:common]:
-        raise FailedPrecondition(
-            f"the checkpoint rank {req.rank} loaded holds the amendments [{'; '.join(a.describe() for a in mine)}] "
-            f"of job {name!r}, which holds [{'; '.join(a.describe() for a in held)}]: they are not one history")
-    if len(mine) <= len(held):
-        return []
     spec = job.spec if job else req.spec
     try:
-        spec.amended(mine)
+        spec.amended(req.amendments)
     except ValueError as e:
-        raise InvalidArgument(f"the checkpoint's amendments do not fit job {name!r}'s spec: {e}") from None
-    return [AmendmentRecorded(name, a.kind, a.values, a.at) for a in mine[len(held):]]
+        raise InvalidArgument(f"the checkpoint's amendments do not fit job {req.job!r}'s spec: {e}") from None
+    known = {(a.kind, a.values) for a in job.amendments} if job else set()
+    return [AmendmentRecorded(req.job, a.kind, a.values) for a in req.amendments if (a.kind, a.values) not in known]
 
 
-def _hold_from(job: Job, start: Cursor) -> int:
-    """The stream position a generation starting at `start` deals its pending amendments from: past every
-    position its resume point says was consumed, and not before the amendments that hold already."""
-    n = job.spec.n
+def _frontier(spec: Spec, start: Cursor) -> int:
+    """The first stream position past every one the resume point `start` says was consumed."""
+    n = spec.n
     last = start.remaining[-1]
-    at = start.epoch * n + (n if last[1] < n else last[0])
-    held = job.held
-    return max([at, *(a.at for a in held if a.at is not None)])
+    return start.epoch * n + (n if last[1] < n else last[0])
+
+
+def _hold(req: JoinRequest, job: Job | None, number: int, start: Cursor, events: list[Event]) -> tuple[Amendment, ...]:
+    """The amendments a generation starting at `start` deals with, each with its position.
+
+    NOTE: the checkpoint it resumed from names the amendments every position before its resume point
+    was dealt with (its timeline's); every other amendment the job recorded (pending ones, and those
+    that held in a timeline a rollback abandoned) holds from this generation's first position on, past
+    everything consumed. So any checkpoint, from any timeline, resumes by the rules its positions had.
+
+    Raises:
+        FailedPrecondition: amendments that leave the job with nothing to deal from there.
+    """
+    loaded: tuple[Amendment, ...] = ()
+    for ev in events:  # this join's own, not applied yet
+        if isinstance(ev, AmendmentsLoaded):
+            loaded = ev.amendments
+    if job is not None and job.loaded is not None and job.generation is not None and job.generation.number == number:
+        loaded = job.loaded
+    records = list(job.amendments) if job is not None else []
+    records += [Amendment(ev.kind, ev.values) for ev in events if isinstance(ev, AmendmentRecorded)]
+    if not records and not loaded:
+        return ()
+    spec = job.spec if job is not None else req.spec
+    at = max([_frontier(spec, start), *(a.at for a in loaded if a.at is not None)])
+    mine = {(a.kind, a.values) for a in loaded}
+    held = (*loaded, *(dataclasses.replace(a, at=at) for a in records if (a.kind, a.values) not in mine))
+    try:
+        spec.amended(held)
+    except ValueError as e:
+        raise FailedPrecondition(f"job {req.job!r} cannot start its generation: its amendments, held from stream "
+                                 f"position {at}, leave it with nothing to deal ({e})") from None
+    return held
 
 
 def _decide_start(spec: Spec, joined: Mapping[int, tuple[Cursor | None, int | None]], world: int) -> Cursor:

@@ -135,16 +135,20 @@ def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_pos
         st.apply(ev)
     assert st.jobs["j"].dealing_spec == MIX  # the running generation is not changed
     _started(resume=Cursor(2, ((37, 100),)), token="t2", state=st)
-    assert [x.at for x in st.jobs["j"].amendments] == [2 * 100 + 37]
+    assert [x.at for x in st.jobs["j"].held] == [2 * 100 + 37]
     assert st.jobs["j"].dealing_spec.amendments == (Amendment("skip", (0, 3, 1, 10), 237),)
-    # Resumed from an older checkpoint, a later change still cannot come before the ones that hold.
+    # Resumed from an older checkpoint that holds none, every change holds from where it resumes.
     _, events = st.decide_amend("j", "weights", parts_of([1, 3]))
     for ev in events:
         st.apply(ev)
     _started(resume=Cursor(1, ((5, 100),)), token="t3", state=st)
-    assert [x.at for x in st.jobs["j"].amendments] == [237, 237]
+    assert [x.at for x in st.jobs["j"].held] == [105, 105]
+    # Resumed from a checkpoint that holds the first: its position stays, the other holds from the resume.
+    _started(resume=Cursor(2, ((50, 100),)), token="t4", state=st, amendments=(Amendment("skip", (0, 3, 1, 10), 237),))
+    assert [x.at for x in st.jobs["j"].held] == [237, 250]
     # A snapshot holds them.
-    assert State.restore(st.snapshot()).jobs["j"].amendments == st.jobs["j"].amendments
+    back = State.restore(st.snapshot()).jobs["j"]
+    assert (back.amendments, back.held) == (st.jobs["j"].amendments, st.jobs["j"].held)
 
 
 @pytest.mark.parametrize("job, kind, values, error, words", [
@@ -167,14 +171,19 @@ def test_a_bad_amendment_is_refused_by_name_and_changes_nothing(job: str, kind: 
     assert st.snapshot() == before
 
 
-def test_a_checkpoint_from_another_history_is_refused() -> None:
+def test_a_lost_store_takes_a_checkpoints_amendments_back_and_ranks_must_agree_on_them() -> None:
     st = _started()
+    for ev in st.decide_amend("j", "skip", [2])[1]:  # recorded since the store was lost
+        st.apply(ev)
     mine = (Amendment("skip", (0, 1), 50),)
-    other = (Amendment("skip", (0, 2), 50),)
-    _started(resume=Cursor(0, ((60, 100),)), token="t2", state=st, amendments=mine)  # adopted (store lost)
-    assert st.jobs["j"].held == mine
-    with pytest.raises(FailedPrecondition, match="not one history"):
-        st.decide_join(JoinRequest("j", MIX, "t3", 1, 0, Cursor(0, ((60, 100),)), amendments=other))
+    _started(resume=Cursor(0, ((60, 100),)), token="t2", state=st, amendments=mine)
+    assert st.jobs["j"].held == (*mine, Amendment("skip", (0, 2), 60))
+    assert [a.values for a in st.jobs["j"].amendments] == [(0, 2), (0, 1)]
+    other = (Amendment("skip", (0, 3), 50),)
+    for ev in st.decide_join(JoinRequest("j", MIX, "t3", 2, 0, Cursor(0, ((60, 100),)), amendments=mine)):
+        st.apply(ev)
+    with pytest.raises(FailedPrecondition, match="every rank must load the same checkpoint"):
+        st.decide_join(JoinRequest("j", MIX, "t3", 2, 1, Cursor(0, ((60, 100),)), amendments=other))
 
 
 def test_a_grown_rank_spec_is_the_job_spec_and_other_sizes_are_refused() -> None:
@@ -196,7 +205,7 @@ def test_the_hold_position_follows_the_resume_point() -> None:
         for ev in st.decide_amend("j", "weights", [PARTS // 2, PARTS // 2])[1]:
             st.apply(ev)
         _started(resume=start, token="t2", state=st)
-        assert st.jobs["j"].amendments[0].at == at, start
+        assert st.jobs["j"].held[0].at == at, start
 
 
 # --------------------------------------------------------------------------- the command line

@@ -17,7 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from croupier.core.amend import Amendment
 from croupier.core.cursor import Cursor
+from croupier.core.mixture import PARTS
 from croupier.core.spec import ORDER_VERSION, Spec
 from croupier.server._events import (
     FORMAT_VERSION,
@@ -26,7 +28,7 @@ from croupier.server._events import (
     SCHEMA,
     STR,
     AmendmentRecorded,
-    AmendmentsHeld,
+    AmendmentsLoaded,
     BatchesCommitted,
     BatchesDealt,
     CheckpointRecorded,
@@ -34,6 +36,7 @@ from croupier.server._events import (
     Event,
     EventSchema,
     FormatError,
+    GenerationAmended,
     GenerationOpened,
     GenerationStarted,
     JobRegistered,
@@ -72,11 +75,13 @@ GOLDEN: list[tuple[Event, dict[str, Any]]] = [
      {"type": "BatchesDealt", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "first": 6, "count": 3}),
     (BatchesCommitted("j", 1, 0, 2, 5),
      {"type": "BatchesCommitted", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "batches": 5}),
-    (AmendmentRecorded("j", "skip", (0, 3, 1, 7), None),
-     {"type": "AmendmentRecorded", **HEAD, "job": "j", "kind": "skip", "values": [0, 3, 1, 7], "at": None}),
-    (AmendmentRecorded("j", "grow", (1, 10, 12), 96),
-     {"type": "AmendmentRecorded", **HEAD, "job": "j", "kind": "grow", "values": [1, 10, 12], "at": 96}),
-    (AmendmentsHeld("j", 2, 96), {"type": "AmendmentsHeld", **HEAD, "job": "j", "generation": 2, "at": 96}),
+    (AmendmentRecorded("j", "skip", (0, 3, 1, 7)),
+     {"type": "AmendmentRecorded", **HEAD, "job": "j", "kind": "skip", "values": [0, 3, 1, 7]}),
+    (AmendmentsLoaded("j", 2, (Amendment("grow", (1, 10, 12), 96),)),
+     {"type": "AmendmentsLoaded", **HEAD, "job": "j", "generation": 2, "amendments": [["grow", [1, 10, 12], 96]]}),
+    (GenerationAmended("j", 2, (Amendment("grow", (1, 10, 12), 96), Amendment("weights", (PARTS,), 120))),
+     {"type": "GenerationAmended", **HEAD, "job": "j", "generation": 2,
+      "amendments": [["grow", [1, 10, 12], 96], ["weights", [PARTS], 120]]}),
 ]
 
 
@@ -117,6 +122,9 @@ _VALUES = {
     "Cursor": _CURSORS,
     "Cursor | None": st.none() | _CURSORS,
     "tuple[int, ...]": st.lists(_INTS, max_size=6).map(tuple),
+    "tuple[Amendment, ...]": st.lists(st.builds(Amendment, st.sampled_from(["weights", "grow", "skip"]),
+                                                st.lists(_INTS, max_size=4).map(tuple), st.none() | _INTS),
+                                      max_size=3).map(tuple),
 }
 
 

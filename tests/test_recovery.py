@@ -126,7 +126,7 @@ BAD_RECORDS: dict[str, tuple[bytes, str]] = {
     "not a map": (_packed([1, 2, 3]), r"an event must be a map \(got list\)"),
     "unknown event type": (
         _packed({"type": "JobDeleted", "version": 2, "order": 2, "job": "j"}),
-        r"unknown event type 'JobDeleted' \(known: \['AmendmentRecorded', 'AmendmentsHeld', 'BatchesCommitted', 'BatchesDealt', 'CheckpointRecorded', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined'\]\)",
+        r"unknown event type 'JobDeleted' \(known: \['AmendmentRecorded', 'AmendmentsLoaded', 'BatchesCommitted', 'BatchesDealt', 'CheckpointRecorded', 'GenerationAmended', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined'\]\)",
     ),
     "newer format version": (
         _packed({**_rank_1(), "version": FORMAT_VERSION + 1}),
