@@ -238,3 +238,5 @@ def test_croupier_skip_and_amend_record_changes_and_refuse_bad_ones_by_name(serv
     assert bad.returncode == 2 and "weights takes numbers" in bad.stderr
     assert server.core.snapshot_state() == before
     assert [a.kind for a in server.core.job("cli").amendments] == ["skip", "weights", "grow"]
+    shown = _cli("status", "cli", "--address", server.address)
+    assert shown.returncode == 0 and "amendments (3):" in shown.stdout and "grow source 1 from 70 to 90" in shown.stdout

@@ -179,6 +179,8 @@ def job_lines(name: str, st: JobStatus, now_ms: int) -> list[str]:
         lines.append(f"checkpoints ({len(st.checkpoints)}):")
         lines += table(CHECKPOINTS_HEADER, [("-" if c.step is None else str(c.step), str(c.generation), str(c.rank),
                                              str(c.cursor.epoch), ago(c.recorded_ms, now_ms)) for c in st.checkpoints])
+    if st.amendments:
+        lines += ["", f"amendments ({len(st.amendments)}):", *(f"  {a.describe()}" for a in st.amendments)]
     return lines
 
 
