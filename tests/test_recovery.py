@@ -347,3 +347,38 @@ def test_a_coordinator_recovers_the_v3_journal(tmp_path: Path) -> None:
         assert [c.step for c in core.job("gamma").checkpoints] == [4, 5]
     finally:
         core.close()
+
+
+# -- the format-4 fixture (croupier at 78940ee: mixtures, dynamic dealing; no amendments) ---------------
+
+
+def test_a_coordinator_recovers_the_v4_journal_and_amends_its_mixture(tmp_path: Path) -> None:
+    """A journal of format 4 (fixtures/make_journal_v4.py) recovers, its jobs with no amendments, and goes on in format 5."""
+    from croupier.core.mixture import parts_of
+
+    copy = tmp_path / "journal-v4.db"
+    shutil.copyfile(FIXTURES / "journal-v4.db", copy)
+    delta = Spec(n=60, seed=9, batch_size=2, sources=(20, 40), weights=((0, parts_of([1, 3])),))
+    at_step_5 = Cursor(0, ((20, 60),))
+    core = Coordinator(open_store(f"sqlite:///{copy}"))
+    try:
+        st = core.job("delta")
+        assert st.spec == delta and st.amendments == ()
+        assert (st.result.generation, st.result.world, st.result.start) == (2, 3, at_step_5)
+        assert core.checkpoint("delta", 5)[1].cursor == at_step_5
+        rest = [i for r in range(3) for i in core.lease("delta", 2, r, 0, 0, 100).indices.tolist()]
+        assert len(rest) == 42  # the 40 positions left, padded for 3 ranks (tail pad)
+        eps = core.job("eps")
+        assert eps.result.generation == 1 and core.grant("eps", 1, 0, 0, 0, 3).runs == ((0, 3),)  # the deal on record
+        # it goes on in this release's format: an amendment, held by the next generation
+        core.amend("delta", "skip", [3])
+        for rank in range(2):
+            core.join(JoinRequest("delta", delta, "delta-3", 2, rank, at_step_5))
+        assert [a.at for a in core.job("delta").amendments] == [20]
+    finally:
+        core.close()
+    again = Coordinator(open_store(f"sqlite:///{copy}"))
+    try:
+        assert [a.at for a in again.job("delta").amendments] == [20]
+    finally:
+        again.close()
