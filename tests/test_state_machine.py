@@ -671,6 +671,8 @@ class Elastic(RuleBasedStateMachine):
         # The model rolls back to the checkpoint, and so does what it has trained on; a
         # checkpoint from a timeline that an earlier restart abandoned is valid too.
         self.log = list(ck.log)
+        # The positions the log holds were dealt by the amendments the checkpoint carries (its timeline's).
+        self.held = tuple(Amendment.from_list(a) for a in ck.state.get("amendments", []))
         self.end_worlds = dict(ck.end_worlds)
         self.finished = list(ck.finished)
         self.epoch = ck.epoch if hint else ck.state["epoch"]

@@ -1,0 +1,213 @@
+"""A join storm: every rank of a restarted world joins one coordinator in the same second, then takes its first batch.
+
+Each rank is a real gRPC client making the calls a sampler makes (``Join`` long polls of 0.5 s until
+its generation starts, backing off when the coordinator holds too many waiting joins, then the
+``Grant`` of its first lease), as asyncio tasks spread over a few driver processes. The
+coordinator is a ``croupier serve`` process on a SQLite store, so its CPU time and RSS are its own
+(read from /proc).
+
+Printed, per world size: joins per second (from the first join sent to the last acknowledged), the
+time from the last join acknowledged to each rank's first batch (p50, p99, max), and the
+coordinator's CPU-seconds and RSS growth per rank; with the targets of the issue beside them
+(first batch p99 < 100 ms at 1,024 ranks and < 1 s at 16,384; the cost per joining rank flat from
+1,024 to 16,384).
+
+    python benchmarks/scale_bench.py                  # 1,024, 4,096 and 16,384 ranks
+    python benchmarks/scale_bench.py --worlds 256     # a quick run (the suite's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+BENCH = pathlib.Path(__file__).resolve()
+RESULT = "RESULT "
+#: The issue's targets: first batch p99 after the last join, by world size (seconds).
+TARGET_P99_S = {1024: 0.1, 16384: 1.0}
+#: CPU-seconds per joining rank may grow at most this much from the smallest world to the largest.
+TARGET_FLAT = 1.5
+
+
+# --------------------------------------------------------------------------- a driver process
+
+
+async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int], lease: int) -> dict[str, Any]:
+    """Joins `ranks` of a world as the samplers do, then grants each its first lease; times on CLOCK_MONOTONIC."""
+    import grpc
+
+    from croupier.client import CHANNEL_OPTIONS
+    from croupier.core.spec import Spec
+    from croupier.core.wire import spec_to_proto
+    from croupier.v1 import coordinator_pb2 as pb
+    from croupier.v1 import coordinator_pb2_grpc as pb_grpc
+
+    spec = spec_to_proto(Spec(n=world * lease * 4, batch_size=1))
+    # Several channels, as ranks on several machines would have: one HTTP/2 connection for thousands of
+    # concurrent long polls would measure the connection, not the coordinator.
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(8)]
+    for ch in channels:
+        await ch.channel_ready()
+    stubs = [pb_grpc.CoordinatorStub(ch) for ch in channels]
+    joined: dict[int, float] = {}
+    first: dict[int, float] = {}
+    started_at: dict[int, float] = {}
+    exhausted = 0
+
+    async def rank(r: int) -> None:
+        nonlocal exhausted
+        stub = stubs[r % len(stubs)]
+        req = pb.JoinRequest(request_id=f"{token}-{r}", job=job, spec=spec, token=token, world=world, rank=r,
+                             wait_ms=500)
+        busy = 0.05
+        while True:
+            try:
+                resp = await stub.Join(req, timeout=60)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "--max-concurrent-joins" not in (e.details() or ""):
+                    raise
+                exhausted += 1
+                joined.setdefault(r, time.monotonic())  # refused for the wait only: the join is recorded
+                # NOTE: the client's backoff between two asks (client/_rpc.py join_started), not synchronisation
+                await asyncio.sleep(busy * (0.5 + np.random.random()))
+                busy = min(busy * 2, 2.0)
+                continue
+            joined.setdefault(r, time.monotonic())
+            if resp.started:
+                started_at[r] = time.monotonic()
+                gen = resp.generation
+                break
+        g = await stub.Grant(pb.GrantRequest(job=job, generation=gen, rank=r, epoch=0, first_batch=0, count=lease),
+                             timeout=60)
+        assert g.batches > 0
+        first[r] = time.monotonic()
+
+    sent = time.monotonic()
+    await asyncio.gather(*(rank(r) for r in ranks))
+    for ch in channels:
+        await ch.close()
+    return {"sent": sent, "joined": joined, "first": first, "started": started_at, "exhausted": exhausted}
+
+
+def _driver(args: dict[str, Any]) -> None:
+    out = asyncio.run(_ranks(**args))
+    print(RESULT + json.dumps(out), flush=True)
+
+
+# --------------------------------------------------------------------------- the coordinator
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_rss(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def storm(world: int, drivers: int, lease: int = 64) -> dict[str, Any]:
+    """One join storm of `world` ranks on a fresh `croupier serve`; its figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        serve = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store",
+                                  f"sqlite:///{tmp}/c.db"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert serve.stdout is not None
+            line = serve.stdout.readline().strip()
+            if not line.startswith("listening on "):
+                raise RuntimeError(f"croupier serve did not start: {line!r}")
+            address = line.split()[-1]
+            cpu0, rss0 = _proc_cpu_s(serve.pid), _proc_rss(serve.pid)
+            parts = [list(range(world))[i::drivers] for i in range(drivers)]
+            procs = [subprocess.Popen([sys.executable, str(BENCH), "--driver", json.dumps(dict(
+                address=address, job="storm", token=f"w{world}", world=world, ranks=p, lease=lease))],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in parts]
+            results = []
+            for p in procs:
+                out, _ = p.communicate(timeout=900)
+                lines = [x for x in out.splitlines() if x.startswith(RESULT)]
+                if p.returncode != 0 or not lines:
+                    raise RuntimeError(f"a driver failed (exit {p.returncode}):\n{out[-3000:]}")
+                results.append(json.loads(lines[-1][len(RESULT):]))
+            cpu, rss = _proc_cpu_s(serve.pid) - cpu0, _proc_rss(serve.pid) - rss0
+        finally:
+            serve.terminate()
+            serve.wait(timeout=60)
+    joined = [t for r in results for t in r["joined"].values()]
+    first = np.array([t for r in results for t in r["first"].values()])
+    sent = min(r["sent"] for r in results)
+    # NOTE: the generation starts with the last rank's join; the first answer that says it started
+    # comes back to that rank (or to a rank waiting in a long poll) right after it. That answer is
+    # the last join, as the ranks can see it.
+    last_join = min(t for r in results for t in r["started"].values())
+    after = (first - last_join) * 1e3  # ms from the last join to each rank's first batch
+    return {
+        "world": world, "joins_per_s": world / max(max(joined) - sent, 1e-9),
+        "first_p50_ms": float(np.percentile(after, 50)), "first_p99_ms": float(np.percentile(after, 99)),
+        "first_max_ms": float(after.max()), "storm_s": float(first.max() - sent),
+        "cpu_s": cpu, "cpu_ms_per_rank": cpu / world * 1e3, "rss_bytes_per_rank": rss / world,
+        "refused_waits": sum(r["exhausted"] for r in results),
+    }
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """The table, with each target beside its figure."""
+    head = ("| ranks | joins/s | first batch after the last join p50 / p99 / max | coordinator CPU per rank "
+            "| RSS per rank | waits refused (retried) | target |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = TARGET_P99_S.get(r["world"])
+        target = (f"p99 < {t * 1e3:g} ms: {_verdict(r['first_p99_ms'] < t * 1e3)}" if t is not None else "")
+        lines.append(f"| {r['world']:,} | {r['joins_per_s']:,.0f} | {r['first_p50_ms']:.0f} / {r['first_p99_ms']:.0f} / "
+                     f"{r['first_max_ms']:.0f} ms | {r['cpu_ms_per_rank']:.2f} ms | {r['rss_bytes_per_rank'] / 1024:.1f} KiB "
+                     f"| {r['refused_waits']:,} | {target} |")
+    if len(rows) > 1:
+        lo, hi = rows[0], rows[-1]
+        ratio = hi["cpu_ms_per_rank"] / lo["cpu_ms_per_rank"] if lo["cpu_ms_per_rank"] else math.inf
+        lines.append("")
+        lines.append(f"CPU per joining rank, {hi['world']:,} ranks / {lo['world']:,} ranks: {ratio:.2f} "
+                     f"(flat: <= {TARGET_FLAT}; {_verdict(ratio <= TARGET_FLAT)})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="1024,4096,16384", help="world sizes, comma-separated")
+    ap.add_argument("--drivers", type=int, default=4, help="driver processes the ranks are spread over")
+    ap.add_argument("--out", help="write the table (markdown) here too")
+    ap.add_argument("--driver", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.driver:
+        _driver(json.loads(args.driver))
+        return 0
+    rows = []
+    for w in [int(x) for x in args.worlds.split(",")]:
+        rows.append(storm(w, args.drivers))
+        print(json.dumps(rows[-1]), flush=True)
+    table = render(rows)
+    print(table)
+    if args.out:
+        pathlib.Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
