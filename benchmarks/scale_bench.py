@@ -63,10 +63,11 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
     joined: dict[int, float] = {}
     first: dict[int, float] = {}
     started_at: dict[int, float] = {}
-    exhausted = 0
+    exhausted = retried = ungranted = 0
+    RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
     async def rank(r: int) -> None:
-        nonlocal exhausted
+        nonlocal exhausted, retried, ungranted
         stub = stubs[r % len(stubs)]
         req = pb.JoinRequest(request_id=f"{token}-{r}", job=job, spec=spec, token=token, world=world, rank=r,
                              wait_ms=500)
@@ -75,6 +76,10 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
             try:
                 resp = await stub.Join(req, timeout=60)
             except grpc.aio.AioRpcError as e:
+                if e.code() in RETRYABLE:  # as the client retries them (client/_rpc.py RETRYABLE)
+                    retried += 1
+                    await asyncio.sleep(0.05 * (0.5 + np.random.random()))  # backoff, not synchronisation
+                    continue
                 if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "--max-concurrent-joins" not in (e.details() or ""):
                     raise
                 exhausted += 1
@@ -88,16 +93,23 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
                 started_at[r] = time.monotonic()
                 gen = resp.generation
                 break
-        g = await stub.Grant(pb.GrantRequest(job=job, generation=gen, rank=r, epoch=0, first_batch=0, count=lease),
-                             timeout=60)
-        assert g.batches > 0
+        # As the sampler's prefetcher asks: one second for the grant, else the rank computes its lease itself.
+        try:
+            g = await stub.Grant(pb.GrantRequest(job=job, generation=gen, rank=r, epoch=0, first_batch=0, count=lease),
+                                 timeout=1.0)
+            assert g.batches > 0
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in RETRYABLE:
+                raise
+            ungranted += 1
         first[r] = time.monotonic()
 
     sent = time.monotonic()
     await asyncio.gather(*(rank(r) for r in ranks))
     for ch in channels:
         await ch.close()
-    return {"sent": sent, "joined": joined, "first": first, "started": started_at, "exhausted": exhausted}
+    return {"sent": sent, "joined": joined, "first": first, "started": started_at, "exhausted": exhausted,
+            "retried": retried, "ungranted": ungranted}
 
 
 def _driver(args: dict[str, Any]) -> None:
@@ -160,7 +172,8 @@ def storm(world: int, drivers: int, lease: int = 64) -> dict[str, Any]:
         "first_p50_ms": float(np.percentile(after, 50)), "first_p99_ms": float(np.percentile(after, 99)),
         "first_max_ms": float(after.max()), "storm_s": float(first.max() - sent),
         "cpu_s": cpu, "cpu_ms_per_rank": cpu / world * 1e3, "rss_bytes_per_rank": rss / world,
-        "refused_waits": sum(r["exhausted"] for r in results),
+        "refused_waits": sum(r["exhausted"] for r in results), "retried": sum(r["retried"] for r in results),
+        "ungranted": sum(r["ungranted"] for r in results),
     }
 
 
