@@ -132,7 +132,7 @@ def _proc_rss(pid: int) -> int:
     return 0
 
 
-def storm(world: int, drivers: int, lease: int = 64) -> dict[str, Any]:
+def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None) -> dict[str, Any]:
     """One join storm of `world` ranks on a fresh `croupier serve`; its figures."""
     with tempfile.TemporaryDirectory() as tmp:
         serve = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store",
@@ -144,6 +144,8 @@ def storm(world: int, drivers: int, lease: int = 64) -> dict[str, Any]:
                 raise RuntimeError(f"croupier serve did not start: {line!r}")
             address = line.split()[-1]
             cpu0, rss0 = _proc_cpu_s(serve.pid), _proc_rss(serve.pid)
+            spy = (subprocess.Popen(["py-spy", "record", "-o", profile, "-r", "200", "--gil", "--pid", str(serve.pid),
+                                     "-f", "raw"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if profile else None)
             parts = [list(range(world))[i::drivers] for i in range(drivers)]
             procs = [subprocess.Popen([sys.executable, str(BENCH), "--driver", json.dumps(dict(
                 address=address, job="storm", token=f"w{world}", world=world, ranks=p, lease=lease))],
@@ -156,6 +158,9 @@ def storm(world: int, drivers: int, lease: int = 64) -> dict[str, Any]:
                     raise RuntimeError(f"a driver failed (exit {p.returncode}):\n{out[-3000:]}")
                 results.append(json.loads(lines[-1][len(RESULT):]))
             cpu, rss = _proc_cpu_s(serve.pid) - cpu0, _proc_rss(serve.pid) - rss0
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(timeout=60)
         finally:
             serve.terminate()
             serve.wait(timeout=60)
@@ -206,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="1024,4096,16384", help="world sizes, comma-separated")
     ap.add_argument("--drivers", type=int, default=4, help="driver processes the ranks are spread over")
     ap.add_argument("--out", help="write the table (markdown) here too")
+    ap.add_argument("--profile", help="record the coordinator with py-spy into this file (raw, collapsed stacks)")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.driver:
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for w in [int(x) for x in args.worlds.split(",")]:
-        rows.append(storm(w, args.drivers))
+        rows.append(storm(w, args.drivers, profile=args.profile))
         print(json.dumps(rows[-1]), flush=True)
     table = render(rows)
     print(table)

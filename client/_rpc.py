@@ -58,10 +58,16 @@ T = TypeVar("T")
 log = logging.getLogger("croupier")
 
 
-def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
-    """A list of ranks, shortened past 16."""
+def _ranks(ranks: tuple[int, ...] | list[int], count: int | None = None) -> str:
+    """A list of ranks, shortened past 16, and how many there are (`count`: more than the list names)."""
+    count = len(ranks) if count is None else count
     shown = ", ".join(map(str, list(ranks)[:16]))
-    return f"[{shown}{', ...' if len(ranks) > 16 else ''}] ({len(ranks)} ranks)"
+    return f"[{shown}{', ...' if count > min(16, len(ranks)) else ''}] ({count} ranks)"
+
+def _waiting(r: pb.JoinResponse | pb.GetJobResponse) -> int:
+    """How many ranks an answer says the generation waits for (a coordinator before 0.x named them all)."""
+    return r.waiting if r.waiting or r.started else len(r.waiting_for)
+
 
 #: What a coordinator that is restarting answers: UNAVAILABLE (down), DEADLINE_EXCEEDED, and
 #: CANCELLED (a call that reached a server while it shut down). The client never cancels its own
@@ -264,7 +270,7 @@ class CoordinatorClient:
         r = self._call("join", lambda: self.stub.Join(m, timeout=self.call_timeout + wait_s))
         return JoinResult(r.generation, r.world, cursor_from_proto(r.start) if r.started else None, tuple(r.waiting_for),
                           tuple(amendment_from_proto(a) for a in r.amendments),
-                          spec_from_proto(r.spec) if r.HasField("spec") else None)
+                          spec_from_proto(r.spec) if r.HasField("spec") else None, _waiting(r))
 
     def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
         """Records a change of `job`'s mixture (``croupier.core.amend``): it holds from the job's next
@@ -299,13 +305,14 @@ class CoordinatorClient:
             if now >= end:
                 raise TimeoutError(
                     f"rank {req.rank} of job {req.job!r} gave up after {timeout:.0f} s: generation {r.generation} "
-                    f"(world {req.world}) still waits for ranks {_ranks(r.waiting_for)}. Every rank joins at its first "
+                    f"(world {req.world}) still waits for ranks {_ranks(r.waiting_for, r.waiting_count)}. Every rank joins "
+                    "at its first "
                     "batch; ranks that never reach it (a crashed process, a wrong world size, or all ranks in one "
                     "process one after another: use croupier.client.shards for that) keep the others waiting"
                 )
             if now >= say:
                 log.warning("croupier: rank %d of job %r has waited %.0f s for ranks %s of generation %d (world %d)",
-                            req.rank, req.job, now - began, _ranks(r.waiting_for), r.generation, req.world)
+                            req.rank, req.job, now - began, _ranks(r.waiting_for, r.waiting_count), r.generation, req.world)
                 say = now + 30.0
 
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
@@ -351,14 +358,15 @@ class CoordinatorClient:
     def get_job(self, job: str) -> tuple[Spec, JoinResult]:
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))
         start: Cursor | None = cursor_from_proto(r.start) if r.started else None
-        return spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for))
+        return spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for), waiting=_waiting(r))
 
     def status(self, job: str) -> JobStatus:
         """What the coordinator holds for `job`: generation, the ranks' cursors, the checkpoints recorded."""
         r = self._call("get_job", lambda: self.stub.GetJob(pb.GetJobRequest(job=job), timeout=self.call_timeout))
         start: Cursor | None = cursor_from_proto(r.start) if r.started else None
         ranks = tuple(RankCursor(c.rank, c.epoch, c.batches, c.batches_in_epoch, c.reported_unix_ms) for c in r.ranks)
-        return JobStatus(spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for)), ranks,
+        return JobStatus(spec_from_proto(r.spec), JoinResult(r.generation, r.world, start, tuple(r.waiting_for),
+                                                             waiting=_waiting(r)), ranks,
                          tuple(record_from_proto(c) for c in r.checkpoints),
                          tuple(amendment_from_proto(a) for a in r.amendments))
 

@@ -75,6 +75,8 @@ class JoinResult:
             once it started).
         spec: The job's spec, when it differs from the rank's own (a source grown: the rank may
             send the sizes it has now); None when the rank's is the job's.
+        waiting: How many ranks the generation waits for; ``waiting_for`` names the first of them
+            (at most 16). None: as many as ``waiting_for`` names.
     """
 
     generation: int
@@ -83,6 +85,12 @@ class JoinResult:
     waiting_for: tuple[int, ...]
     amendments: tuple[Amendment, ...] = ()
     spec: Spec | None = None
+    waiting: int | None = None
+
+    @property
+    def waiting_count(self) -> int:
+        """How many ranks the generation waits for."""
+        return len(self.waiting_for) if self.waiting is None else self.waiting
 
 
 @dataclasses.dataclass(frozen=True)

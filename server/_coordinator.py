@@ -121,8 +121,11 @@ class Coordinator:
         with self._cond:
             self._fresh()
             deadline = time.monotonic() + wait_s
-            result = self._state.join_result(req.job, req.rank)
-            while result.start is None and result.generation == self._generation_of(req.job):
+            gen = self._state.current(req.job)
+            # NOTE: each commit wakes every waiting join; a wake-up looks at the generation's start
+            # alone (O(1)): the answer, which names the ranks still missing, is made once, at the end.
+            number = gen.number
+            while gen.start is None and gen.number == number:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -131,7 +134,8 @@ class Coordinator:
                 poll = self._commits.join_poll_s
                 self._cond.wait(left if poll is None else min(left, poll))
                 self._fresh()
-                result = self._state.join_result(req.job, req.rank)
+                gen = self._state.current(req.job)
+            result = self._state.join_result(req.job, req.rank)
             if result.start is not None and self._durable < self._seq:
                 # The start we saw may be another rank's event still on its way to disk.
                 self._wait_durable(self._seq)
@@ -201,9 +205,6 @@ class Coordinator:
         log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
         self._failed = f"the coordinator's store {self.store.url} failed: {e}"
         self._cond.notify_all()
-
-    def _generation_of(self, job: str) -> int:
-        return self._state.current(job).number
 
     def _check_ok(self) -> None:
         if self._failed is not None:
@@ -283,7 +284,7 @@ class Coordinator:
             self._fresh()
             gen = self._state.current(job)
             j = self._state.jobs[job]
-            result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held)
+            result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, None, gen.waiting())
             amendments = (*j.held, *j.pending)
             progress = sorted(j.progress.items())
             checkpoints = tuple(j.checkpoints)

@@ -7,6 +7,7 @@ values are written and read with the journal's own codecs (``croupier.server._ev
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -29,19 +30,71 @@ from croupier.server._events import (
     cursor_to,
 )
 
+#: How many of the ranks a generation waits for a join's answer names (the count is always given).
+WAITING_SHOWN = 16
+
+
+@dataclasses.dataclass
+class Agreement:
+    """What the ranks joined so far say, in O(1) space: the first resume point and the rank that sent it
+    (every rank's must equal it), and each distinct set_epoch hint with the first rank that sent it."""
+
+    resume: tuple[int, Cursor] | None = None
+    hints: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> first rank
+
+    def add(self, rank: int, resume: Cursor | None, epoch: int | None) -> None:
+        if resume is not None and self.resume is None:
+            self.resume = (rank, resume)
+        if epoch is not None:
+            self.hints.setdefault(epoch, rank)
+
 
 @dataclasses.dataclass
 class Generation:
-    """One incarnation of a job's world."""
+    """One incarnation of a job's world.
+
+    NOTE: a join must not cost O(world): a world of 16,384 ranks joins in one storm. The ranks not
+    joined yet (sorted) and what the joined ones agree on are kept beside ``joined``, made from it
+    on first use (a snapshot holds ``joined`` only) and kept up to date by :meth:`add`.
+    """
 
     number: int
     world: int
     token: str
     joined: dict[int, tuple[Cursor | None, int | None]] = dataclasses.field(default_factory=dict)
     start: Cursor | None = None
+    _missing: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _agreement: Agreement | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def add(self, rank: int, resume: Cursor | None, epoch: int | None) -> None:
+        """Rank `rank` joined with its resume point and set_epoch hint."""
+        self.joined[rank] = (resume, epoch)
+        if self._missing is not None:
+            i = bisect.bisect_left(self._missing, rank)
+            if i < len(self._missing) and self._missing[i] == rank:
+                del self._missing[i]
+        if self._agreement is not None:
+            self._agreement.add(rank, resume, epoch)
+
+    @property
+    def agreement(self) -> Agreement:
+        if self._agreement is None:
+            self._agreement = Agreement()
+            for r, (c, e) in self.joined.items():
+                self._agreement.add(r, c, e)
+        return self._agreement
+
+    def waiting(self) -> int:
+        """How many ranks have not joined yet (0 once started)."""
+        return 0 if self.start is not None else self.world - len(self.joined)
 
     def waiting_for(self) -> tuple[int, ...]:
-        return tuple(r for r in range(self.world) if r not in self.joined) if self.start is None else ()
+        """The first ranks not joined yet, at most WAITING_SHOWN of them (none once started)."""
+        if self.start is not None:
+            return ()
+        if self._missing is None:
+            self._missing = [r for r in range(self.world) if r not in self.joined]
+        return tuple(self._missing[:WAITING_SHOWN])
 
 
 @dataclasses.dataclass

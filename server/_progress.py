@@ -121,7 +121,7 @@ def job_view(name: str, status: JobStatus) -> JobView:
     activity = times + [c.recorded_ms for c in status.checkpoints]
     return JobView(
         name=name, generation=status.result.generation, world=world, started=status.result.start is not None,
-        waiting_for=len(status.result.waiting_for), epoch=epoch, done=done, total=total,
+        waiting_for=status.result.waiting_count, epoch=epoch, done=done, total=total,
         progress=min(1.0, done / total) if total else 0.0,
         reported=len(ranks), ranks=shown,
         lag=(min(lags), float(statistics.median(lags)), max(lags)) if lags else None,

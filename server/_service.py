@@ -58,7 +58,8 @@ def _parse(kind: type[M], raw: bytes) -> M:
 
 
 def _join_response(r: JoinResult) -> pb.JoinResponse:
-    m = pb.JoinResponse(generation=r.generation, world=r.world, started=r.start is not None, waiting_for=list(r.waiting_for))
+    m = pb.JoinResponse(generation=r.generation, world=r.world, started=r.start is not None, waiting_for=list(r.waiting_for),
+                        waiting=r.waiting_count)
     if r.start is not None:
         m.start.CopyFrom(cursor_to_proto(r.start))
         m.amendments.extend(amendment_to_proto(a) for a in r.amendments)
@@ -165,7 +166,7 @@ class CoordinatorServicer:
         st = self.core.job(m.job)
         j = _join_response(st.result)
         out = pb.GetJobResponse(spec=spec_to_proto(st.spec), generation=j.generation, world=j.world,
-                                started=j.started, waiting_for=j.waiting_for)
+                                started=j.started, waiting_for=j.waiting_for, waiting=j.waiting)
         if j.HasField("start"):
             out.start.CopyFrom(j.start)
         out.ranks.extend(pb.RankCursor(rank=c.rank, epoch=c.epoch, batches=c.batches, batches_in_epoch=c.batches_in_epoch,

@@ -61,7 +61,7 @@ from croupier.server._events import (
     as_map,
     check_version,
 )
-from croupier.server._jobs import Generation, Job, restore_job, snapshot_job
+from croupier.server._jobs import Agreement, Generation, Job, restore_job, snapshot_job
 
 # --------------------------------------------------------------------------- state
 
@@ -103,7 +103,7 @@ class State:
                     f"generation {gen.number} of job {req.job!r} has world size {gen.world}; "
                     f"rank {req.rank} says world size {req.world}"
                 )
-            number, world, joined = gen.number, gen.world, dict(gen.joined)
+            number, world, joined, agreed = gen.number, gen.world, gen.joined, gen.agreement
         elif job is not None and req.token in job.tokens:
             current = gen.number if gen else 0
             raise Aborted(
@@ -111,7 +111,7 @@ class State:
                 f"generation {current} replaced it (this process is a zombie of a previous incarnation)"
             )
         else:
-            number, world, joined = (gen.number if gen else 0) + 1, req.world, {}
+            number, world, joined, agreed = (gen.number if gen else 0) + 1, req.world, {}, Agreement()
             events.append(GenerationOpened(req.job, number, req.world, req.token))
 
         mine = (req.resume, req.epoch)
@@ -123,7 +123,7 @@ class State:
                     f"resume={show(req.resume)}, epoch={req.epoch}"
                 )
             return events
-        _check_agreement(req, number, joined)
+        _check_agreement(req, number, agreed)
         events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
         loaded = job.loaded if job is not None and job.generation is not None and job.generation.number == number else None
         if req.resume is not None:
@@ -134,9 +134,8 @@ class State:
                     f"rank {req.rank} joins generation {number} of job {req.job!r} with a checkpoint whose amendments "
                     f"are [{'; '.join(a.describe() for a in req.amendments)}]; another rank's are "
                     f"[{'; '.join(a.describe() for a in loaded)}]: every rank must load the same checkpoint")
-        joined[req.rank] = mine
-        if len(joined) == world:
-            start = _decide_start(req.spec, joined, world)
+        if len(joined) + 1 == world:
+            start = _decide_start(req.spec, {**joined, req.rank: mine}, world)
             events.append(GenerationStarted(req.job, number, start))
             held = _hold(req, job, number, start, events)
             if held:
@@ -382,8 +381,7 @@ class State:
             job.deals = {}
             job.held, job.loaded = (), None
         elif isinstance(ev, RankJoined):
-            gen = self._generation(ev.job, ev.generation)
-            gen.joined[ev.rank] = (ev.resume, ev.epoch)
+            self._generation(ev.job, ev.generation).add(ev.rank, ev.resume, ev.epoch)
         elif isinstance(ev, GenerationStarted):
             self._generation(ev.job, ev.generation).start = ev.start
         elif isinstance(ev, ProgressReported):
@@ -430,7 +428,7 @@ class State:
         """Where `rank` of `job`'s current generation stands (after its join was applied)."""
         gen = self.current(job)
         j = self.jobs[job]
-        return JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, j.spec)
+        return JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, j.spec, gen.waiting())
 
     def current(self, job: str) -> Generation:
         """The job's current generation. Raises NotFound for an unknown job."""
@@ -507,37 +505,36 @@ class State:
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_agreement(req: JoinRequest, number: int, joined: Mapping[int, tuple[Cursor | None, int | None]]) -> None:
-    """Refuses a join whose resume point or epoch contradicts a rank already joined."""
-    resumes = {r: c for r, (c, _) in joined.items() if c is not None}
-    hints = {r: e for r, (_, e) in joined.items() if e is not None}
+def _check_agreement(req: JoinRequest, number: int, agreed: Agreement) -> None:
+    """Refuses a join whose resume point or epoch contradicts a rank already joined (what they agree on)."""
     where = f"generation {number} of job {req.job!r}"
     if req.resume is not None and req.epoch is not None and not epoch_agrees(req.spec, req.resume, req.epoch):
         raise FailedPrecondition(
             f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts its own set_epoch({req.epoch})"
         )
     if req.resume is not None:
-        for r, c in resumes.items():
-            if c != req.resume:
-                raise FailedPrecondition(
-                    f"rank {req.rank} resumes {where} from {show(req.resume)}, but rank {r} resumes "
-                    f"from {show(c)}: every rank must load the same checkpoint"
-                )
-        for r, e in hints.items():
+        if agreed.resume is not None and agreed.resume[1] != req.resume:
+            r, c = agreed.resume
+            raise FailedPrecondition(
+                f"rank {req.rank} resumes {where} from {show(req.resume)}, but rank {r} resumes "
+                f"from {show(c)}: every rank must load the same checkpoint"
+            )
+        for e, r in agreed.hints.items():
             if not epoch_agrees(req.spec, req.resume, e):
                 raise FailedPrecondition(
                     f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts "
                     f"set_epoch({e}) on rank {r}"
                 )
     if req.epoch is not None:
-        for r, c in resumes.items():
+        if agreed.resume is not None:
+            r, c = agreed.resume
             if not epoch_agrees(req.spec, c, req.epoch):
                 raise FailedPrecondition(
                     f"set_epoch({req.epoch}) on rank {req.rank} contradicts the checkpoint rank {r} "
                     f"resumes {where} from: {show(c)}"
                 )
-        if not resumes and req.resume is None:
-            for r, e in hints.items():
+        elif req.resume is None:
+            for e, r in agreed.hints.items():
                 if e != req.epoch:
                     raise FailedPrecondition(
                         f"set_epoch({req.epoch}) on rank {req.rank} disagrees with set_epoch({e}) on rank {r} in {where}"

@@ -90,10 +90,11 @@ def percent(done: int, total: int) -> str:
     return f"{100.0 * done / total:.1f}%" if total > 0 else "-"
 
 
-def rank_list(ranks: Sequence[int]) -> str:
-    """Ranks as "[1, 2]", shortened past 16."""
+def rank_list(ranks: Sequence[int], count: int | None = None) -> str:
+    """Ranks as "[1, 2]", shortened past 16 (or past what is named, when `count` says there are more)."""
+    count = len(ranks) if count is None else count
     shown = ", ".join(map(str, list(ranks)[:16]))
-    return f"[{shown}{', ...' if len(ranks) > 16 else ''}]"
+    return f"[{shown}{', ...' if count > min(16, len(ranks)) else ''}]"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -104,7 +105,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _progress(st: JobStatus, s: Summary) -> str:
     if st.result.start is None:
-        return f"waiting for ranks {rank_list(st.result.waiting_for)}"
+        return f"waiting for ranks {rank_list(st.result.waiting_for, st.result.waiting_count)}"
     return percent(s.done, s.total)
 
 
@@ -154,7 +155,7 @@ def job_lines(name: str, st: JobStatus, now_ms: int) -> list[str]:
     r = st.result
     head = f"job {name}: generation {r.generation}, world {r.world}"
     if r.start is None:
-        lines = [f"{head}, waiting for ranks {rank_list(r.waiting_for)}"]
+        lines = [f"{head}, waiting for ranks {rank_list(r.waiting_for, r.waiting_count)}"]
     else:
         lines = [f"{head}, started at epoch {r.start.epoch}"]
     if s.epoch is not None:

@@ -297,17 +297,22 @@ class JoinResponse(_message.Message):
     STARTED_FIELD_NUMBER: _builtins.int
     START_FIELD_NUMBER: _builtins.int
     WAITING_FOR_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     AMENDMENTS_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world: _builtins.int
     started: _builtins.bool
+    waiting: _builtins.int
+    """How many ranks it waits for."""
     @_builtins.property
     def start(self) -> Global___Cursor:
         """The generation's resume point (set when started)."""
 
     @_builtins.property
-    def waiting_for(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def waiting_for(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The first ranks the generation waits for (at most 16 of them)."""
+
     @_builtins.property
     def amendments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Amendment]:
         """The amendments the generation deals with, each with its position (set when started)."""
@@ -324,12 +329,13 @@ class JoinResponse(_message.Message):
         started: _builtins.bool = ...,
         start: Global___Cursor | None = ...,
         waiting_for: _abc.Iterable[_builtins.int] | None = ...,
+        waiting: _builtins.int = ...,
         amendments: _abc.Iterable[Global___Amendment] | None = ...,
         spec: Global___Spec | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_spec", b"_spec", "spec", b"spec", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spec", b"_spec", "amendments", b"amendments", "generation", b"generation", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_spec", b"_spec", "amendments", b"amendments", "generation", b"generation", "spec", b"spec", "start", b"start", "started", b"started", "waiting", b"waiting", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__spec: _TypeAlias = _typing.Literal["spec"]  # noqa: Y015
     _WhichOneofArgType__spec: _TypeAlias = _typing.Literal["_spec", b"_spec"]  # noqa: Y015
@@ -564,9 +570,12 @@ class GetJobResponse(_message.Message):
     RANKS_FIELD_NUMBER: _builtins.int
     CHECKPOINTS_FIELD_NUMBER: _builtins.int
     AMENDMENTS_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world: _builtins.int
     started: _builtins.bool
+    waiting: _builtins.int
+    """How many ranks the generation waits for (waiting_for names the first 16)."""
     @_builtins.property
     def spec(self) -> Global___Spec: ...
     @_builtins.property
@@ -601,10 +610,11 @@ class GetJobResponse(_message.Message):
         ranks: _abc.Iterable[Global___RankCursor] | None = ...,
         checkpoints: _abc.Iterable[Global___CheckpointRecord] | None = ...,
         amendments: _abc.Iterable[Global___Amendment] | None = ...,
+        waiting: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["amendments", b"amendments", "checkpoints", b"checkpoints", "generation", b"generation", "ranks", b"ranks", "spec", b"spec", "start", b"start", "started", b"started", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amendments", b"amendments", "checkpoints", b"checkpoints", "generation", b"generation", "ranks", b"ranks", "spec", b"spec", "start", b"start", "started", b"started", "waiting", b"waiting", "waiting_for", b"waiting_for", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

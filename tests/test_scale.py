@@ -1,0 +1,84 @@
+"""A join must not cost O(world): a world of thousands of ranks joins in one storm. And the join storm benchmark runs."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from croupier.core.api import JoinRequest
+from croupier.core.cursor import Cursor
+from croupier.core.spec import Spec
+from croupier.server._events import GenerationOpened
+from croupier.server._state import State
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class _Counting(dict):  # type: ignore[type-arg]
+    """A generation's ``joined`` that counts the entries read by scans and copies of it."""
+
+    reads = 0
+
+    def __iter__(self) -> Any:
+        _Counting.reads += len(self)
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        _Counting.reads += len(self)
+        return super().keys()
+
+    def items(self) -> Any:
+        _Counting.reads += len(self)
+        return super().items()
+
+    def values(self) -> Any:
+        _Counting.reads += len(self)
+        return super().values()
+
+
+@pytest.mark.parametrize("resume", [None, Cursor(1, ((40, 4096),))])
+def test_a_join_storm_reads_each_joined_rank_a_bounded_number_of_times(resume: Cursor | None) -> None:
+    world = 2048
+    spec = Spec(n=4096)
+    st = State()
+    _Counting.reads = 0
+    for r in range(world):
+        for ev in st.decide_join(JoinRequest("j", spec, "t", world, r, resume, None if resume else 0)):
+            st.apply(ev)
+            if isinstance(ev, GenerationOpened):
+                gen = st.jobs["j"].generation
+                assert gen is not None
+                gen.joined = _Counting(gen.joined)
+        got = st.join_result("j", r)  # what each rank's join is answered, its polls included
+        assert len(got.waiting_for) <= 16 and got.waiting_count == world - r - 1
+    assert st.jobs["j"].generation is not None and st.jobs["j"].generation.start is not None
+    # O(world) in all (the generation's start reads every rank once), not O(world) per join: before,
+    # each join copied and scanned the ranks joined (about world**2 / 2 = 2 million reads here).
+    assert _Counting.reads <= 2 * world, _Counting.reads
+
+
+def test_a_refused_join_names_the_first_rank_that_disagrees() -> None:
+    st = State()
+    spec = Spec(n=100)
+    for r, e in [(0, 3), (1, 3)]:
+        for ev in st.decide_join(JoinRequest("j", spec, "t", 4, r, None, e)):
+            st.apply(ev)
+    with pytest.raises(ValueError, match=r"set_epoch\(4\) on rank 2 disagrees with set_epoch\(3\) on rank 0"):
+        st.decide_join(JoinRequest("j", spec, "t", 4, 2, None, 4))
+    for ev in st.decide_join(JoinRequest("j", spec, "t", 4, 2, Cursor(3, ((10, 100),)), 3)):
+        st.apply(ev)
+    with pytest.raises(ValueError, match="but rank 2 resumes from"):
+        st.decide_join(JoinRequest("j", spec, "t", 4, 3, Cursor(3, ((20, 100),)), None))
+
+
+@pytest.mark.e2e  # processes: a croupier serve and two drivers of 128 ranks each
+def test_the_join_storm_benchmark_runs_quick(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "scale.md"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--worlds", "256", "--drivers", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| 256 |" in out.read_text()
