@@ -32,6 +32,9 @@ class ServerOptions:
         metrics_host: Interface of that endpoint.
         log_format: ``"text"`` or ``"json"`` (one object per line, with job, generation and rank
             when the record is about one).
+        snapshot_every: Journal records between two snapshots of the whole state: recovery reads
+            the last snapshot and replays at most this many records, while each snapshot writes
+            every job (fewer, larger snapshots for a coordinator of many jobs).
     """
 
     tls_cert: str | None = None
@@ -45,13 +48,14 @@ class ServerOptions:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"
+    snapshot_every: int = 1000
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError(f"tls_cert and tls_key go together (got tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"tls_client_ca={self.tls_client_ca!r} needs tls_cert and tls_key (mutual TLS is TLS first)")
-        for name in ("max_jobs", "max_world", "max_request_bytes", "max_concurrent_joins"):
+        for name in ("max_jobs", "max_world", "max_request_bytes", "max_concurrent_joins", "snapshot_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int (got {name}={value!r})")

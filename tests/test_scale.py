@@ -82,3 +82,31 @@ def test_the_join_storm_benchmark_runs_quick(tmp_path: pathlib.Path) -> None:
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "| 256 |" in out.read_text()
+
+
+def test_snapshot_every_sets_how_much_journal_a_recovery_replays(tmp_path: pathlib.Path) -> None:
+    from croupier.server import ServerOptions
+    from croupier.server._service import Server
+    from croupier.server._stores import open_store
+
+    with pytest.raises(ValueError, match=r"snapshot_every must be a positive int \(got snapshot_every=0\)"):
+        ServerOptions(snapshot_every=0)
+    bad = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", "memory://",
+                          "--snapshot-every", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "snapshot_every must be a positive int" in bad.stderr
+    url = f"sqlite:///{tmp_path}/c.db"
+    for every, snapshotted in [(3, True), (1000, False)]:
+        (tmp_path / "c.db").unlink(missing_ok=True)
+        server = Server(url, options=ServerOptions(snapshot_every=every)).start()
+        try:
+            for r in range(4):  # a job registered, a generation opened, 4 joins and its start: 7 records
+                server.core.join(JoinRequest(f"j{every}", Spec(n=10), "t", 4, r))
+        finally:
+            server.stop(grace=0.5)
+        store = open_store(url)
+        try:
+            rec = store.load()
+        finally:
+            store.close()
+        assert (rec.snapshot_seq > 0) == snapshotted, (every, rec.snapshot_seq)
+        assert len(rec.records) <= every

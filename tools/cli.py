@@ -49,7 +49,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_file=args.auth_file,
             max_jobs=args.max_jobs, max_world=args.max_world, max_request_bytes=args.max_request_bytes,
             max_concurrent_joins=args.max_concurrent_joins, metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host, log_format=args.log_format,
+            metrics_host=args.metrics_host, log_format=args.log_format, snapshot_every=args.snapshot_every,
         )
     except ValueError as e:
         print(f"croupier serve: error: {e}", file=sys.stderr)
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve /metrics (Prometheus) and the status page over HTTP on this port (default: off)")
     s.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics port (default 127.0.0.1)")
+    s.add_argument("--snapshot-every", type=int, default=1000,
+                   help="journal records between two snapshots of the state: recovery replays at most this many "
+                        "(default 1000)")
     s.set_defaults(func=_serve_cmd)
 
     h = sub.add_parser("health", help="check a coordinator's health service (for probes); TLS settings from "
