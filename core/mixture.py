@@ -457,11 +457,14 @@ class Stream:
     def cap(self, source: int) -> int | None:
         """How many samples `source` deals in the whole run (None: no cap)."""
         m = self.max_epochs[source] if self.max_epochs else 0
-        return self._built[1][source].epoch_start(m) if m else None
+        return self.timeline(source).epoch_start(m) if m else None
 
     def timeline(self, source: int) -> Timeline:
         """`source`'s epochs under the amendments (see ``croupier.core.amend.Timeline``)."""
-        return self._built[1][source]
+        lines = self._built[1]
+        if source not in lines:  # made when first asked: a source no amendment touched is plain
+            lines[source] = self._timeline(source)
+        return lines[source]
 
     @property
     def _segments(self) -> tuple[_Segment, ...]:
@@ -484,16 +487,24 @@ class Stream:
         return Timeline(n, perm, unperm)
 
     @functools.cached_property
-    def _built(self) -> tuple[tuple[_Segment, ...], tuple[Timeline, ...]]:
+    def _built(self) -> tuple[tuple[_Segment, ...], dict[int, Timeline]]:
         segments: list[_Segment] = []
-        lines = tuple(self._timeline(s) for s in range(len(self.sizes)))
+        lines: dict[int, Timeline] = {}  # the timelines made so far (every amended source's)
+
+        def line(s: int) -> Timeline:
+            if s not in lines:
+                lines[s] = self._timeline(s)
+            return lines[s]
+
         schedule = list(self.changes)
         todo = list(self.amendments)
         base, pos, ci = [0] * len(self.sizes), 0, 0
 
         def cap(s: int) -> int | None:
             m = self.max_epochs[s] if self.max_epochs else 0
-            return lines[s].epoch_start(m) if m else None
+            if not m:
+                return None
+            return line(s).epoch_start(m) if s in lines else m * self.sizes[s]
 
         while True:
             while todo and todo[0].at == pos:
@@ -502,10 +513,10 @@ class Stream:
                     schedule = [c for c in schedule if c[0] < pos] + [(pos, a.values)]
                     ci = len(schedule) - 1
                 elif a.kind == "grow":
-                    lines[a.values[0]].amend(base[a.values[0]], grow_to=a.values[2])
+                    line(a.values[0]).amend(base[a.values[0]], grow_to=a.values[2])
                 else:
                     for s in sorted({s for s, _ in a.pairs}):
-                        lines[s].amend(base[s], skip=[j for t, j in a.pairs if t == s])
+                        line(s).amend(base[s], skip=[j for t, j in a.pairs if t == s])
             while ci + 1 < len(schedule) and schedule[ci + 1][0] <= pos:
                 ci += 1
             nxt = schedule[ci + 1][0] if ci + 1 < len(schedule) else None
@@ -558,21 +569,26 @@ class Stream:
         return tuple(b + g.mixture.count(s, position - g.start) for s, b in enumerate(g.base))
 
     @functools.cached_property
+    def _plain(self) -> bool:
+        """No grow or skip amendment: each source's epochs are its spec's (the unamended fast path)."""
+        return all(t.plain for t in self._built[1].values())
+
+    @functools.cached_property
     def offsets(self) -> np.ndarray:
         """Where each source's samples start in the index space, with the sizes once every grow took effect."""
-        sizes = np.array([t.size for t in self._built[1]], dtype=np.int64)
+        sizes = np.array([self.timeline(s).size if s in self._built[1] else n for s, n in enumerate(self.sizes)],
+                         dtype=np.int64)
         return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
 
     def indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(global index, source, source epoch) of each stream position."""
         source, k = self.locate(positions)
-        lines = self._built[1]
-        if all(t.plain for t in lines):
+        if self._plain:
             return indices_of(self.sizes, self.seed, source, k, self.shuffle)
         epoch, sample = np.empty_like(k), np.empty_like(k)
         for s in sorted(set(source.tolist())):
             sel = source == s
-            epoch[sel], sample[sel] = lines[s].locate(k[sel])
+            epoch[sel], sample[sel] = self.timeline(s).locate(k[sel])
         return sample + self.offsets[source], source, epoch
 
 
