@@ -97,15 +97,6 @@ def sizes_after(sizes: Sequence[int], amendments: Sequence[Amendment]) -> tuple[
     return tuple(out)
 
 
-def sizes_before(sizes: Sequence[int], amendments: Sequence[Amendment]) -> tuple[int, ...]:
-    """The sources' sizes before every ``grow`` of `amendments` (`sizes` being those after them)."""
-    out = list(sizes)
-    for a in reversed(amendments):
-        if a.kind == "grow" and out[a.values[0]] == a.values[2]:
-            out[a.values[0]] = a.values[1]
-    return tuple(out)
-
-
 def skipped(amendments: Sequence[Amendment]) -> set[tuple[int, int]]:
     """Every (source, sample) some ``skip`` of `amendments` names."""
     return {p for a in amendments if a.kind == "skip" for p in a.pairs}
@@ -196,7 +187,8 @@ def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, par
 # --------------------------------------------------------------------------- a source's timeline
 
 
-Perm = Any  # (epoch, domain, raw offsets) -> samples; and its inverse: see Timeline
+#: A source epoch's permutation, (epoch, domain, raw offsets) -> samples, or its inverse (see Timeline).
+Perm = Any
 
 
 @dataclasses.dataclass(frozen=True)

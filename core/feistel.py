@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -114,15 +115,20 @@ def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
             small = [_permute_one(int(p), n, bits, tuple(int(k) for k in keys[:, i])) for i, p in enumerate(flat)]
         return np.array(small, dtype=np.int64).reshape(np.shape(positions))
     x = np.asarray(positions).astype(np.uint64, copy=True)
+    return _walk(_encrypt, x, n, bits, keys)
+
+
+def _walk(step: Any, x: np.ndarray, n: int, bits: int, keys: np.ndarray) -> np.ndarray:
+    """`step` (one pass of the network, or of its inverse) applied to `x`, then again to every element
+    outside [0, n) until none is: the cycle-walk from a value in [0, n) always returns to [0, n), so
+    this is still a bijection on it. Returns int64."""
     un = np.uint64(n)
-    x = _encrypt(x, bits, keys)
+    x = step(x, bits, keys)
     out = x >= un
     while out.any():
-        # Cycle-walk: re-encrypt the elements that landed outside [0, n); the walk from a
-        # position in [0, n) always returns to [0, n), so this is still a bijection.
         idx = np.flatnonzero(out)
         sub_keys = keys if keys.ndim == 1 else keys[:, idx]
-        x[idx] = _encrypt(x[idx], bits, sub_keys)
+        x[idx] = step(x[idx], bits, sub_keys)
         out[idx] = x[idx] >= un
     return x.astype(np.int64)
 
@@ -163,13 +169,4 @@ def unpermute(indices: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
         return np.zeros(np.shape(indices), dtype=np.int64)
     bits = _domain_bits(n)
     x = np.asarray(indices).astype(np.uint64, copy=True).reshape(-1)
-    un = np.uint64(n)
-    x = _decrypt(x, bits, keys)
-    out = x >= un
-    while out.any():
-        # The cycle walked backwards: from an index in [0, n) it returns to [0, n) at the position.
-        idx = np.flatnonzero(out)
-        sub_keys = keys if keys.ndim == 1 else keys[:, idx]
-        x[idx] = _decrypt(x[idx], bits, sub_keys)
-        out[idx] = x[idx] >= un
-    return x.astype(np.int64).reshape(np.shape(indices))
+    return _walk(_decrypt, x, n, bits, keys).reshape(np.shape(indices))  # the cycle walked backwards
