@@ -75,13 +75,15 @@ def test_a_refused_join_names_the_first_rank_that_disagrees() -> None:
         st.decide_join(JoinRequest("j", spec, "t", 4, 3, Cursor(3, ((20, 100),)), None))
 
 
-@pytest.mark.e2e  # processes: a croupier serve and two drivers of 128 ranks each
-def test_the_join_storm_benchmark_runs_quick(tmp_path: pathlib.Path) -> None:
+@pytest.mark.e2e  # processes: a croupier serve, two drivers of 128 ranks each; a store filled, killed, recovered
+def test_the_scale_benchmark_runs_quick(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "scale.md"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--worlds", "256", "--drivers", "2",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+                          "--jobs", "50", "--events", "20000", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "| 256 |" in out.read_text()
+    table = out.read_text()
+    assert "| 256 |" in table and "| 50 (" in table and "50 in " in table  # every job listed after the recovery
 
 
 def test_snapshot_every_sets_how_much_journal_a_recovery_replays(tmp_path: pathlib.Path) -> None:
