@@ -375,6 +375,12 @@ class CoordinatorClient:
         r = self._call("list_jobs", lambda: self.stub.ListJobs(pb.ListJobsRequest(), timeout=self.call_timeout))
         return list(r.jobs)
 
+    def jobs_page(self, size: int, after: str = "") -> tuple[list[str], str, int]:
+        """At most `size` job names after `after`, by name: (names, the `after` of the next page or "", how many jobs)."""
+        m = pb.ListJobsRequest(page_size=size, page_token=after)
+        r = self._call("list_jobs", lambda: self.stub.ListJobs(m, timeout=self.call_timeout))
+        return list(r.jobs), r.next_page_token, r.total
+
     def report(self, job: str, generation: int, rank: int, progress: tuple[int, int],
                checkpoint: tuple[int | None, Cursor | None, str] | None = None, timeout: float | None = None,
                own: bool = False) -> Cursor | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import signal
 import sys
@@ -74,6 +75,8 @@ def _join_reply(r: JoinResult, req: JoinRequest) -> pb.JoinResponse:
     return m
 
 
+#: The most jobs one ListJobs page names.
+MAX_PAGE = 10_000
 #: A join refused for a limit is answered after this long, up to _HELD_REFUSALS at a time.
 _HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
 #: The coordinator's RPCs, as the servicer names its methods.
@@ -208,9 +211,15 @@ class CoordinatorServicer:
 
     def ListJobs(self, raw: bytes, context: grpc.ServicerContext) -> pb.ListJobsResponse:
         who = self._caller(context)
-        _parse(pb.ListJobsRequest, raw)
+        m = _parse(pb.ListJobsRequest, raw)
         _allow(who, "ListJobs", None)
-        return pb.ListJobsResponse(jobs=[j for j in self.core.jobs() if who is None or who.reads(j)])
+        if m.page_size > MAX_PAGE:
+            raise E.InvalidArgument(f"page_size must be at most {MAX_PAGE} (got page_size={m.page_size})")
+        names = [j for j in self.core.jobs() if who is None or who.reads(j)]  # sorted
+        first = bisect.bisect_right(names, m.page_token) if m.page_token else 0
+        page = names[first:first + m.page_size] if m.page_size else names[first:]
+        more = bool(page) and first + len(page) < len(names)
+        return pb.ListJobsResponse(jobs=page, next_page_token=page[-1] if more else "", total=len(names))
 
 
 def _allow(who: Credential | None, method: str, job: str | None) -> None:

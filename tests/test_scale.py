@@ -112,3 +112,39 @@ def test_snapshot_every_sets_how_much_journal_a_recovery_replays(tmp_path: pathl
             store.close()
         assert (rec.snapshot_seq > 0) == snapshotted, (every, rec.snapshot_seq)
         assert len(rec.records) <= every
+
+
+@pytest.mark.e2e  # a croupier status process against a real coordinator
+def test_list_jobs_and_croupier_status_go_by_pages() -> None:
+    from croupier.client import CoordinatorClient
+    from croupier.core.errors import InvalidArgument as Invalid
+    from croupier.server._service import Server
+
+    server = Server("memory://").start()
+    try:
+        names = [f"job-{i:03d}" for i in range(120)]
+        for name in names:
+            server.core.join(JoinRequest(name, Spec(n=10), "t", 1, 0))
+        with CoordinatorClient(server.address) as c:
+            pages, after = [], ""
+            while True:
+                page, after, total = c.jobs_page(50, after)
+                assert total == 120
+                pages.append(page)
+                if not after:
+                    break
+            assert [len(p) for p in pages] == [50, 50, 20] and sum(pages, []) == names
+            assert c.jobs() == names  # no page size: every one, as before
+            with pytest.raises(Invalid, match="page_size must be at most 10000"):
+                c.jobs_page(10_001)
+        run = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "status", "--address", server.address],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        rows = [ln for ln in run.stdout.splitlines() if ln.startswith("job-")]
+        assert len(rows) == 50 and "50 of 120 jobs; the next ones: croupier status --after job-049" in run.stdout
+        run = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "status", "--address", server.address,
+                              "--after", "job-099", "--limit", "50"], capture_output=True, text=True, timeout=60)
+        rows = [ln for ln in run.stdout.splitlines() if ln.startswith("job-")]
+        assert rows[0].startswith("job-100") and len(rows) == 20 and "20 of 120 jobs after 'job-099'" in run.stdout
+    finally:
+        server.stop(grace=0.5)

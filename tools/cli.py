@@ -98,7 +98,9 @@ def _infer_demo_cmd(args: argparse.Namespace) -> int:
 def _status_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.status import main as status
 
-    return status(args.address, args.job, args.watch)
+    if args.limit < 1:
+        raise ValueError(f"--limit must be at least 1 (got {args.limit})")
+    return status(args.address, args.job, args.watch, limit=args.limit, after=args.after)
 
 
 def _amend_cmd(args: argparse.Namespace) -> int:
@@ -227,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     t.add_argument("--watch", nargs="?", type=watch_seconds, const=DEFAULT_WATCH_S, metavar="SECONDS",
                    help=f"redraw every SECONDS (default {DEFAULT_WATCH_S:g}) until Ctrl-C; put it after JOB")
+    t.add_argument("--limit", type=int, default=50, help="jobs the table of every job shows, by name (default 50)")
+    t.add_argument("--after", default="", metavar="NAME", help="the table of every job starts after this job")
     t.set_defaults(func=_status_cmd)
 
     m = sub.add_parser("amend", help="record a change of a running mixture: new weights, or a source grown; it holds "

@@ -139,6 +139,8 @@ def jobs_lines(statuses: Sequence[tuple[str, JobStatus]], now_ms: int) -> list[s
     return table(JOBS_HEADER, rows)
 
 
+#: Jobs the table of every job shows at most (``croupier status --limit``).
+DEFAULT_LIMIT = 50
 RANKS_HEADER = ("RANK", "EPOCH", "BATCHES", "%", "LAST REPORT")
 CHECKPOINTS_HEADER = ("STEP", "GEN", "RANK", "EPOCH", "WHEN")
 
@@ -204,15 +206,21 @@ class _UnknownJob(Exception):
     pass
 
 
-def _render(client: CoordinatorClient, job: str | None) -> list[str]:
+def _render(client: CoordinatorClient, job: str | None, limit: int = DEFAULT_LIMIT, after: str = "") -> list[str]:
     if job is None:
+        # NOTE: one GetJob per job shown: a page of them, not every job of a coordinator of thousands.
+        names, nxt, total = client.jobs_page(limit, after)
         statuses = []
-        for name in client.jobs():
+        for name in names:
             try:
                 statuses.append((name, client.status(name)))
             except NotFound:  # gone between the two calls
                 continue
-        return jobs_lines(statuses, _now_ms())
+        lines = jobs_lines(statuses, _now_ms())
+        if nxt or after:
+            lines.append(f"{len(names)} of {total} jobs{f' after {after!r}' if after else ''}"
+                         + (f"; the next ones: croupier status --after {nxt}" if nxt else ""))
+        return lines
     try:
         st = client.status(job)
     except NotFound:
@@ -221,7 +229,8 @@ def _render(client: CoordinatorClient, job: str | None) -> list[str]:
     return job_lines(job, st, _now_ms())
 
 
-def main(address: str | None, job: str | None = None, watch: float | None = None, out: TextIO | None = None) -> int:
+def main(address: str | None, job: str | None = None, watch: float | None = None, out: TextIO | None = None,
+         limit: int = DEFAULT_LIMIT, after: str = "") -> int:
     """`croupier status`: prints the table once, or every `watch` seconds until Ctrl-C.
 
     Args:
@@ -230,6 +239,8 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
         watch: Seconds between two tables, or None to print one.
         out: Where tables go (stdout); a terminal is cleared before each table, anything else gets
             successive tables separated by a blank line.
+        limit: Jobs in the table of every job, at most (by name).
+        after: The table starts after this job's name.
 
     Returns:
         0, also when Ctrl-C ends ``--watch``; 1 for an unknown job or a coordinator that does not answer.
@@ -250,7 +261,7 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
     try:
         first = True
         while True:
-            lines = _render(client, job)
+            lines = _render(client, job, limit, after)
             out.write(CLEAR if tty else "" if first else "\n")
             out.write("\n".join(lines) + "\n")
             out.flush()
