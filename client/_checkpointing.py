@@ -210,7 +210,7 @@ def _resume_from_record(s: _Base, step: int | None, what: str) -> bool:
                 f"{e}. A relaunch finds its job's records under the same job name: pass job= or set CROUPIER_JOB "
                 f"(this sampler's job is {s.job!r})"
             ) from None
-    s.load_state_dict(state_of_record(s.job, spec, record.cursor, record.origin))
+    s.load_state_dict(state_of_record(s.job, spec, record.cursor, record.origin, record.amendments))
     return True
 
 
@@ -236,9 +236,9 @@ def load_state_dict(s: _Base, state_dict: dict[str, Any]) -> None:
     job = s.job
     if not s._job_named and isinstance(state_dict, Mapping) and isinstance(state_dict.get("job"), str):
         job = state_dict["job"]
-    amendments = amendments_of(state_dict) if isinstance(state_dict, Mapping) and state_dict else ()
-    spec = spec_of(s.spec, state_dict)  # a sampler made on grown sources: the spec the state was saved with
-    resume = from_state(job, spec, state_dict)
+    spec = spec_of(s.spec, state_dict) if isinstance(state_dict, Mapping) else s.spec  # made on grown sources?
+    resume = from_state(job, spec, state_dict)  # the format first: another format is refused as such
+    amendments = amendments_of(state_dict) if resume is not None else ()
     if resume is not None and s._hint is not None and not epoch_agrees(spec, resume, s._hint):
         raise ValueError(
             f"set_epoch({s._hint}) was called before load_state_dict, but the checkpoint state resumes "

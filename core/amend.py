@@ -23,6 +23,7 @@ same at any ``k``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -95,6 +96,19 @@ def sizes_after(sizes: Sequence[int], amendments: Sequence[Amendment]) -> tuple[
         if a.kind == "grow":
             out[a.values[0]] = max(out[a.values[0]], a.values[2])
     return tuple(out)
+
+
+def minus(records: Sequence[Amendment], taken: Sequence[Amendment]) -> list[Amendment]:
+    """`records` (in order) but for those `taken` accounts for, matched by kind and values as a multiset:
+    the same weights recorded twice are two records, and a history holding one of them leaves the other."""
+    left = collections.Counter((a.kind, a.values) for a in taken)
+    out = []
+    for a in records:
+        if left[(a.kind, a.values)]:
+            left[(a.kind, a.values)] -= 1
+        else:
+            out.append(a)
+    return out
 
 
 def skipped(amendments: Sequence[Amendment]) -> set[tuple[int, int]]:

@@ -125,7 +125,8 @@ class CheckpointRecord:
     """A checkpoint state a job took, as the coordinator recorded it.
 
     ``step`` is the trainer's global step the checkpoint was named after (None when it named
-    none); ``cursor`` and ``origin`` are the state's (``croupier.core.checkpoint``).
+    none); ``cursor`` and ``origin`` are the state's (``croupier.core.checkpoint``);
+    ``amendments`` those of a mixture the recording generation dealt with (the state's).
     """
 
     step: int | None
@@ -134,6 +135,7 @@ class CheckpointRecord:
     generation: int
     rank: int
     recorded_ms: int
+    amendments: tuple[Amendment, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,13 +168,14 @@ def items_of(state: Mapping[str, Any], cursor: Cursor | None) -> int | None:
     return _origin_items(state.get("origin"), cursor.epoch)
 
 
-def state_of_record(job: str, spec: Spec, cursor: Cursor, origin: str) -> dict[str, Any]:
+def state_of_record(job: str, spec: Spec, cursor: Cursor, origin: str,
+                    amendments: tuple[Amendment, ...] = ()) -> dict[str, Any]:
     """The checkpoint state of a record the coordinator keeps (a cursor and the origin it was saved with).
 
     NOTE: the coordinator's records name a checkpoint by its origin, ``token/epoch/items``, which
     is where their item count is read (the journal's checkpoint events have no field of their own).
     """
-    state = to_state(job, spec, cursor, origin=origin or None)
+    state = to_state(job, spec, cursor, origin=origin or None, amendments=amendments)
     items = _origin_items(origin, cursor.epoch)
     if items is not None:
         state["items"] = items

@@ -94,6 +94,7 @@ def cursor_from_proto(m: pb.Cursor) -> Cursor:
 def record_to_proto(r: CheckpointRecord) -> pb.CheckpointRecord:
     m = pb.CheckpointRecord(generation=r.generation, rank=r.rank, recorded_unix_ms=r.recorded_ms)
     m.checkpoint.CopyFrom(checkpoint_to_proto(r.step, r.cursor, r.origin))
+    m.amendments.extend(amendment_to_proto(a) for a in r.amendments)
     return m
 
 
@@ -101,7 +102,8 @@ def record_from_proto(m: pb.CheckpointRecord) -> CheckpointRecord:
     step, cursor, origin = checkpoint_from_proto(m.checkpoint)
     if cursor is None:
         raise InvalidArgument("a checkpoint record without its cursor")
-    return CheckpointRecord(step, cursor, origin, m.generation, m.rank, m.recorded_unix_ms)
+    return CheckpointRecord(step, cursor, origin, m.generation, m.rank, m.recorded_unix_ms,
+                            tuple(amendment_from_proto(a) for a in m.amendments))
 
 
 def checkpoint_to_proto(step: int | None, cursor: Cursor | None, origin: str) -> pb.Checkpoint:

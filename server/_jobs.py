@@ -11,7 +11,7 @@ import bisect
 import dataclasses
 from typing import Any
 
-from croupier.core.amend import Amendment
+from croupier.core.amend import Amendment, minus
 from croupier.core.api import CheckpointRecord
 from croupier.core.cursor import Cursor
 from croupier.core.dynamic import EpochDeals
@@ -128,8 +128,7 @@ class Job:
     @property
     def pending(self) -> tuple[Amendment, ...]:
         """The amendments recorded that the current generation does not hold (the next one will)."""
-        held = {(a.kind, a.values) for a in self.held}
-        return tuple(a for a in self.amendments if (a.kind, a.values) not in held)
+        return tuple(minus(self.amendments, self.held))
 
 
 def snapshot_job(j: Job) -> dict[str, Any]:
@@ -147,8 +146,8 @@ def snapshot_job(j: Job) -> dict[str, Any]:
     return {
         "name": j.name, "spec": SPEC.encode(j.spec), "generation": gd, "tokens": list(j.tokens),
         "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
-        "checkpoints": [[c.step, cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms]
-                        for c in j.checkpoints],
+        "checkpoints": [[c.step, cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms,
+                         amendments_to(c.amendments)] for c in j.checkpoints],
         "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
         "amendments": amendments_to(tuple(j.amendments)), "held": amendments_to(j.held),
@@ -158,7 +157,8 @@ def snapshot_job(j: Job) -> dict[str, Any]:
 
 def restore_job(what: str, v: Any, version: int) -> Job:
     """One job of a snapshot of format `version`, read back (a version 2 job has no progress and
-    no checkpoints, a version 3 job no deals, a version 4 job no amendments).
+    no checkpoints, a version 3 job no deals, a version 4 job no amendments, its checkpoint
+    records none either).
 
     Raises:
         FormatError: `v` is not what :func:`snapshot_job` (of that version) writes; the message
@@ -175,10 +175,16 @@ def restore_job(what: str, v: Any, version: int) -> Job:
         job.progress[r] = (e, b, t)
     for k, entry in enumerate(as_list(f"{what} checkpoints", jd.get("checkpoints", []))):
         w = f"{what} checkpoint {k}"
-        step, cursor, origin, gen, rank, t = as_list(f"{w} ([step, cursor, origin, generation, rank, ms])", entry, 6)
+        if version >= 5:
+            step, cursor, origin, gen, rank, t, held = as_list(
+                f"{w} ([step, cursor, origin, generation, rank, ms, amendments])", entry, 7)
+        else:
+            (step, cursor, origin, gen, rank, t), held = as_list(
+                f"{w} ([step, cursor, origin, generation, rank, ms])", entry, 6), []
         job.checkpoints.append(CheckpointRecord(
             OPT_INT.decode(f"{w} step", step), CURSOR.decode(f"{w} cursor", cursor), STR.decode(f"{w} origin", origin),
-            INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t)))
+            INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t),
+            AMENDMENTS.decode(f"{w} amendments", held)))
     for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))):
         job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
     job.amendments = list(AMENDMENTS.decode(f"{what} amendments", jd.get("amendments", [])))

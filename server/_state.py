@@ -126,8 +126,10 @@ class State:
         _check_agreement(req, number, agreed)
         events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
         loaded = job.loaded if job is not None and job.generation is not None and job.generation.number == number else None
-        if req.resume is not None:
-            if loaded is None and req.amendments:
+        # NOTE: a mixture's first resuming rank records what its checkpoint holds, none included: every
+        # other resuming rank's must be the same, whichever joins first.
+        if req.resume is not None and req.spec.sources is not None:
+            if loaded is None:
                 events.append(AmendmentsLoaded(req.job, number, req.amendments))
             elif loaded is not None and loaded != req.amendments:
                 raise FailedPrecondition(
@@ -391,7 +393,7 @@ class State:
             self._generation(ev.job, ev.generation)
             job = self.jobs[ev.job]
             job.checkpoints = _record(job.checkpoints, CheckpointRecord(
-                ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms))
+                ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms, job.held))
         elif isinstance(ev, BatchesDealt):
             self._generation(ev.job, ev.generation)
             deals = self.jobs[ev.job].deals
@@ -555,8 +557,7 @@ def _adopt(req: JoinRequest, job: Job | None) -> list[Event]:
         spec.amended(req.amendments)
     except ValueError as e:
         raise InvalidArgument(f"the checkpoint's amendments do not fit job {req.job!r}'s spec: {e}") from None
-    known = {(a.kind, a.values) for a in job.amendments} if job else set()
-    return [AmendmentRecorded(req.job, a.kind, a.values) for a in req.amendments if (a.kind, a.values) not in known]
+    return [AmendmentRecorded(req.job, a.kind, a.values) for a in amend.minus(req.amendments, job.amendments if job else [])]
 
 
 def _frontier(spec: Spec, start: Cursor) -> int:
@@ -589,8 +590,7 @@ def _hold(req: JoinRequest, job: Job | None, number: int, start: Cursor, events:
         return ()
     spec = job.spec if job is not None else req.spec
     at = max([_frontier(spec, start), *(a.at for a in loaded if a.at is not None)])
-    mine = {(a.kind, a.values) for a in loaded}
-    held = (*loaded, *(dataclasses.replace(a, at=at) for a in records if (a.kind, a.values) not in mine))
+    held = (*loaded, *(dataclasses.replace(a, at=at) for a in amend.minus(records, loaded)))
     try:
         spec.amended(held)
     except ValueError as e:

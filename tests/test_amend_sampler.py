@@ -240,3 +240,47 @@ def test_croupier_skip_and_amend_record_changes_and_refuse_bad_ones_by_name(serv
     assert [a.kind for a in server.core.job("cli").amendments] == ["skip", "weights", "grow"]
     shown = _cli("status", "cli", "--address", server.address)
     assert shown.returncode == 0 and "amendments (3):" in shown.stdout and "grow source 1 from 70 to 90" in shown.stdout
+
+
+def test_a_checkpoint_record_carries_the_amendments_its_generation_dealt_with() -> None:
+    from croupier.core.checkpoint import amendments_of, state_of_record
+
+    st = _started()
+    for ev in st.decide_amend("j", "skip", [24])[1]:
+        st.apply(ev)
+    _started(resume=Cursor(0, ((20, 100),)), token="t2", state=st)  # holds the skip from position 20
+    gen = st.jobs["j"].generation
+    assert gen is not None
+    _, events = st.decide_report("j", gen.number, 0, 0, 4, 1, (7, Cursor(0, ((60, 100),)), "t2/0/40"))
+    for ev in events:
+        st.apply(ev)
+    record = st.checkpoint("j", 7)
+    assert record.amendments == (Amendment("skip", (0, 24), 20),)
+    assert State.restore(st.snapshot()).checkpoint("j", 7) == record
+    # Resumed from that record (resume_from_step), positions before 60 keep the skip at 20.
+    state = state_of_record("j", MIX, record.cursor, record.origin, record.amendments)
+    _started(resume=record.cursor, token="t3", state=st, amendments=amendments_of(state))
+    assert st.jobs["j"].held == (Amendment("skip", (0, 24), 20),)
+
+
+def test_the_same_weights_recorded_twice_are_two_changes() -> None:
+    a, b = parts_of([1, 3]), parts_of([3, 1])
+    st = _started()
+    for w, token, start in [(a, "t2", Cursor(1, ((0, 100),))), (b, "t3", Cursor(2, ((0, 100),))),
+                            (a, "t4", Cursor(3, ((0, 100),)))]:
+        for ev in st.decide_amend("j", "weights", w)[1]:
+            st.apply(ev)
+        assert [x.values for x in st.jobs["j"].pending] == [w]
+        _started(resume=start, token=token, state=st, amendments=st.jobs["j"].held)  # a checkpoint of the last
+    assert [(x.values, x.at) for x in st.jobs["j"].held] == [(a, 100), (b, 200), (a, 300)]
+    assert st.jobs["j"].dealing_spec.amended(st.jobs["j"].held)  # the stream is made: a holds from 300 on
+
+
+def test_ranks_resuming_with_other_amendments_are_refused_whichever_joins_first() -> None:
+    x = (Amendment("skip", (0, 3), 40),)
+    for first, second in [(x, ()), ((), x)]:
+        st = _started()
+        for ev in st.decide_join(JoinRequest("j", MIX, "t2", 2, 0, Cursor(0, ((60, 100),)), amendments=first)):
+            st.apply(ev)
+        with pytest.raises(FailedPrecondition, match="every rank must load the same checkpoint"):
+            st.decide_join(JoinRequest("j", MIX, "t2", 2, 1, Cursor(0, ((60, 100),)), amendments=second))

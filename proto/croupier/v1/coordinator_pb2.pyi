@@ -691,6 +691,7 @@ class CheckpointRecord(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    AMENDMENTS_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     RECORDED_UNIX_MS_FIELD_NUMBER: _builtins.int
@@ -700,17 +701,22 @@ class CheckpointRecord(_message.Message):
     recorded_unix_ms: _builtins.int
     @_builtins.property
     def checkpoint(self) -> Global___Checkpoint: ...
+    @_builtins.property
+    def amendments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Amendment]:
+        """A mixture's amendments the recording generation dealt with, each with its position."""
+
     def __init__(
         self,
         *,
         checkpoint: Global___Checkpoint | None = ...,
+        amendments: _abc.Iterable[Global___Amendment] | None = ...,
         generation: _builtins.int = ...,
         rank: _builtins.int = ...,
         recorded_unix_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "generation", b"generation", "rank", b"rank", "recorded_unix_ms", b"recorded_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amendments", b"amendments", "checkpoint", b"checkpoint", "generation", b"generation", "rank", b"rank", "recorded_unix_ms", b"recorded_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
