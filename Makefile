@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint site docs slow chaos bench clean
+.PHONY: demo test check lint site docs slow chaos bench bench-scale clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ chaos: $(STAMP)  ## the full chaos run (100 faults), audited
 
 bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot (out/bench/bench.png)
 	$(PY) benchmarks/bench.py
+
+bench-scale: $(STAMP)  ## the join storm (1,024 to 16,384 ranks) and a coordinator of 1,000 jobs recovered after kill -9: out/bench/scale.md
+	mkdir -p out/bench
+	$(PY) benchmarks/scale_bench.py --jobs 1000 --events 1000000 --snapshot-every 100000 --out out/bench/scale.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
