@@ -9,6 +9,7 @@ import numpy as np
 
 from croupier.core import feistel as _feistel
 from croupier.core import mixture as _mixture
+from croupier.core import stream as _stream
 from croupier.core.spec import PERMUTATIONS, Spec
 
 # A permutation maps (spec, epoch, positions, windows) -> indices. `windows` is the list of
@@ -116,10 +117,10 @@ def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -
     return out
 
 
-def stream_of(spec: Spec) -> _mixture.Stream:
+def stream_of(spec: Spec) -> _stream.Stream:
     """The stream of a mixture's spec (``spec.sources`` set)."""
     assert spec.sources is not None and spec.weights is not None  # checked by the caller
-    return _mixture.stream(spec.sources, spec.weights, spec.max_epochs or (), spec.seed, spec.permutation == "feistel",
+    return _stream.stream(spec.sources, spec.weights, spec.max_epochs or (), spec.seed, spec.permutation == "feistel",
                            spec.amendments or ())
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from croupier.core import mixture
 from croupier.core.amend import Amendment, sizes_after
 from croupier.core.checks import check_bool, check_choice, check_int
+from croupier.core.stream import stream
 
 #: The names of the orders (``croupier.core.permute`` holds one kernel for each name, no other).
 PERMUTATIONS = ("none", "torch", "feistel", "window", "bucket")
@@ -322,7 +323,7 @@ def _validate_mixture(s: Spec) -> None:
     if s.amendments and s.lengths is not None and any(a.kind == "grow" for a in s.amendments):
         raise ValueError("a grown source would need the lengths of its new samples: token budgets and buckets "
                          "(lengths=) do not grow")
-    mixture.stream(s.sources, s.weights, s.max_epochs or (), s.seed, s.permutation == "feistel", s.amendments or ())
+    stream(s.sources, s.weights, s.max_epochs or (), s.seed, s.permutation == "feistel", s.amendments or ())
 
 
 def _validate_tokens(s: Spec) -> None:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from croupier.core import feistel
 from croupier.core.amend import Amendment, check, sizes_after, skip_of
-from croupier.core.mixture import PARTS, Stream, parts_of
+from croupier.core.mixture import PARTS, parts_of
+from croupier.core.stream import Stream
 
 LENGTH = 1500  # stream positions dealt per example
 

@@ -18,9 +18,10 @@ from torch.utils.data import ConcatDataset, TensorDataset
 
 from croupier.client import DistributedSampler, Sample
 from croupier.client._shards import mixture_fields
-from croupier.core.mixture import PARTS, Stream, parts_of
+from croupier.core.mixture import PARTS, parts_of
 from croupier.core.order import order
 from croupier.core.spec import Spec
+from croupier.core.stream import Stream
 from croupier.server._service import Server
 from croupier.tools.audit import audit, by_source, verdict
 

@@ -218,7 +218,7 @@ def setups(draw: st.DrawFn) -> Setup:
 def mixtures(draw: st.DrawFn) -> dict[str, Any]:
     """A mixture of 2 or 3 small sources, its weights changed once or not, a source capped or not."""
     from croupier.client._shards import mixture_fields
-    from croupier.core.mixture import Stream
+    from croupier.core.stream import Stream
 
     k = draw(st.integers(2, 3))
     sources = tuple(draw(st.lists(st.integers(1, 15), min_size=k, max_size=k)))

@@ -271,7 +271,7 @@ def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
     trained beyond them is a duplicate (of its last source epoch there), what is not trained of
     them is missing.
     """
-    from croupier.core.mixture import stream
+    from croupier.core.stream import stream
 
     st = stream(tuple(mixture["sources"]), tuple((int(a), tuple(p)) for a, p in mixture["weights"]),
                 tuple(mixture.get("max_epochs") or ()), int(mixture["seed"]), bool(mixture.get("shuffle", True)),
