@@ -308,6 +308,7 @@ CURSOR = Codec("Cursor", cursor_to, as_cursor)
 OPT_CURSOR = _optional(CURSOR)
 INTS = Codec("tuple[int, ...]", list, as_ints)
 AMENDMENTS = Codec("tuple[Amendment, ...]", amendments_to, as_amendments)
+OPT_AMENDMENTS = _optional(AMENDMENTS)
 
 
 @dataclasses.dataclass(frozen=True)

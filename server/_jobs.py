@@ -12,19 +12,20 @@ import dataclasses
 from typing import Any
 
 from croupier.core.amend import Amendment, minus
-from croupier.core.api import CheckpointRecord
-from croupier.core.cursor import Cursor
+from croupier.core.api import CheckpointRecord, JoinRequest
+from croupier.core.cursor import Cursor, epoch_agrees, show
 from croupier.core.dynamic import EpochDeals
+from croupier.core.errors import FailedPrecondition
 from croupier.core.spec import Spec
 from croupier.server._events import (
     AMENDMENTS,
     CURSOR,
     INT,
+    OPT_AMENDMENTS,
     OPT_CURSOR,
     OPT_INT,
     SPEC,
     STR,
-    amendments_to,
     as_list,
     as_map,
     cursor_to,
@@ -47,6 +48,41 @@ class Agreement:
             self.resume = (rank, resume)
         if epoch is not None:
             self.hints.setdefault(epoch, rank)
+
+    def check(self, req: JoinRequest, number: int) -> None:
+        """Refuses a join to generation `number` whose resume point or epoch contradicts a rank already joined."""
+        where = f"generation {number} of job {req.job!r}"
+        if req.resume is not None and req.epoch is not None and not epoch_agrees(req.spec, req.resume, req.epoch):
+            raise FailedPrecondition(
+                f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts its own set_epoch({req.epoch})"
+            )
+        if req.resume is not None:
+            if self.resume is not None and self.resume[1] != req.resume:
+                r, c = self.resume
+                raise FailedPrecondition(
+                    f"rank {req.rank} resumes {where} from {show(req.resume)}, but rank {r} resumes "
+                    f"from {show(c)}: every rank must load the same checkpoint"
+                )
+            for e, r in self.hints.items():
+                if not epoch_agrees(req.spec, req.resume, e):
+                    raise FailedPrecondition(
+                        f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts "
+                        f"set_epoch({e}) on rank {r}"
+                    )
+        if req.epoch is not None:
+            if self.resume is not None:
+                r, c = self.resume
+                if not epoch_agrees(req.spec, c, req.epoch):
+                    raise FailedPrecondition(
+                        f"set_epoch({req.epoch}) on rank {req.rank} contradicts the checkpoint rank {r} "
+                        f"resumes {where} from: {show(c)}"
+                    )
+            elif req.resume is None:
+                for e, r in self.hints.items():
+                    if e != req.epoch:
+                        raise FailedPrecondition(
+                            f"set_epoch({req.epoch}) on rank {req.rank} disagrees with set_epoch({e}) on rank {r} in {where}"
+                        )
 
 
 @dataclasses.dataclass
@@ -147,11 +183,11 @@ def snapshot_job(j: Job) -> dict[str, Any]:
         "name": j.name, "spec": SPEC.encode(j.spec), "generation": gd, "tokens": list(j.tokens),
         "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
         "checkpoints": [[c.step, cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms,
-                         amendments_to(c.amendments)] for c in j.checkpoints],
+                         AMENDMENTS.encode(c.amendments)] for c in j.checkpoints],
         "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
-        "amendments": amendments_to(tuple(j.amendments)), "held": amendments_to(j.held),
-        "loaded": None if j.loaded is None else amendments_to(j.loaded),
+        "amendments": AMENDMENTS.encode(tuple(j.amendments)), "held": AMENDMENTS.encode(j.held),
+        "loaded": OPT_AMENDMENTS.encode(j.loaded),
     }
 
 
@@ -189,8 +225,7 @@ def restore_job(what: str, v: Any, version: int) -> Job:
         job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
     job.amendments = list(AMENDMENTS.decode(f"{what} amendments", jd.get("amendments", [])))
     job.held = AMENDMENTS.decode(f"{what} held", jd.get("held", []))
-    loaded = jd.get("loaded")
-    job.loaded = None if loaded is None else AMENDMENTS.decode(f"{what} loaded", loaded)
+    job.loaded = OPT_AMENDMENTS.decode(f"{what} loaded", jd.get("loaded"))
     if jd["generation"] is not None:
         job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"])
     return job

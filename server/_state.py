@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from croupier.core import amend, dynamic
+from croupier.core import dynamic
 from croupier.core.amend import Amendment
 from croupier.core.api import (
     CHECKPOINT_HISTORY,
@@ -35,13 +35,13 @@ from croupier.core.api import (
     validate_join,
 )
 from croupier.core.checks import check_int, check_name
-from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, show, validate_cursor
+from croupier.core.cursor import Cursor, bind, fresh, show, validate_cursor
 from croupier.core.dynamic import EpochDeals
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
-from croupier.core.mixture import PARTS
 from croupier.core.plan import Runs
 from croupier.core.plans import kind_of
-from croupier.core.spec import MAX_N, ORDER_VERSION, Spec
+from croupier.core.spec import ORDER_VERSION, Spec
+from croupier.server import _amending
 from croupier.server._events import (
     FORMAT_VERSION,
     AmendmentRecorded,
@@ -95,7 +95,8 @@ class State:
             )
         elif req.spec != job.spec:  # a rank's sources as grown: the job's spec is what it deals
             req = dataclasses.replace(req, spec=job.spec)
-        events += _adopt(req, job)
+        adopted = _amending.adopt(req, job)
+        events += adopted
         gen = job.generation if job else None
         if gen is not None and req.token == gen.token:
             if req.world != gen.world:
@@ -123,30 +124,18 @@ class State:
                     f"resume={show(req.resume)}, epoch={req.epoch}"
                 )
             return events
-        _check_agreement(req, number, agreed)
+        agreed.check(req, number)
         events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
-        loaded = job.loaded if job is not None and job.generation is not None and job.generation.number == number else None
-        # NOTE: a mixture's first resuming rank records what its checkpoint holds, none included: every
-        # other resuming rank's must be the same, whichever joins first.
-        if req.resume is not None and req.spec.sources is not None:
-            if loaded is None:
-                events.append(AmendmentsLoaded(req.job, number, req.amendments))
-            elif loaded is not None and loaded != req.amendments:
-                raise FailedPrecondition(
-                    f"rank {req.rank} joins generation {number} of job {req.job!r} with a checkpoint whose amendments "
-                    f"are [{'; '.join(a.describe() for a in req.amendments)}]; another rank's are "
-                    f"[{'; '.join(a.describe() for a in loaded)}]: every rank must load the same checkpoint")
+        loaded = _amending.load(req, job, number, events)
         if len(joined) + 1 == world:
             start = _decide_start(req.spec, {**joined, req.rank: mine}, world)
             events.append(GenerationStarted(req.job, number, start))
-            held = _hold(req, job, number, start, events)
-            if held:
-                events.append(GenerationAmended(req.job, number, held))
+            events += _amending.start(req, job, number, start, adopted, loaded)
         return events
 
     def decide_amend(self, job: str, kind: str, values: Sequence[int]) -> tuple[Amendment, list[Event]]:
         """The amendment a request records (pending: it holds from the next generation's first
-        position) and its event.
+        position) and its event (``croupier.server._amending.decide``).
 
         Args:
             job: The job's name.
@@ -159,39 +148,7 @@ class State:
             InvalidArgument: values that do not make such an amendment (the message names them).
         """
         self.current(job)
-        j = self.jobs[job]
-        if j.spec.sources is None:
-            raise FailedPrecondition(f"job {job!r} deals one dataset, not a mixture of sources: new weights, grown "
-                                     "sources and skipped samples are changes of a mixture (sources=)")
-        vals = tuple(values)
-        if len(vals) > amend.MAX_SKIP:
-            raise InvalidArgument(f"an amendment names at most {amend.MAX_SKIP} values (got {len(vals)})")
-        try:
-            if kind == "grow":
-                if j.spec.lengths is not None:
-                    raise FailedPrecondition(f"job {job!r} has lengths= (token budgets or buckets): a grown source "
-                                             "would need the lengths of its new samples, which a spec cannot take")
-                if len(vals) != 2:
-                    raise ValueError(f"grow takes (source, new size) (got {list(vals)})")
-                now = amend.sizes_after(j.spec.sources, j.amendments)
-                if not 0 <= vals[0] < len(now):
-                    raise ValueError(f"source {vals[0]} is not one of the job's {len(now)} sources")
-                a = amend.Amendment("grow", (vals[0], now[vals[0]], vals[1]))
-                if sum(now) - now[vals[0]] + vals[1] > MAX_N:
-                    raise ValueError(f"the sources would add up to more than {MAX_N} samples")
-            elif kind == "skip":
-                a = amend.skip_of(vals, j.spec.sources, j.amendments)
-            else:
-                a = amend.Amendment(kind, vals)
-            amend.check(j.spec.sources, j.amendments, a, PARTS)
-            # NOTE: where it will hold is decided when the next generation starts; checked here from
-            # where the job is now, a schedule or caps it leaves with nothing to deal are refused.
-            gen = j.generation
-            at = max([_frontier(j.spec, gen.start) if gen is not None and gen.start is not None else 0,
-                      *(x.at for x in j.held if x.at is not None)])
-            j.spec.amended([*j.held, *(dataclasses.replace(x, at=at) for x in (*j.pending, a))])
-        except ValueError as e:
-            raise InvalidArgument(f"job {job!r}: {e}") from None
+        a = _amending.decide(self.jobs[job], kind, values)
         return a, [AmendmentRecorded(job, a.kind, a.values)]
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
@@ -505,98 +462,6 @@ class State:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _check_agreement(req: JoinRequest, number: int, agreed: Agreement) -> None:
-    """Refuses a join whose resume point or epoch contradicts a rank already joined (what they agree on)."""
-    where = f"generation {number} of job {req.job!r}"
-    if req.resume is not None and req.epoch is not None and not epoch_agrees(req.spec, req.resume, req.epoch):
-        raise FailedPrecondition(
-            f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts its own set_epoch({req.epoch})"
-        )
-    if req.resume is not None:
-        if agreed.resume is not None and agreed.resume[1] != req.resume:
-            r, c = agreed.resume
-            raise FailedPrecondition(
-                f"rank {req.rank} resumes {where} from {show(req.resume)}, but rank {r} resumes "
-                f"from {show(c)}: every rank must load the same checkpoint"
-            )
-        for e, r in agreed.hints.items():
-            if not epoch_agrees(req.spec, req.resume, e):
-                raise FailedPrecondition(
-                    f"rank {req.rank} resumes {where} from {show(req.resume)}, which contradicts "
-                    f"set_epoch({e}) on rank {r}"
-                )
-    if req.epoch is not None:
-        if agreed.resume is not None:
-            r, c = agreed.resume
-            if not epoch_agrees(req.spec, c, req.epoch):
-                raise FailedPrecondition(
-                    f"set_epoch({req.epoch}) on rank {req.rank} contradicts the checkpoint rank {r} "
-                    f"resumes {where} from: {show(c)}"
-                )
-        elif req.resume is None:
-            for e, r in agreed.hints.items():
-                if e != req.epoch:
-                    raise FailedPrecondition(
-                        f"set_epoch({req.epoch}) on rank {req.rank} disagrees with set_epoch({e}) on rank {r} in {where}"
-                    )
-
-
-def _adopt(req: JoinRequest, job: Job | None) -> list[Event]:
-    """The amendments a join's checkpoint carries that the job has no record of (its store was lost):
-    recorded, in the checkpoint's order, after the job's own records.
-
-    Raises:
-        InvalidArgument: amendments that cannot belong to the job's spec.
-    """
-    if not req.amendments:
-        return []
-    spec = job.spec if job else req.spec
-    try:
-        spec.amended(req.amendments)
-    except ValueError as e:
-        raise InvalidArgument(f"the checkpoint's amendments do not fit job {req.job!r}'s spec: {e}") from None
-    return [AmendmentRecorded(req.job, a.kind, a.values) for a in amend.minus(req.amendments, job.amendments if job else [])]
-
-
-def _frontier(spec: Spec, start: Cursor) -> int:
-    """The first stream position past every one the resume point `start` says was consumed."""
-    n = spec.n
-    last = start.remaining[-1]
-    return start.epoch * n + (n if last[1] < n else last[0])
-
-
-def _hold(req: JoinRequest, job: Job | None, number: int, start: Cursor, events: list[Event]) -> tuple[Amendment, ...]:
-    """The amendments a generation starting at `start` deals with, each with its position.
-
-    NOTE: the checkpoint it resumed from names the amendments every position before its resume point
-    was dealt with (its timeline's); every other amendment the job recorded (pending ones, and those
-    that held in a timeline a rollback abandoned) holds from this generation's first position on, past
-    everything consumed. So any checkpoint, from any timeline, resumes by the rules its positions had.
-
-    Raises:
-        FailedPrecondition: amendments that leave the job with nothing to deal from there.
-    """
-    loaded: tuple[Amendment, ...] = ()
-    for ev in events:  # this join's own, not applied yet
-        if isinstance(ev, AmendmentsLoaded):
-            loaded = ev.amendments
-    if job is not None and job.loaded is not None and job.generation is not None and job.generation.number == number:
-        loaded = job.loaded
-    records = list(job.amendments) if job is not None else []
-    records += [Amendment(ev.kind, ev.values) for ev in events if isinstance(ev, AmendmentRecorded)]
-    if not records and not loaded:
-        return ()
-    spec = job.spec if job is not None else req.spec
-    at = max([_frontier(spec, start), *(a.at for a in loaded if a.at is not None)])
-    held = (*loaded, *(dataclasses.replace(a, at=at) for a in amend.minus(records, loaded)))
-    try:
-        spec.amended(held)
-    except ValueError as e:
-        raise FailedPrecondition(f"job {req.job!r} cannot start its generation: its amendments, held from stream "
-                                 f"position {at}, leave it with nothing to deal ({e})") from None
-    return held
 
 
 def _decide_start(spec: Spec, joined: Mapping[int, tuple[Cursor | None, int | None]], world: int) -> Cursor:
