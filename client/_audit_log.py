@@ -3,7 +3,8 @@
 Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRANK.audit``:
 
 * ``start``: the generation (number, world, token), the spec's n / tail / partition, the wall
-  clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start);
+  clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start); for
+  a mixture, its ``mixture`` (:func:`mixture_record`);
 * ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
   chunk, counted from the epoch's start as ``len()`` counts them), and the chunk's indices
   (little-endian int64);
@@ -20,10 +21,24 @@ from __future__ import annotations
 import os
 import pathlib
 import time
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgpack
 import numpy as np
+
+if TYPE_CHECKING:
+    from croupier.core.amend import Amendment
+    from croupier.core.spec import Spec
+
+
+def mixture_record(spec: Spec, amendments: tuple[Amendment, ...]) -> dict[str, Any]:
+    """A mixture's settings and the amendments its generation deals with, for the start record (the
+    audit recomputes its stream from them); {} for a spec that is not a mixture."""
+    if spec.sources is None:
+        return {}
+    return {"mixture": {"sources": list(spec.sources), "weights": [[a, list(p)] for a, p in spec.weights or ()],
+                        "max_epochs": list(spec.max_epochs or ()), "seed": spec.seed,
+                        "shuffle": spec.permutation == "feistel", "amendments": [a.to_list() for a in amendments]}}
 
 
 class AuditLog:

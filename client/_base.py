@@ -10,7 +10,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from croupier.client import _amending, _checkpointing
-from croupier.client._audit_log import AuditLog
+from croupier.client._audit_log import AuditLog, mixture_record
 from croupier.client._prefetch import _Prefetcher
 from croupier.client._progress import EpochLife
 from croupier.client._resolve import agree, dist_ready, resolve_job, resolve_world, track
@@ -84,8 +84,7 @@ class _Base(Sampler[Any]):
         self._client: CoordinatorClient | None = None
         self._address_used = ""  # the coordinator this sampler joined, to reconnect after a copy
         self._resume: Cursor | None = None  # from load_state_dict
-        #: a mixture's amendments, each with its position: the loaded state's, then the generation's
-        self._amendments: tuple[Amendment, ...] = ()
+        self._amendments: tuple[Amendment, ...] = ()  # a mixture's: the loaded state's, then the generation's
         self._resume_items: int | None = None  # items of the resumed epoch taken before the checkpoint (origin)
         self._cut_on_join: tuple[int, int] | None = None  # (epoch, items) cut by set_epoch before the join
         self._hint: int | None = None  # from set_epoch before the first batch
@@ -113,9 +112,7 @@ class _Base(Sampler[Any]):
     resume_latest = _checkpointing.resume_latest
     resume_from_step = _checkpointing.resume_from_step
     commit = _checkpointing.commit
-
-    # ---------------------------------------------------------------- a mixture's changes (croupier.client._amending)
-
+    # a mixture's changes (croupier.client._amending)
     set_weights = _amending.set_weights
     grow = _amending.grow
     skip = _amending.skip
@@ -209,7 +206,7 @@ class _Base(Sampler[Any]):
             self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
                               unit=self._unit if self._kind.fixed_batches else 0, origin=self._origin,
-                              epoch=r.start.epoch, dealing=self.spec.dealing, **self._audit_mixture())
+                              epoch=r.start.epoch, dealing=self.spec.dealing, **mixture_record(self.spec, self._amendments))
             if self._cut_on_join is not None:
                 self._audit.write(t="cut", epoch=self._cut_on_join[0], items=self._cut_on_join[1])
         if self._hint is not None and self._hint == r.start.epoch - 1:
@@ -255,16 +252,6 @@ class _Base(Sampler[Any]):
         if self._resume is not None and epoch == self._resume.epoch:
             return self._taken_before(self._resume)
         return 0
-
-    def _audit_mixture(self) -> dict[str, Any]:
-        """A mixture's settings for the audit log's start record (the audit recomputes its stream); {} otherwise."""
-        sp = self.spec
-        if sp.sources is None:
-            return {}
-        return {"mixture": {"sources": list(sp.sources), "weights": [[a, list(p)] for a, p in sp.weights or ()],
-                            "max_epochs": list(sp.max_epochs or ()), "seed": sp.seed,
-                            "shuffle": sp.permutation == "feistel",
-                            "amendments": [a.to_list() for a in self._amendments]}}
 
     def _taken_before(self, start: Cursor) -> int:
         """Items of `start`'s epoch taken before `start`, as the checkpointing rank counted them.

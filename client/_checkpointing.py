@@ -246,7 +246,7 @@ def load_state_dict(s: _Base, state_dict: dict[str, Any]) -> None:
         )
     s.job = job
     s.spec = spec
-    s._amendments = amendments if resume is not None else ()
+    s._amendments = amendments
     s._resume = resume
     s._origin = state_dict.get("origin") if resume is not None else None
     s._resume_items = items_of(state_dict, resume)

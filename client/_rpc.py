@@ -64,8 +64,10 @@ def _ranks(ranks: tuple[int, ...] | list[int], count: int | None = None) -> str:
     shown = ", ".join(map(str, list(ranks)[:16]))
     return f"[{shown}{', ...' if count > min(16, len(ranks)) else ''}] ({count} ranks)"
 
+
 def _waiting(r: pb.JoinResponse | pb.GetJobResponse) -> int:
-    """How many ranks an answer says the generation waits for (a coordinator before 0.x named them all)."""
+    """How many ranks an answer says the generation waits for (an earlier coordinator, which sends no
+    count, named every one of them)."""
     return r.waiting if r.waiting or r.started else len(r.waiting_for)
 
 
@@ -305,10 +307,9 @@ class CoordinatorClient:
             if now >= end:
                 raise TimeoutError(
                     f"rank {req.rank} of job {req.job!r} gave up after {timeout:.0f} s: generation {r.generation} "
-                    f"(world {req.world}) still waits for ranks {_ranks(r.waiting_for, r.waiting_count)}. Every rank joins "
-                    "at its first "
-                    "batch; ranks that never reach it (a crashed process, a wrong world size, or all ranks in one "
-                    "process one after another: use croupier.client.shards for that) keep the others waiting"
+                    f"(world {req.world}) still waits for ranks {_ranks(r.waiting_for, r.waiting_count)}. Every rank "
+                    "joins at its first batch; ranks that never reach it (a crashed process, a wrong world size, or all "
+                    "ranks in one process one after another: use croupier.client.shards for that) keep the others waiting"
                 )
             if now >= say:
                 log.warning("croupier: rank %d of job %r has waited %.0f s for ranks %s of generation %d (world %d)",
