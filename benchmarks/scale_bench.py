@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 import numpy as np
+import scale_ceiling
 
 BENCH = pathlib.Path(__file__).resolve()
 RESULT = "RESULT "
@@ -43,8 +44,15 @@ TARGET_FLAT = 1.5
 # --------------------------------------------------------------------------- a driver process
 
 
-async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int], lease: int) -> dict[str, Any]:
-    """Joins `ranks` of a world as the samplers do, then grants each its first lease; times on CLOCK_MONOTONIC."""
+async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int], lease: int,
+                 steady: dict[str, float] | None = None) -> dict[str, Any]:
+    """Joins `ranks` of a world as the samplers do, then grants each its first lease; times on CLOCK_MONOTONIC.
+
+    With `steady` (``lease`` batches a grant, ``step_s`` a step, ``duration_s``), the driver then says
+    READY on stdout, waits for the parent's ``GO T0`` on stdin and, from T0 for ``duration_s``, has each
+    rank ask a grant (with its progress report) every ``lease * step_s`` seconds, the ranks' phases spread
+    evenly over that period: the samplers' calls in steady training.
+    """
     import grpc
 
     from croupier.client import CHANNEL_OPTIONS
@@ -53,7 +61,9 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
-    spec = spec_to_proto(Spec(n=world * lease * 4, batch_size=1))
+    # each rank's share: its first lease and, in steady training, every lease it asks after it
+    per_rank = lease * (4 if steady is None else math.ceil(steady["duration_s"] / (lease * steady["step_s"])) + 2)
+    spec = spec_to_proto(Spec(n=world * per_rank, batch_size=1))
     # Several channels, as ranks on several machines would have: one HTTP/2 connection for thousands of
     # concurrent long polls would measure the connection, not the coordinator.
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(8)]
@@ -63,6 +73,7 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
     joined: dict[int, float] = {}
     first: dict[int, float] = {}
     started_at: dict[int, float] = {}
+    generation: dict[int, int] = {}
     exhausted = retried = ungranted = 0
     RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -91,12 +102,12 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
             joined.setdefault(r, time.monotonic())
             if resp.started:
                 started_at[r] = time.monotonic()
-                gen = resp.generation
+                generation[r] = resp.generation
                 break
         # As the sampler's prefetcher asks: one second for the grant, else the rank computes its lease itself.
         try:
-            g = await stub.Grant(pb.GrantRequest(job=job, generation=gen, rank=r, epoch=0, first_batch=0, count=lease),
-                                 timeout=1.0)
+            g = await stub.Grant(pb.GrantRequest(job=job, generation=generation[r], rank=r, epoch=0, first_batch=0,
+                                                 count=lease), timeout=1.0)
             assert g.batches > 0
         except grpc.aio.AioRpcError as e:
             if e.code() not in RETRYABLE:
@@ -106,10 +117,54 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
 
     sent = time.monotonic()
     await asyncio.gather(*(rank(r) for r in ranks))
+    out: dict[str, Any] = {"sent": sent, "joined": joined, "first": first, "started": started_at, "exhausted": exhausted,
+                           "retried": retried, "ungranted": ungranted}
+    if steady is not None:
+        out["steady"] = await _steady(stubs, job, generation, int(steady["lease"]), steady["step_s"], steady["duration_s"])
     for ch in channels:
         await ch.close()
-    return {"sent": sent, "joined": joined, "first": first, "started": started_at, "exhausted": exhausted,
-            "retried": retried, "ungranted": ungranted}
+    return out
+
+
+async def _steady(stubs: list[Any], job: str, generation: dict[int, int], lease: int, step_s: float,
+                  duration_s: float) -> dict[str, Any]:
+    """Steady training, after READY / GO with the parent: each rank's grants at its pace; their latencies (ms)."""
+    import grpc
+
+    from croupier.v1 import coordinator_pb2 as pb
+
+    print("READY", flush=True)
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    t0 = float(line.split()[1])
+    period = lease * step_s
+    latencies: list[float] = []
+    late: list[float] = []
+    failed = 0
+
+    async def rank(r: int) -> None:
+        nonlocal failed
+        stub = stubs[r % len(stubs)]
+        k = 1  # the first lease was granted at the join
+        # NOTE: the ranks' phases spread evenly over one lease's period, as ranks that started together
+        # drift apart; the sleeps pace the load (a schedule of sends), they synchronise nothing.
+        at = t0 + ((r * 0.6180339887) % 1.0) * period
+        while at < t0 + duration_s:
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            sent = time.monotonic()
+            late.append(sent - at)
+            try:
+                g = await stub.Grant(pb.GrantRequest(job=job, generation=generation[r], rank=r, epoch=0,
+                                                     first_batch=k * lease, count=lease,
+                                                     progress=pb.Progress(epoch=0, batches=k * lease)), timeout=5.0)
+                assert g.batches > 0
+                latencies.append((time.monotonic() - sent) * 1e3)
+            except grpc.aio.AioRpcError:
+                failed += 1
+            k += 1
+            at += period
+
+    await asyncio.gather(*(rank(r) for r in generation))
+    return {"latencies_ms": latencies, "failed": failed, "late_p99_ms": float(np.percentile(late, 99) * 1e3) if late else 0.0}
 
 
 def _driver(args: dict[str, Any]) -> None:
@@ -132,8 +187,10 @@ def _proc_rss(pid: int) -> int:
     return 0
 
 
-def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None) -> dict[str, Any]:
-    """One join storm of `world` ranks on a fresh `croupier serve`; its figures."""
+def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
+          steady: dict[str, float] | None = None) -> dict[str, Any]:
+    """One join storm of `world` ranks on a fresh `croupier serve`; its figures (and, with `steady`, the
+    figures of the steady training that follows it: see `_ranks`)."""
     with tempfile.TemporaryDirectory() as tmp:
         serve = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store",
                                   f"sqlite:///{tmp}/c.db"], stdout=subprocess.PIPE, text=True)
@@ -148,8 +205,24 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None)
                                      "-f", "raw"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if profile else None)
             parts = [list(range(world))[i::drivers] for i in range(drivers)]
             procs = [subprocess.Popen([sys.executable, str(BENCH), "--driver", json.dumps(dict(
-                address=address, job="storm", token=f"w{world}", world=world, ranks=p, lease=lease))],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in parts]
+                address=address, job="storm", token=f"w{world}", world=world, ranks=p,
+                lease=lease if steady is None else int(steady["lease"]), steady=steady))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in parts]
+            window: dict[str, float] = {}
+            if steady is not None:
+                for p in procs:  # every rank has its first batch: the storm is over
+                    assert p.stdout is not None
+                    for line in p.stdout:
+                        if line.strip() == "READY":
+                            break
+                    else:
+                        raise RuntimeError(f"a driver ended before its storm did (exit {p.wait()})")
+                window["cpu"] = _proc_cpu_s(serve.pid)
+                window["t0"] = time.monotonic() + 0.2
+                for p in procs:
+                    assert p.stdin is not None
+                    p.stdin.write(f"GO {window['t0']}\n")
+                    p.stdin.flush()
             results = []
             for p in procs:
                 out, _ = p.communicate(timeout=900)
@@ -157,7 +230,9 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None)
                 if p.returncode != 0 or not lines:
                     raise RuntimeError(f"a driver failed (exit {p.returncode}):\n{out[-3000:]}")
                 results.append(json.loads(lines[-1][len(RESULT):]))
-            cpu, rss = _proc_cpu_s(serve.pid) - cpu0, _proc_rss(serve.pid) - rss0
+            cpu, rss = window.get("cpu", _proc_cpu_s(serve.pid)) - cpu0, _proc_rss(serve.pid) - rss0
+            if steady is not None:
+                window["cores"] = (_proc_cpu_s(serve.pid) - window["cpu"]) / (time.monotonic() - window["t0"])
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(timeout=60)
@@ -172,7 +247,17 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None)
     # the last join, as the ranks can see it.
     last_join = min(t for r in results for t in r["started"].values())
     after = (first - last_join) * 1e3  # ms from the last join to each rank's first batch
+    if steady is not None:
+        lat = np.array([x for r in results for x in r["steady"]["latencies_ms"]])
+        window.update(world=world, lease=int(steady["lease"]), step_s=steady["step_s"], duration_s=steady["duration_s"],
+                      grants=len(lat), grants_per_s=len(lat) / steady["duration_s"],
+                      failed=sum(r["steady"]["failed"] for r in results),
+                      grant_p50_ms=float(np.percentile(lat, 50)) if len(lat) else math.nan,
+                      grant_p99_ms=float(np.percentile(lat, 99)) if len(lat) else math.nan,
+                      grant_max_ms=float(lat.max()) if len(lat) else math.nan,
+                      late_p99_ms=max(r["steady"]["late_p99_ms"] for r in results))
     return {
+        "steady": window or None,
         "world": world, "joins_per_s": world / max(max(joined) - sent, 1e-9),
         "first_p50_ms": float(np.percentile(after, 50)), "first_p99_ms": float(np.percentile(after, 99)),
         "first_max_ms": float(after.max()), "storm_s": float(first.max() - sent),
@@ -325,21 +410,46 @@ def render_recovery(r: dict[str, Any]) -> str:
     ])
 
 
+#: The issue's targets for steady training: the coordinator below one core, grant p99 below 10 ms.
+TARGET_STEADY_CORES, TARGET_STEADY_P99_MS = 1.0, 10.0
+
+
+def render_steady(rows: list[dict[str, Any]]) -> str:
+    lines = ["| ranks | a grant every | grants/s offered (answered) | coordinator cores | grant p50 / p99 / max "
+             "| failed | target |", "|---|---|---|---|---|---|---|"]
+    lines.extend(_steady_row(r) for r in rows)
+    return "\n".join(lines)
+
+
+def _steady_row(r: dict[str, Any]) -> str:
+    ok = r["cores"] < TARGET_STEADY_CORES and r["grant_p99_ms"] < TARGET_STEADY_P99_MS and not r["failed"]
+    return (
+        f"| {r['world']:,} | {r['lease']} steps of {r['step_s']:g} s | {r['world'] / (r['lease'] * r['step_s']):,.0f} "
+        f"({r['grants_per_s']:,.0f}) | {r['cores']:.3f} | {r['grant_p50_ms']:.1f} / {r['grant_p99_ms']:.1f} / "
+        f"{r['grant_max_ms']:.1f} ms | {r['failed']} | < {TARGET_STEADY_CORES:g} core and p99 < "
+        f"{TARGET_STEADY_P99_MS:g} ms: {_verdict(ok)} |"
+    )
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
     """The table, with each target beside its figure."""
-    head = ("| ranks | joins/s | first batch after the last join p50 / p99 / max | coordinator CPU per rank "
-            "| RSS per rank | waits refused (retried) | target |")
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = ("| ranks | joins/s | first batch after the last join p50 / p99 / max | ceiling: bare gRPC, p50 / p99 "
+            "| coordinator CPU per rank | RSS per rank | waits refused | target |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = TARGET_P99_S.get(r["world"])
+        c = r.get("ceiling")
         target = (f"p99 < {t * 1e3:g} ms: {_verdict(r['first_p99_ms'] < t * 1e3)}" if t is not None else "")
+        if t is not None and c is not None and c["p99_ms"] >= t * 1e3:
+            target += " (out of reach here: the ceiling's p99 is over it)"
+        ceiling = f"{c['p50_ms']:.0f} / {c['p99_ms']:.0f} ms" if c is not None else "-"
         lines.append(f"| {r['world']:,} | {r['joins_per_s']:,.0f} | {r['first_p50_ms']:.0f} / {r['first_p99_ms']:.0f} / "
-                     f"{r['first_max_ms']:.0f} ms | {r['cpu_ms_per_rank']:.2f} ms | {r['rss_bytes_per_rank'] / 1024:.1f} KiB "
-                     f"| {r['refused_waits']:,} | {target} |")
+                     f"{r['first_max_ms']:.0f} ms | {ceiling} | {r['cpu_ms_per_rank']:.2f} ms "
+                     f"| {r['rss_bytes_per_rank'] / 1024:.1f} KiB | {r['refused_waits']:,} | {target} |")
     if len(rows) > 1:
         lo, hi = rows[0], rows[-1]
         ratio = hi["cpu_ms_per_rank"] / lo["cpu_ms_per_rank"] if lo["cpu_ms_per_rank"] else math.inf
@@ -359,6 +469,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="also: a coordinator of this many jobs (1 to 512 ranks each) recovered after kill -9")
     ap.add_argument("--events", type=int, default=1_000_000, help="events journaled for --jobs (default 1e6)")
     ap.add_argument("--snapshot-every", type=int, default=1000, help="the coordinator's --snapshot-every for --jobs")
+    ap.add_argument("--steady", type=int, default=0, help="also: steady training of this many ranks after their storm")
+    ap.add_argument("--steady-lease", default="256",
+                    help="batches per grant in steady training, comma-separated for several runs (default: the batch "
+                         "sampler's default lease)")
+    ap.add_argument("--steady-step", type=float, default=1.0, help="seconds per training step (default 1)")
+    ap.add_argument("--steady-duration", type=float, default=0.0,
+                    help="seconds of steady training measured (default: one lease's period, so every rank asks once)")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
     ap.add_argument("--fill", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -371,8 +488,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for w in [int(x) for x in args.worlds.split(",") if x]:
         rows.append(storm(w, args.drivers, profile=args.profile))
+        rows[-1]["ceiling"] = scale_ceiling.ceiling(w, args.drivers)
         print(json.dumps(rows[-1]), flush=True)
     table = render(rows) if rows else ""
+    if args.steady:
+        steady = []
+        for lease in [int(x) for x in args.steady_lease.split(",")]:
+            # by default, one lease's period: every rank asks its grant once
+            duration = args.steady_duration or lease * args.steady_step
+            steady.append(storm(args.steady, args.drivers, steady=dict(lease=lease, step_s=args.steady_step,
+                                                                       duration_s=duration))["steady"])
+            print(json.dumps(steady[-1]), flush=True)
+        table += ("\n\n" if table else "") + render_steady(steady)
     if args.jobs:
         rec = recovery(args.jobs, args.events, args.snapshot_every)
         print(json.dumps(rec), flush=True)
