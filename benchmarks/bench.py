@@ -145,11 +145,12 @@ def _in_process_coordinator() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _serve_process(store: str) -> Iterator[str]:
-    """`croupier serve` in a child process (its log on this one's stderr); yields its address and stops it on exit."""
+def _serve_process(store: str, args: Sequence[str] = ()) -> Iterator[str]:
+    """`croupier serve` in a child process (its log on this one's stderr), with more of its options in `args`;
+    yields its address and stops it on exit."""
     from croupier.tools._serve import ServeProcess
 
-    p = ServeProcess(store, sys.stderr).start()
+    p = ServeProcess(store, sys.stderr, args=args).start()
     try:
         yield p.address
     finally:

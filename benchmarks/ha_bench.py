@@ -234,10 +234,10 @@ def _floors(pg_url: str, sqlite_path: Path, count: int) -> dict[str, dict[str, f
 
 
 @contextlib.contextmanager
-def _replicas(store: str, count: int) -> Iterator[list[str]]:
-    """`count` `croupier serve` processes on `store`; yields their addresses, stops them all on exit."""
+def _replicas(store: str, count: int, args: Sequence[str] = ()) -> Iterator[list[str]]:
+    """`count` `croupier serve` processes on `store` (more options in `args`); yields their addresses, stops them all on exit."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(_serve_process(store)) for _ in range(count)]
+        yield [stack.enter_context(_serve_process(store, args)) for _ in range(count)]
 
 
 # --------------------------------------------------------------------------- report
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny runs, seconds in all (what the test suite runs)")
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="where ha.md goes (default out/bench)")
+    parser.add_argument("--max-staleness-ms", type=int, default=None,
+                        help="the replicas' --max-staleness-ms (default: croupier serve's; 0 asks the database on every grant)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     def step(what: str) -> None:
         print(f"[{time.perf_counter() - t_begin:6.1f} s] {what}", file=sys.stderr, flush=True)
 
+    serve_args = () if args.max_staleness_ms is None else ("--max-staleness-ms", str(args.max_staleness_ms))
     res: dict[str, dict[str, Any]] = {}
     pg = Postgres()
     try:
@@ -359,13 +362,13 @@ def main(argv: list[str] | None = None) -> int:
                 res["sqlite"] = _measure(addresses, joins, ranks, seconds, drivers)
         for n in replicas:
             step(f"PostgreSQL, {n} replica(s)")
-            with _replicas(pg.fresh_database(f"ha{n}"), n) as addresses:
+            with _replicas(pg.fresh_database(f"ha{n}"), n, serve_args) as addresses:
                 res[f"pg{n}"] = _measure(addresses, joins, ranks, seconds, drivers)
     finally:
         pg.close()
 
     took = time.perf_counter() - t_begin
-    command = "python benchmarks/ha_bench.py" + (" --quick" if quick else "")
+    command = "python benchmarks/ha_bench.py" + (" --quick" if quick else "") + "".join(f" {a}" for a in serve_args)
     machine = _machine(versions)
     load = f"load average {load_before} before, {_load()} after"
     table = _table(res, replicas, ranks)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from croupier.core.errors import CroupierError, Unavailable
 from croupier.server._events import Event
 from croupier.server._journal import pack_event, pack_snapshot, replay
-from croupier.server._store import StoreConflict, StoreError, StoreUnavailable
+from croupier.server._store import StoreConflict, StoreError, StoreUnavailable, Watched
 
 if TYPE_CHECKING:
     from croupier.server._coordinator import Coordinator
@@ -72,8 +72,9 @@ class Commits(Protocol):
         """Journals and applies the events of ``decide()`` and returns its value (durable first when `durable`)."""
         ...
 
-    def refresh(self) -> None:
-        """Brings the state up to date with what other writers made durable (nothing for a single writer)."""
+    def refresh(self, force: bool = False) -> None:
+        """Brings the state up to date with what other writers made durable (nothing for a single writer);
+        `force` asks the store even where it may answer from what it knows (after a conflict)."""
         ...
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int) -> bool:
@@ -114,7 +115,7 @@ class WriterCommits:
             c._wait_durable(c._seq)
         return value
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         pass
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int) -> bool:
@@ -173,15 +174,18 @@ class SharedCommits:
 
     def commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
         c = self.c
+        conflicted = False
         for _ in range(CONFLICTS):
-            c._fresh()
+            c._check_ok()
+            self.refresh(force=conflicted)
             value, events = decide()
             if not events:
                 return value
             try:
                 last = c.store.append_at(c._seq, [pack_event(ev) for ev in events])
             except StoreConflict:
-                continue  # another replica wrote first: read what it wrote and decide again
+                conflicted = True  # another replica wrote first: read what it wrote and decide again
+                continue
             except StoreUnavailable as e:
                 # NOTE: nothing was applied here; whether the commit landed (a connection lost
                 # during it) the next read of the journal tells.
@@ -204,11 +208,25 @@ class SharedCommits:
         raise Unavailable(f"the coordinator's store {c.store.url} kept changing under this replica "
                           f"({CONFLICTS} conflicting writes in a row); retry")
 
-    def refresh(self) -> None:
-        """Reads what other replicas journaled since this one last looked (fencing needs the latest generation)."""
+    def refresh(self, force: bool = False) -> None:
+        """Reads what other replicas journaled since this one last looked (fencing needs the latest generation).
+
+        NOTE: where the store is watched (:class:`Watched`) and the coordinator has a staleness bound,
+        the journal's end comes from the watch while it confirmed it within the bound, so a grant
+        asks the database nothing: it is answered from the state of at most the bound ago. That is
+        safe for what such calls decide: a grant authorises nothing (a rank computes its batches
+        without one through an outage, and a generation resumes from a checkpoint, which is
+        journaled); every write still appends at the seq it decided on, and a conflict re-reads
+        with `force`, so writes stay exact.
+        """
         c = self.c
         try:
-            if c.store.last_seq() == c._seq:
+            last = None
+            if not force and c.max_staleness_s > 0 and isinstance(c.store, Watched):
+                last = c.store.known_last(c.max_staleness_s)
+            if last is None:
+                last = c.store.last_seq()
+            if last <= c._seq:  # a watch may not have seen this replica's own latest append yet
                 return
             rec = c.store.read_since(c._seq)
         except StoreUnavailable as e:

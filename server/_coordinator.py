@@ -58,7 +58,8 @@ class Coordinator:
     until the process is restarted and recovers from what the store made durable.
     """
 
-    def __init__(self, store: Store, snapshot_every: int = 1000, max_jobs: int | None = None) -> None:
+    def __init__(self, store: Store, snapshot_every: int = 1000, max_jobs: int | None = None,
+                 max_staleness_s: float = 0.0) -> None:
         """Recovers the state the store holds and starts its commit protocol's thread (the journal
         writer of a single-writer store, the progress-report writer of a shared one).
 
@@ -67,6 +68,9 @@ class Coordinator:
                 recovery fails).
             snapshot_every: Events between two snapshots.
             max_jobs: Jobs held at most: a join that would register one more is RESOURCE_EXHAUSTED.
+            max_staleness_s: On a shared store that is watched (PostgreSQL), reads (grants, leases,
+                a job's status) may be answered from a state confirmed this long ago instead of asking
+                the database first; 0 asks every time. Writes are exact either way.
 
         Raises:
             StoreCorrupt: If the store's contents could not be verified, or a record or the
@@ -76,6 +80,9 @@ class Coordinator:
         self.store = store
         self.snapshot_every = snapshot_every
         self.max_jobs = max_jobs
+        if not 0 <= max_staleness_s <= 60:
+            raise ValueError(f"max_staleness_s must be in [0, 60] seconds (got {max_staleness_s=})")
+        self.max_staleness_s = max_staleness_s
         try:
             self._state, rec = recover(store)
         except BaseException:

@@ -35,6 +35,11 @@ class ServerOptions:
         snapshot_every: Journal records between two snapshots of the whole state: recovery reads
             the last snapshot and replays at most this many records, while each snapshot writes
             every job (fewer, larger snapshots for a coordinator of many jobs).
+        max_staleness_ms: Replicas on PostgreSQL: how old (ms) the replica's knowledge of the
+            journal's end may be when it answers a grant, a lease or a job's status without asking
+            the database (it listens for appends and confirms every third of this); 0 asks the
+            database on every such call. Writes (joins, checkpoints, reports) are exact either
+            way. No effect on a single coordinator, which is the only writer of its store.
     """
 
     tls_cert: str | None = None
@@ -49,6 +54,7 @@ class ServerOptions:
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"
     snapshot_every: int = 1000
+    max_staleness_ms: int = 100
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -59,6 +65,9 @@ class ServerOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int (got {name}={value!r})")
+        m = self.max_staleness_ms
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 60_000:
+            raise ValueError(f"max_staleness_ms must be an int in [0, 60000] (got max_staleness_ms={m!r})")
         if self.max_world > MAX_WORLD:
             raise ValueError(f"max_world must be at most {MAX_WORLD} (got max_world={self.max_world})")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -13,6 +13,7 @@ import psycopg.errors
 import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from croupier.server._pg_watch import CHANNEL, JournalWatch
 from croupier.server._store import (
     Recovered,
     StoreConflict,
@@ -217,6 +218,8 @@ class PostgresStore:
             raise ValueError(f"store URL {self.url!r} is not a PostgreSQL URL libpq reads: {self._reason(exc)}") from None
         self._secrets += _secrets_in(str(params.get("password") or ""), whole=True)
         conninfo = make_conninfo(url, **{k: v for k, v in _DEFAULTS.items() if k not in params})
+        self._conninfo = conninfo
+        self._watch: JournalWatch | None = None
 
         try:
             conn = psycopg.connect(conninfo)
@@ -420,12 +423,26 @@ class PostgresStore:
                     f"postgresql store {self.url}: another writer appended record {expected_last + 1} first "
                     "(nothing was written)"
                 ) from None
-        assert row is not None  # the statement always returns one row
-        last, inserted = int(row[0]), int(row[1])
+            assert row is not None  # the statement always returns one row
+            last, inserted = int(row[0]), int(row[1])
+            if inserted == len(payloads):  # goes out when the transaction commits, to every replica's watch
+                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(seqs[-1])))
         if inserted != len(payloads):
             check_expected_last(expected_last, last, self.url)
             raise self._corrupt(f"append at {expected_last} inserted {inserted} of {len(payloads)} records")
         return seqs[-1]
+
+    def known_last(self, max_age_s: float) -> int | None:
+        """The journal's last seq without a query, if this store's watch confirmed it within `max_age_s`
+        (None: ask, with :meth:`last_seq`). The first call starts the watch (a LISTEN connection that
+        confirms every third of `max_age_s`): see ``croupier.server._pg_watch``."""
+        if self._closed:
+            return None
+        if self._watch is None:
+            with self._close_lock:
+                if self._watch is None and not self._closed:
+                    self._watch = JournalWatch(self._conninfo, f"SELECT {_LAST}", max(max_age_s / 3, 0.01), self.url)
+        return None if self._watch is None else self._watch.known_last(max_age_s)
 
     def write_snapshot(self, seq: int, payload: bytes) -> None:
         """See :meth:`Store.write_snapshot`: replaces an older snapshot, ignores one not newer; prunes with a margin."""
@@ -447,4 +464,6 @@ class PostgresStore:
             if self._closed:
                 return
             self._closed = True
+        if self._watch is not None:
+            self._watch.close()
         self._pool.close(timeout=5.0)

@@ -291,7 +291,7 @@ class Server:
         self.auth = auth if auth is not None else Authorizer(path=o.auth_file) if o.auth_file else None
         tls = _tls_credentials(o)  # read before anything starts: a bad file fails here
         self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url, max_jobs=o.max_jobs,
-                                snapshot_every=o.snapshot_every)
+                                snapshot_every=o.snapshot_every, max_staleness_s=o.max_staleness_ms / 1000)
         self._servicer = servicer = CoordinatorServicer(self.core, self.auth, o)
         self._pool = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="croupier-rpc")
         # Every call passes these in order: the first sees it first (and its outcome last).

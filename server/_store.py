@@ -462,3 +462,13 @@ def parse_url(url: str) -> tuple[str, str]:
             )
         return "postgresql", url
     raise ValueError(f"unsupported store URL {shown}: supported schemes are {', '.join(SCHEMES)}")
+
+
+@runtime_checkable
+class Watched(Protocol):
+    """A shared store that knows the journal's last seq without a query while that knowledge is fresh
+    (``postgresql://``: LISTEN and a heartbeat, see ``croupier.server._pg_watch``)."""
+
+    def known_last(self, max_age_s: float) -> int | None:
+        """The journal's last seq if confirmed within the last `max_age_s` seconds, else None (ask :meth:`Store.last_seq`)."""
+        ...

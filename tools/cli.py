@@ -50,6 +50,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
             max_jobs=args.max_jobs, max_world=args.max_world, max_request_bytes=args.max_request_bytes,
             max_concurrent_joins=args.max_concurrent_joins, metrics_port=args.metrics_port,
             metrics_host=args.metrics_host, log_format=args.log_format, snapshot_every=args.snapshot_every,
+            max_staleness_ms=args.max_staleness_ms,
         )
     except ValueError as e:
         print(f"croupier serve: error: {e}", file=sys.stderr)
@@ -172,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--snapshot-every", type=int, default=1000,
                    help="journal records between two snapshots of the state: recovery replays at most this many "
                         "(default 1000)")
+    s.add_argument("--max-staleness-ms", type=int, default=100,
+                   help="replicas on PostgreSQL: answer grants from what the replica knows while it confirmed the "
+                        "journal's end within this many ms (it listens for appends); 0 asks the database on every "
+                        "grant (default 100)")
     s.set_defaults(func=_serve_cmd)
 
     h = sub.add_parser("health", help="check a coordinator's health service (for probes); TLS settings from "

@@ -1,0 +1,92 @@
+"""How a replica knows the journal's end without asking the database on every call: LISTEN plus a heartbeat.
+
+Every append on PostgreSQL notifies ``croupier_journal`` with its last seq (in its transaction, so
+the notification goes out at its commit). A :class:`JournalWatch` listens on a connection of its
+own and, every ``heartbeat_s``, asks the journal's last seq on that same connection. What it knows
+is the largest seq either told it; it is *confirmed* as of the moment the last heartbeat was sent
+(the answer reflects the database at that moment or later).
+
+A replica may then take "the journal ends at seq S" without a query while that confirmation is
+younger than its staleness bound: what it serves is the database's state as of at most the bound
+ago. A notification tells it sooner that it is behind (it then reads what it lacks). A watch that
+loses its connection stops confirming, so after the bound the replica asks the database on every
+call again, as it would without a watch, and answers UNAVAILABLE if the database is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+log = logging.getLogger("croupier.server")
+
+#: The channel appends notify.
+CHANNEL = "croupier_journal"
+#: The watch's connection's name in ``pg_stat_activity``.
+APPLICATION = "croupier-watch"
+#: The longest a watch waits before connecting again after losing its connection.
+_MAX_BACKOFF_S = 1.0
+
+
+class JournalWatch:
+    """A thread that keeps the journal's last seq known and confirmed (see the module)."""
+
+    def __init__(self, conninfo: str, last_query: str, heartbeat_s: float, url: str) -> None:
+        if not heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s must be > 0 (got {heartbeat_s=})")
+        self._conninfo, self._last_query, self.heartbeat_s, self._url = conninfo, last_query, heartbeat_s, url
+        self._lock = threading.Lock()
+        self._known = 0
+        self._confirmed = -float("inf")  # time.monotonic() of the last heartbeat sent and answered
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="croupier-pg-watch", daemon=True)
+        self._thread.start()
+
+    def known_last(self, max_age_s: float) -> int | None:
+        """The journal's last seq if confirmed within `max_age_s` (monotonic), else None: ask the database."""
+        with self._lock:
+            if time.monotonic() - self._confirmed <= max_age_s:
+                return self._known
+            return None
+
+    def _saw(self, seq: int, sent: float | None) -> None:
+        with self._lock:
+            self._known = max(self._known, seq)
+            if sent is not None:
+                self._confirmed = max(self._confirmed, sent)
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed.is_set():
+            try:
+                with psycopg.connect(self._conninfo, autocommit=True, application_name=APPLICATION) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    backoff = 0.05
+                    self._serve(conn)
+            except psycopg.Error as e:
+                if not self._closed.is_set():
+                    log.debug("store %s: journal watch lost its connection: %s", self._url, e)
+            # NOTE: a backoff between connection attempts (bounded), not synchronisation.
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    def _serve(self, conn: psycopg.Connection[Any]) -> None:
+        while not self._closed.is_set():
+            sent = time.monotonic()
+            row = conn.execute(self._last_query).fetchone()
+            self._saw(int(row[0]) if row is not None else 0, sent)
+            for n in conn.notifies(timeout=self.heartbeat_s):
+                try:
+                    self._saw(int(n.payload), None)
+                except ValueError:
+                    log.warning("store %s: notification %r on %s is not a seq", self._url, n.payload, CHANNEL)
+                if time.monotonic() - sent >= self.heartbeat_s:
+                    break
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=self.heartbeat_s + 6.0)

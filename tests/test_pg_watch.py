@@ -1,0 +1,120 @@
+"""Replicas on PostgreSQL answer grants without a query each, and never from a state older than their bound."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from croupier.core.api import JoinRequest
+from croupier.core.errors import Aborted
+from croupier.core.spec import Spec
+from croupier.server._coordinator import Coordinator
+from croupier.server._pg_store import PostgresStore
+from croupier.server._pg_watch import APPLICATION
+
+#: The fixtures postgres (the session's server) and postgres_url (a fresh database per test).
+pytest_plugins = ["_postgres"]
+
+SPEC = Spec(n=4096, batch_size=4)
+
+
+class Counting(PostgresStore):
+    """A PostgreSQL store that counts the journal-end queries its replica makes."""
+
+    asked = 0
+
+    def last_seq(self) -> int:
+        self.asked += 1
+        return super().last_seq()
+
+
+def _replica(url: str, staleness_s: float) -> tuple[Coordinator, Counting]:
+    store = Counting(url)
+    return Coordinator(store, max_staleness_s=staleness_s), store
+
+
+def _start(c: Coordinator, world: int, token: str) -> int:
+    """Every rank of a `world` joins through `c`; the generation's number."""
+    for r in range(world):
+        res = c.join(JoinRequest("j", SPEC, token, world, r))
+    assert res.start is not None
+    return res.generation
+
+
+def _until(check: Any, within_s: float) -> float:
+    """Calls `check` until it returns True; the seconds that took (fails past `within_s`)."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < within_s, f"not within {within_s} s"
+    return time.monotonic() - t0
+
+
+def _aborted(c: Coordinator, generation: int) -> bool:
+    try:
+        c.grant("j", generation, 0, 0, 0, 1)
+    except Aborted:
+        return True
+    return False
+
+
+def test_a_watched_replica_answers_grants_without_asking_the_database(postgres_url: str) -> None:
+    a, store = _replica(postgres_url, 0.5)
+    try:
+        gen = _start(a, 2, "t1")
+        a.grant("j", gen, 0, 0, 0, 1)  # starts the watch
+        _until(lambda: store.known_last(0.5) is not None, 10.0)
+        before = store.asked
+        for i in range(200):
+            a.grant("j", gen, i % 2, 0, i // 2, 1, (0, i // 2))
+        assert store.asked - before <= 2, f"{store.asked - before} journal-end queries for 200 grants"
+    finally:
+        a.close()
+    unwatched, store0 = _replica(postgres_url, 0.0)
+    try:
+        before = store0.asked
+        for i in range(20):
+            unwatched.grant("j", gen, 0, 0, i, 1)
+        assert store0.asked - before >= 20  # the bound at 0: a query per grant, as before the watch
+    finally:
+        unwatched.close()
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["listening", "watch-connection-cut"])
+def test_a_replica_learns_of_a_replaced_generation_within_its_bound(postgres_url: str, cut: bool) -> None:
+    """Replica B replaces the generation replica A serves; A refuses the old one within its bound.
+
+    With the watch's connection cut (its backend terminated, as a partition between the replica and
+    the database would), A stops confirming and asks the database again once the bound has passed.
+    Fails if the confirmation never expires (A would serve the replaced generation for as long as the
+    watch is gone).
+    """
+    bound = 0.3
+    db = postgres_url.rsplit("/", 1)[1].split("?")[0]
+    admin = postgres_url.rsplit("/", 1)[0] + "/postgres"
+    a, store = _replica(postgres_url, bound)
+    b, _ = _replica(postgres_url, bound)
+    try:
+        old = _start(a, 2, "t1")
+        a.grant("j", old, 0, 0, 0, 1)
+        _until(lambda: store.known_last(bound) is not None, 10.0)
+        if cut:  # no new connection to the database; the watch's own cut (the pools' stay open)
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
+                killed = conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                      "WHERE application_name = %s", (APPLICATION,)).fetchall()
+            assert len(killed) == 1
+        # NOTE: B opens a new generation (world 3); its join returns once it is committed.
+        b.join(JoinRequest("j", SPEC, "t2", 3, 0))
+        committed = time.monotonic()
+        _until(lambda: _aborted(a, old), 10.0)
+        took = time.monotonic() - committed
+        assert took <= bound + 0.2, f"replica A served the replaced generation for {took:.3f} s (bound {bound} s)"
+    finally:
+        a.close()
+        b.close()
+        if cut:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
