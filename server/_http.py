@@ -13,12 +13,17 @@ from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from croupier.server._progress import JobView, view_json
 
 log = logging.getLogger("croupier.server")
 
+#: A page of jobs: (after, limit) -> (the page's jobs, how many jobs there are).
+Views = Callable[[str, int], tuple[list[JobView], int]]
+
+#: Jobs one ``/api/jobs`` answer names unless asked (``?limit=``), and at most.
+PAGE_JOBS, MAX_PAGE_JOBS = 50, 10_000
 #: The Prometheus text format.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXT = "text/plain; charset=utf-8"
@@ -27,7 +32,7 @@ TEXT = "text/plain; charset=utf-8"
 class Endpoint:
     """An HTTP server in a daemon thread that only reads: every answer is computed from the callables it is given."""
 
-    def __init__(self, host: str, port: int, metrics: Callable[[], bytes], views: Callable[[], list[JobView]],
+    def __init__(self, host: str, port: int, metrics: Callable[[], bytes], views: Views,
                  failed: Callable[[], str | None]) -> None:
         """Binds `host`:`port` (0: a free port) and serves until :meth:`stop`.
 
@@ -35,7 +40,8 @@ class Endpoint:
             host: Interface to listen on (an IPv6 address with or without brackets).
             port: Port to listen on; 0 picks a free one.
             metrics: The Prometheus exposition of the server's registry.
-            views: Every job, summarised (``/api/jobs`` and the status page).
+            views: A page of jobs, summarised, from the name after which it starts and its length, and
+                how many jobs there are (``/api/jobs`` and the status page).
             failed: Why the coordinator stopped acknowledging, or None (``/healthz``).
 
         Raises:
@@ -72,29 +78,41 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _handler(metrics: Callable[[], bytes], views: Callable[[], list[JobView]],
+def _handler(metrics: Callable[[], bytes], views: Views,
              failed: Callable[[], str | None]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "croupier"
 
         def do_GET(self) -> None:  # noqa: N802 (the http.server protocol)
             try:
-                self._get(urlsplit(self.path).path)
+                url = urlsplit(self.path)
+                self._get(url.path, parse_qs(url.query))
             except Exception:
                 log.exception("metrics endpoint: GET %s failed", self.path)
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, TEXT, b"internal error (see the coordinator's log)\n")
 
-        def _get(self, path: str) -> None:
+        def _get(self, path: str, query: dict[str, list[str]]) -> None:
             if path == "/metrics":
                 self._send(HTTPStatus.OK, METRICS_CONTENT_TYPE, metrics())
             elif path == "/":
                 self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode(), {"Content-Security-Policy": PAGE_CSP})
             elif path == "/api/jobs":
+                try:
+                    after, limit = _page(query)
+                except ValueError as e:
+                    self._send(HTTPStatus.BAD_REQUEST, TEXT, f"{e}\n".encode())
+                    return
                 now_ms = int(time.time() * 1000)
                 why = failed()
-                body: dict[str, Any] = {"now_unix_ms": now_ms, "coordinator_failed": why, "jobs": []}
+                body: dict[str, Any] = {"now_unix_ms": now_ms, "coordinator_failed": why, "jobs": [], "total": 0,
+                                        "next_after": None}
                 if why is None:
-                    body["jobs"] = [view_json(v, now_ms) for v in views()]
+                    page, total = views(after, limit)
+                    body["jobs"] = [view_json(v, now_ms) for v in page]
+                    body["total"] = total
+                    # the page's last name: the next page starts after it (None on the last page)
+                    if page and len(page) == limit:
+                        body["next_after"] = page[-1].name
                 self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
             elif path == "/healthz":
                 why = failed()
@@ -120,6 +138,19 @@ def _handler(metrics: Callable[[], bytes], views: Callable[[], list[JobView]],
             log.debug("metrics endpoint: %s - %s", self.address_string(), format % args)
 
     return Handler
+
+
+def _page(query: dict[str, list[str]]) -> tuple[str, int]:
+    """``/api/jobs``'s page from its query: ``after`` (a job name: the page starts after it) and ``limit``."""
+    after = query.get("after", [""])[-1]
+    raw = query.get("limit", [str(PAGE_JOBS)])[-1]
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE_JOBS:
+        raise ValueError(f"limit must be an int in [1, {MAX_PAGE_JOBS}] (got limit={raw!r})")
+    return after, limit
 
 
 _SCRIPT = r"""
@@ -174,16 +205,36 @@ function render(data) {
                                                           .map(h => el("th", {}, h)))), body)));
   }
 }
-async function refresh() {
+// The page of jobs shown: the name it starts after ("" for the first), as /api/jobs takes it.
+let after = "";
+function pages(data) {
+  const nav = document.getElementById("pages");
+  nav.replaceChildren();
+  if (data.total <= data.jobs.length && !after) return;
+  nav.append(el("span", {}, data.jobs.length + " of " + data.total + " jobs "));
+  if (after) {
+    const b = el("button", {type: "button", id: "first"}, "first page");
+    b.addEventListener("click", () => { after = ""; refresh(false); });
+    nav.append(b);
+  }
+  if (data.next_after !== null) {
+    const b = el("button", {type: "button", id: "next"}, "next page");
+    b.addEventListener("click", () => { after = data.next_after; refresh(false); });
+    nav.append(b);
+  }
+}
+async function refresh(again = true) {
   const status = document.getElementById("updated");
   try {
-    const r = await fetch("api/jobs", {cache: "no-store"});
-    render(await r.json());
+    const r = await fetch("api/jobs?after=" + encodeURIComponent(after), {cache: "no-store"});
+    const data = await r.json();
+    render(data);
+    pages(data);
     status.textContent = "updated " + new Date().toLocaleTimeString() + " \u00b7 refreshes every 2 s";
   } catch (e) {
     status.textContent = "cannot reach the coordinator (" + e + "); retrying";
   }
-  setTimeout(refresh, 2000);
+  if (again) setTimeout(refresh, 2000);
 }
 refresh();
 """
@@ -221,6 +272,7 @@ PAGE = """<!doctype html>
 <th>last activity</th></tr></thead>
 <tbody id="jobs"></tbody>
 </table>
+<div id="pages"></div>
 <div id="ranks"></div>
 <script>""" + _SCRIPT + """</script>
 </body>

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -65,7 +66,7 @@ class Metrics:
         """
         if self._endpoint is None:
             self._endpoint = Endpoint(self.host, self.port, lambda: generate_latest(self.registry),
-                                      lambda: job_views(self.core), lambda: self.core.failed)
+                                      lambda after, limit: job_page(self.core, after, limit), lambda: self.core.failed)
 
     def stop(self) -> None:
         """Stops the HTTP endpoint (the metrics themselves stay readable)."""
@@ -128,13 +129,24 @@ class _Interceptor(grpc.ServerInterceptor):
 
 def job_views(core: Coordinator) -> list[JobView]:
     """Every job the coordinator holds, summarised (a job that fails to read is left out)."""
+    return job_page(core, "", None)[0]
+
+
+def job_page(core: Coordinator, after: str, limit: int | None) -> tuple[list[JobView], int]:
+    """Up to `limit` jobs (None: all) named after `after` in name order, summarised; and how many jobs there are.
+
+    Only the jobs of the page are read: a page costs the same with 10 jobs or 10,000 (the names are
+    listed, in order, once).
+    """
+    names = core.jobs()  # sorted
+    first = bisect.bisect_right(names, after) if after else 0
     out = []
-    for name in core.jobs():
+    for name in names[first:] if limit is None else names[first:first + limit]:
         try:
             out.append(job_view(name, core.job(name)))
         except CroupierError:
             continue
-    return out
+    return out, len(names)
 
 
 class _JobsCollector(Collector):

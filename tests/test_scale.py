@@ -148,3 +148,43 @@ def test_list_jobs_and_croupier_status_go_by_pages() -> None:
         assert rows[0].startswith("job-100") and len(rows) == 20 and "20 of 120 jobs after 'job-099'" in run.stdout
     finally:
         server.stop(grace=0.5)
+
+
+def test_the_status_page_goes_by_pages_and_reads_only_its_page() -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from croupier.server import ServerOptions
+    from croupier.server._service import Server
+
+    server = Server("memory://", options=ServerOptions(metrics_port=0)).start()
+    try:
+        names = [f"job-{i:03d}" for i in range(120)]
+        for name in names:
+            server.core.join(JoinRequest(name, Spec(n=10), "t", 1, 0))
+        read: list[str] = []
+        job = server.core.job
+        server.core.job = lambda name: (read.append(name), job(name))[1]  # type: ignore[method-assign]
+
+        def get(query: str) -> dict[str, Any]:
+            with urllib.request.urlopen(f"http://{server.metrics_address}/api/jobs{query}", timeout=10) as r:
+                return json.loads(r.read())  # type: ignore[no-any-return]
+
+        seen, after = [], ""
+        while True:
+            body = get(f"?after={after}")
+            assert body["total"] == 120
+            seen += [j["name"] for j in body["jobs"]]
+            if body["next_after"] is None:
+                break
+            after = body["next_after"]
+        assert seen == names and len(read) == 120  # three pages of 50, 50, 20: each job read once
+        read.clear()
+        assert [j["name"] for j in get("?limit=7&after=job-050")["jobs"]] == names[51:58] and len(read) == 7
+        for bad in ("0", "abc", "10001"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                get(f"?limit={bad}")
+            assert e.value.code == 400 and f"limit must be an int in [1, 10000] (got limit='{bad}')" in e.value.read().decode()
+    finally:
+        server.stop(grace=0.5)

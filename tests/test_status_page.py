@@ -115,3 +115,15 @@ def test_job_names_are_shown_as_text(server: Server, tmp_path: pathlib.Path) -> 
     shown = "&lt;img src=x onerror=\"document.title='injected'\"&gt;&amp;amp;"
     assert dom.count(f'<td class="name">{shown}</td>') == 1
     assert re.search(r'<tr class="rank" data-rank="0">.*?<td class="batches">5 / 100</td>', job_section(dom, shown))
+
+
+def test_a_coordinator_of_many_jobs_shows_them_by_pages(server: Server, tmp_path: pathlib.Path) -> None:
+    from croupier.core.api import JoinRequest
+    from croupier.core.spec import Spec
+
+    for i in range(60):
+        server.core.join(JoinRequest(f"job-{i:02d}", Spec(n=10), "t", 1, 0))
+    dom = chromium(tmp_path, "--dump-dom", f"http://{server.metrics_address}/")
+    names = re.findall(r'<tr class="job"><td class="name">([^<]*)</td>', dom)
+    assert names == [f"job-{i:02d}" for i in range(50)], dom[-3000:]
+    assert "50 of 60 jobs" in dom and 'id="next"' in dom and 'id="first"' not in dom
