@@ -459,6 +459,34 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
+    """The storm's figures by world size: first batch p99 beside the ceiling and the targets, and the CPU per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = [r["world"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    a.plot(worlds, [r["first_p99_ms"] for r in rows], "o-", label="croupier: first batch p99 after the last join")
+    a.plot(worlds, [r["first_p50_ms"] for r in rows], "o--", label="croupier: p50")
+    a.plot(worlds, [r["ceiling"]["p99_ms"] for r in rows], "s-", label="ceiling here: bare gRPC hold and release, p99")
+    a.plot(list(TARGET_P99_S), [t * 1e3 for t in TARGET_P99_S.values()], "k*", markersize=12, label="target (p99)")
+    a.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms", title="time to every rank's first batch")
+    a.legend(fontsize=8)
+    b.plot(worlds, [r["cpu_ms_per_rank"] for r in rows], "o-", label="coordinator CPU per joining rank")
+    b.set(xscale="log", xlabel="ranks", ylabel="ms of CPU per rank", title="cost per joining rank (flat: O(1) per join)")
+    b.set_ylim(bottom=0)
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.minorticks_off()
+        ax.set_xticks(worlds, [f"{w:,}" for w in worlds])
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="1024,4096,16384", help="world sizes, comma-separated")
@@ -506,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
         table += ("\n\n" if table else "") + render_recovery(rec)
     print(table)
     if args.out:
-        pathlib.Path(args.out).write_text(table + "\n")
+        out = pathlib.Path(args.out)
+        out.write_text(table + "\n")
+        if len(rows) > 1:
+            plot(rows, out.with_suffix(".png"))
     return 0
 
 

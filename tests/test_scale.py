@@ -78,12 +78,15 @@ def test_a_refused_join_names_the_first_rank_that_disagrees() -> None:
 @pytest.mark.e2e  # processes: a croupier serve, two drivers of 128 ranks each; a store filled, killed, recovered
 def test_the_scale_benchmark_runs_quick(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "scale.md"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--worlds", "256", "--drivers", "2",
-                          "--jobs", "50", "--events", "20000", "--out", str(out)], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_bench.py"), "--worlds", "128,256", "--drivers", "2",
+                          "--jobs", "50", "--events", "20000", "--steady", "256", "--steady-lease", "16",
+                          "--steady-step", "0.1", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     table = out.read_text()
     assert "| 256 |" in table and "| 50 (" in table and "50 in " in table  # every job listed after the recovery
+    steady = next(ln for ln in table.splitlines() if ln.startswith("| 256 | 16 steps"))
+    assert "| 160 (160) |" in steady and "| 0 |" in steady  # every rank asked its grant, none failed
+    assert out.with_suffix(".png").stat().st_size > 10_000  # the plot
 
 
 def test_snapshot_every_sets_how_much_journal_a_recovery_replays(tmp_path: pathlib.Path) -> None:
