@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from croupier.core.errors import CroupierError, Unavailable
 from croupier.server._events import Event
-from croupier.server._journal import pack_event, pack_snapshot, replay
-from croupier.server._store import StoreConflict, StoreError, StoreUnavailable, Watched
+from croupier.server._journal import pack_event, pack_snapshot, recover, replay
+from croupier.server._store import StoreConflict, StoreError, StoreFull, StoreUnavailable, Watched
 
 if TYPE_CHECKING:
     from croupier.server._coordinator import Coordinator
@@ -151,6 +151,9 @@ class WriterCommits:
                 took = time.perf_counter() - t0
                 for seq, blob in snaps:
                     c.store.write_snapshot(seq, blob)
+            except StoreFull as e:
+                self._outage(e)
+                continue
             except StoreError as e:
                 with c._cond:
                     c._fail(e)
@@ -160,6 +163,42 @@ class WriterCommits:
             with c._cond:
                 c._durable = last
                 c._cond.notify_all()
+
+
+    def _outage(self, e: StoreFull) -> None:
+        """The store had no room: what was decided and not durable is dropped (the state goes back to
+        what the store holds, as after a restart), calls are UNAVAILABLE naming the store and the
+        cause, and the coordinator takes decisions again once the store has room, without a restart.
+
+        NOTE: the callers of a dropped decision were not answered yet (a join, a checkpoint: they
+        wait for durability and get UNAVAILABLE) or were told it may be lost (a progress report),
+        so dropping it acknowledges nothing that is then lost, as a restart would not.
+        """
+        c = self.c
+        log.error("store %s: %s; not acknowledging until it has room", c.store.url, e)
+        with c._cond:
+            c._outage = f"the coordinator's store {c.store.url} is full: {e}"
+            self._pending.clear()
+            self._snapshots.clear()
+            try:
+                c._state, rec = recover(c.store)
+            except StoreError as err:
+                c._fail(err)
+                return
+            c._seq = c._durable = rec.last_seq
+            c._since_snapshot = len(rec.records)
+            c._rollbacks += 1
+            c._kept[c._rollbacks] = rec.last_seq
+            c._cond.notify_all()
+            wait = 0.05
+            # NOTE: a bounded backoff between looks at the file system's free space (the store's
+            # has_room), until there is room or the coordinator closes; not synchronisation.
+            has_room: Callable[[], bool] = getattr(c.store, "has_room", lambda: True)
+            while not c._closing and not has_room():
+                c._cond.wait(wait)
+                wait = min(wait * 2, 1.0)
+            c._outage = None
+            log.warning("store %s has room again: acknowledging", c.store.url)
 
 
 class SharedCommits:

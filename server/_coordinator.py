@@ -92,6 +92,12 @@ class Coordinator:
         self._durable = self._seq
         self._since_snapshot = len(rec.records)
         self._failed: str | None = None
+        #: Why the store takes no writes for now (it is full), or None: calls are UNAVAILABLE meanwhile.
+        self._outage: str | None = None
+        #: How often the state went back to what the store holds after an outage (see _wait_durable).
+        self._rollbacks = 0
+        #: The last seq the store held at each such rollback: a change up to it was durable.
+        self._kept: dict[int, int] = {}
         self._closing = False
         self._cond = threading.Condition()
         # NOTE: leases are numpy work that holds the GIL in short bursts; run one at a time, the
@@ -204,9 +210,14 @@ class Coordinator:
 
     def _wait_durable(self, target: int) -> None:
         """Under the lock: waits until the journal is durable up to `target` (Unavailable if the store fails)."""
-        while self._durable < target and self._failed is None:
+        rollbacks = self._rollbacks
+        while self._durable < target and self._failed is None and self._rollbacks == rollbacks:
             self._cond.wait()
-        self._check_ok()
+        if self._failed is not None:
+            self._check_ok()
+        if self._rollbacks != rollbacks and target > self._kept[rollbacks + 1]:
+            # decided, then dropped in an outage (the state went back to what the store holds)
+            raise Unavailable(f"{self._outage or 'the store had no room'}; this call's change was not stored: retry")
 
     def _fail(self, e: StoreError) -> None:
         log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
@@ -216,6 +227,8 @@ class Coordinator:
     def _check_ok(self) -> None:
         if self._failed is not None:
             raise Unavailable(f"{self._failed}; restart the coordinator to recover from what it made durable")
+        if self._outage is not None:
+            raise Unavailable(f"{self._outage}; the coordinator goes on by itself once it has room")
 
     # ---------------------------------------------------------------- reads
 

@@ -13,6 +13,7 @@ from croupier.server._store import (
     Recovered,
     StoreCorrupt,
     StoreError,
+    StoreFull,
     StoreUnavailable,
     StoreVersionError,
     as_bytes,
@@ -38,6 +39,15 @@ _SCHEMA = (
     "CREATE TABLE snapshot (seq INTEGER PRIMARY KEY, crc INTEGER NOT NULL, payload BLOB NOT NULL)",
 )
 _TABLES = frozenset({"croupier_schema", "journal", "snapshot"})
+
+
+#: Free bytes a store that found its file system full waits for before it writes again.
+_ROOM_BYTES = 1 << 20
+
+
+def _full(exc: BaseException) -> bool:
+    """A write refused for want of room (SQLITE_FULL: SQLite met ENOSPC or EDQUOT writing, and rolled back)."""
+    return getattr(exc, "sqlite_errorname", None) == "SQLITE_FULL"
 
 
 def _sqlite_reason(exc: BaseException) -> str:
@@ -105,6 +115,8 @@ class SqliteStore:
         self.commits = 0
         self._closed = False
         self._failure: StoreUnavailable | None = None
+        #: Free bytes :meth:`has_room` asks for (0 until a write found the file system full).
+        self._wanted = 0
         # Callers MUST NOT overlap (see Store); the lock only keeps one that does from
         # interleaving two transactions on the connection.
         self._db = threading.Lock()
@@ -140,6 +152,20 @@ class SqliteStore:
         if "locked" in str(exc) or getattr(exc, "sqlite_errorname", "") == "SQLITE_BUSY":
             hint = " (another connection holds its lock: is a second coordinator using the same store?)"
         return StoreUnavailable(f"sqlite store {self.path}: {doing}: {_sqlite_reason(exc)}{hint}")
+
+    def _full(self, doing: str, exc: BaseException) -> StoreFull:
+        self._wanted = max(self._wanted, _ROOM_BYTES)
+        return StoreFull(f"sqlite store {self.path}: {doing}: {_sqlite_reason(exc)}: the file system of "
+                         f"{self.path.parent} has no room; nothing of this write was stored, and the store "
+                         "takes writes again once there is room")
+
+    def has_room(self) -> bool:
+        """Whether the file system of the store has room again after a :class:`StoreFull` (always, before one)."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= self._wanted
 
     def _corrupt(self, what: str) -> StoreCorrupt:
         return StoreCorrupt(f"sqlite store {self.path} is corrupt: {what}")
@@ -329,6 +355,8 @@ class SqliteStore:
             conn.execute("COMMIT")  # synchronous=FULL: returns once the WAL is fsync'd
         except sqlite3.Error as exc:
             self._rollback()
+            if _full(exc):
+                raise self._full("cannot append", exc) from exc
             self._failure = self._unavailable("cannot append", exc)
             raise self._failure from exc
         except BaseException as exc:  # e.g. KeyboardInterrupt mid-commit: durable or not, unknown
@@ -366,6 +394,8 @@ class SqliteStore:
                 conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 self._rollback()
+                if _full(exc):
+                    raise self._full("cannot write a snapshot", exc) from exc
                 self._failure = self._unavailable("cannot write a snapshot", exc)
                 raise self._failure from exc
             except BaseException:

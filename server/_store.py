@@ -62,6 +62,15 @@ class StoreUnavailable(StoreError):
     """
 
 
+class StoreFull(StoreUnavailable):
+    """The store had no room for a write (the disk or the file system is full); nothing of it was stored.
+
+    Unlike other write failures of a sqlite store, this one does not poison it: the write failed
+    before anything reached the disk for good (SQLite rolls the transaction back), so the store
+    takes writes again once there is room (see ``has_room``).
+    """
+
+
 class StoreConflict(StoreError):
     """``append_at`` found the journal past the seq its caller expected: another writer got there first.
 
