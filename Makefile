@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint site docs slow chaos bench bench-scale clean
+.PHONY: demo test check lint site docs slow chaos bench bench-scale fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +43,13 @@ chaos: $(STAMP)  ## the full chaos run (100 faults), audited
 bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot (out/bench/bench.png)
 	$(PY) benchmarks/bench.py
 
-bench-scale: $(STAMP)  ## the join storm (1,024 to 16,384 ranks) and a coordinator of 1,000 jobs recovered after kill -9: out/bench/scale.md
+bench-scale: $(STAMP)  ## the join storm (1,024 to 16,384 ranks, beside this machine's ceiling), steady training of 16,384 ranks, and a coordinator of 1,000 jobs recovered after kill -9: out/bench/scale.md and scale.png
 	mkdir -p out/bench
-	$(PY) benchmarks/scale_bench.py --jobs 1000 --events 1000000 --snapshot-every 100000 --out out/bench/scale.md
+	$(PY) benchmarks/scale_bench.py --jobs 1000 --events 1000000 --snapshot-every 100000 --steady 16384 --steady-lease 256,16 --out out/bench/scale.md
+
+fuzz: $(STAMP)  ## ten minutes of coverage-guided fuzzing of every RPC's request bytes (fuzz/rpc_fuzz.py)
+	mkdir -p out/fuzz
+	$(PY) fuzz/rpc_fuzz.py -max_total_time=600 -print_final_stats=1 -artifact_prefix=out/fuzz/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

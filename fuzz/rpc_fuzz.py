@@ -1,0 +1,156 @@
+"""Coverage-guided fuzzing of every RPC's request bytes, through the handlers the server runs.
+
+Each input is one byte naming the RPC (its index in ``RPCS``, modulo their number) and the request's
+bytes, handed to the same handler the gRPC server calls for that method (the size check, the
+parse, the servicer, the error table), on a coordinator with a SQLite store that holds a job or
+two. What must hold for every input:
+
+- the call returns a response, or fails with croupier's own status: never INTERNAL or UNKNOWN,
+  never an exception of any other kind (a crash of the harness is a finding);
+- a refused call changes nothing: the coordinator's whole state (its snapshot bytes) and the
+  journal's last seq are the same before and after. The one refusal that changes something is
+  documented: a join refused only because the coordinator's waiting places are taken has
+  joined (``croupier serve --max-concurrent-joins``); this harness holds every waiting place, so
+  that no join waits, and allows it.
+
+    python fuzz/rpc_fuzz.py -max_total_time=600           # ten minutes (make fuzz)
+    python fuzz/rpc_fuzz.py -runs=3000 -seed=1            # the suite's short run (tests/test_fuzz.py)
+
+libFuzzer's options go through (``-max_total_time``, ``-runs``, ``-seed``, a corpus folder). A
+finding is printed with its input, and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any
+
+import atheris
+
+with atheris.instrument_imports(include=["croupier"]):
+    from croupier.core.cursor import Cursor
+    from croupier.core.spec import Spec
+    from croupier.core.wire import checkpoint_to_proto, cursor_to_proto, spec_to_proto
+    from croupier.server._coordinator import Coordinator
+    from croupier.server._journal import pack_snapshot
+    from croupier.server._options import ServerOptions
+    from croupier.server._service import RPCS, CoordinatorServicer, _handler
+    from croupier.server._stores import open_store
+    from croupier.v1 import coordinator_pb2 as pb
+
+import grpc
+
+#: The statuses a refused call may have; INTERNAL and UNKNOWN never.
+ALLOWED = {"INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED",
+           "UNAVAILABLE", "PERMISSION_DENIED", "UNAUTHENTICATED"}
+MAX_REQUEST = 1 << 16
+
+
+class Refused(Exception):
+    """What the fake context raises on abort, as gRPC's does."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class Context:
+    """The few parts of a servicer context croupier's handlers use."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Refused(code, details)
+
+    def invocation_metadata(self) -> tuple[Any, ...]:
+        return ()
+
+
+def _setup() -> tuple[Coordinator, dict[str, Any]]:
+    tmp = tempfile.mkdtemp(prefix="croupier-fuzz-")
+    core = Coordinator(open_store(f"sqlite:///{tmp}/c.db"))
+    options = ServerOptions(max_concurrent_joins=1)
+    servicer = CoordinatorServicer(core, None, options)
+    servicer._joins.acquire()  # every waiting place taken: a join that would wait is refused at once
+    handlers = {name: _handler(getattr(servicer, name), MAX_REQUEST) for name in RPCS}
+    if os.environ.get("CROUPIER_FUZZ_PLANT") == "1":
+        # A planted fault, for tests/test_fuzz.py: GetJob registers a job before it reads its request.
+        get_job = servicer.GetJob
+
+        def planted(raw: bytes, context: Any) -> Any:
+            core.join(_join_request(f"planted-{core._seq}", Spec(n=10), 0, world=1), 0.0)
+            return get_job(raw, context)
+
+        handlers["GetJob"] = _handler(planted, MAX_REQUEST)
+    spec = Spec(n=1000, batch_size=10)
+    for rank in range(2):  # a started job of two ranks, which most seeds below name
+        core.join(_join_request("fuzz", spec, rank), 0.0)
+    return core, handlers
+
+
+def _join_request(job: str, spec: Spec, rank: int, world: int = 2) -> Any:
+    from croupier.core.api import JoinRequest
+
+    return JoinRequest(job=job, spec=spec, token="t", world=world, rank=rank)
+
+
+def seeds() -> list[bytes]:
+    """A valid request of each RPC, as a first corpus (libFuzzer mutates from them)."""
+    spec = spec_to_proto(Spec(n=1000, batch_size=10))
+    cur = cursor_to_proto(Cursor(0, ((0, 1000),)))
+    reqs = [
+        ("Join", pb.JoinRequest(request_id="r", job="fuzz", spec=spec, token="t", world=2, rank=1, resume=cur, wait_ms=0)),
+        ("Lease", pb.LeaseRequest(job="fuzz", generation=1, rank=0, epoch=0, first_batch=0, count=2)),
+        ("Grant", pb.GrantRequest(job="fuzz", generation=1, rank=1, epoch=0, first_batch=3, count=4,
+                                  progress=pb.Progress(epoch=0, batches=3))),
+        ("GetJob", pb.GetJobRequest(job="fuzz")),
+        ("Report", pb.ReportRequest(job="fuzz", generation=1, rank=0, progress=pb.Progress(epoch=0, batches=5),
+                                    checkpoint=checkpoint_to_proto(1, Cursor(0, ((50, 1000),)), "fuzz"))),
+        ("GetCheckpoint", pb.GetCheckpointRequest(job="fuzz", latest=True)),
+        ("ListJobs", pb.ListJobsRequest(page_size=5)),
+        ("Amend", pb.AmendRequest(job="fuzz", kind="weights", values=[1, 2])),
+    ]
+    return [bytes([RPCS.index(name)]) + m.SerializeToString() for name, m in reqs]
+
+
+def main() -> None:
+    core, handlers = _setup()
+    counts: dict[str, int] = {}
+
+    def one(data: bytes) -> None:
+        if not data:
+            return
+        n = sum(counts.values())
+        if n % 500 == 0 and n:  # libFuzzer ends the process itself: the tally goes out as it runs
+            print(f"outcomes: {dict(sorted(counts.items()))}", file=sys.stderr, flush=True)
+        name = RPCS[data[0] % len(RPCS)]
+        raw = data[1:]
+        with core._cond:
+            before = (core._seq, pack_snapshot(core._state))
+        try:
+            handlers[name].unary_unary(raw, Context())
+            counts["ok"] = counts.get("ok", 0) + 1
+        except Refused as r:
+            counts[r.code.name] = counts.get(r.code.name, 0) + 1
+            if r.code.name not in ALLOWED:
+                raise AssertionError(f"{name} answered {r.code.name}: {r.details}") from None
+            if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-concurrent-joins" in r.details:
+                return  # documented: the join was recorded, only its wait refused
+            with core._cond:
+                after = (core._seq, pack_snapshot(core._state))
+            if after != before:
+                raise AssertionError(f"{name} was refused ({r.code.name}: {r.details}) and changed the state") from None
+
+    argv = list(sys.argv)
+    if not any(not a.startswith("-") for a in argv[1:]):  # no corpus folder given: start from the seeds
+        corpus = tempfile.mkdtemp(prefix="croupier-fuzz-corpus-")
+        for i, seed in enumerate(seeds()):
+            with open(f"{corpus}/seed-{i}", "wb") as f:
+                f.write(seed)
+        argv.append(corpus)
+    atheris.Setup(argv, one)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
