@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint site docs slow chaos bench bench-scale fuzz clean
+.PHONY: demo test check lint site docs slow chaos soak bench bench-scale fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,9 @@ slow: $(STAMP)  ## the long runs: 5000-example state machine, 200 coordinator ki
 
 chaos: $(STAMP)  ## the full chaos run (100 faults), audited
 	$(VENV)/bin/croupier chaos
+
+soak: $(STAMP)  ## 1,000 faults mixed (kills, preemptions, rollbacks, coordinator and worker pauses, clock jumps, a full disk) on one job, audited: about an hour; as root with libfaketime
+	$(VENV)/bin/croupier chaos --datacenter --faults 1000 --epochs 16 --workdir out/soak
 
 bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot (out/bench/bench.png)
 	$(PY) benchmarks/bench.py

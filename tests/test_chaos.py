@@ -10,11 +10,14 @@ import sys
 
 import pytest
 
+from croupier.tools import _faults
+
 pytestmark = pytest.mark.e2e  # several processes
 
 SUMMARY = re.compile(
-    r"chaos: (?P<faults>\d+) faults injected \((?P<rank>\d+) rank kills, (?P<coord>\d+) coordinator kills, "
-    r"(?P<preempt>\d+) preemptions\), (?P<resizes>\d+) resizes, (?P<older>\d+) restarts from an older checkpoint .*; "
+    r"chaos: (?P<faults>\d+) faults injected \((?P<rank>\d+) rank kills, (?P<coord>\d+) coordinator kills"
+    r"(?:, (?P<pauses>\d+) coordinator pauses, (?P<rank_pauses>\d+) rank pauses, (?P<jumps>\d+) clock jumps, "
+    r"(?P<disks>\d+) full disks)?, (?P<preempt>\d+) preemptions\), (?P<resizes>\d+) resizes, (?P<older>\d+) restarts from an older checkpoint .*; "
     r"(?P<samples>\d+) samples audited over (?P<epochs>\d+) epochs: (?P<dups>\d+) duplicates, (?P<missing>\d+) missing; "
     r"G1 holds"
 )
@@ -62,6 +65,19 @@ def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0
     for e in range(epochs):
         assert re.search(rf"^chaos +{e} +{n} +{n} +0 +0  ok: ", out.stdout, re.M), out.stdout[-3000:]
+
+
+@pytest.mark.skipif(_faults.available() is not None, reason=f"{_faults.available()}")
+def test_short_chaos_run_with_data_center_faults(tmp_path: pathlib.Path) -> None:
+    """Pauses of the coordinator and of a worker, clock jumps and a full disk beside the kills: one of each
+    kind is drawn in the first seven faults (a fault that comes due too near the job's end becomes a
+    rollback, so one may be replaced), and the audit is exactly once (make soak runs 1,000)."""
+    faults, epochs, n = 7, 4, 1200
+    out, m = chaos(tmp_path / "chaos", "--datacenter", "--faults", str(faults), "--epochs", str(epochs), "--n", str(n),
+                   "--seed", "1", timeout=300)
+    assert int(m["faults"]) == faults and m["pauses"] is not None, m[0]
+    assert sum(int(m[k]) for k in ("pauses", "rank_pauses", "jumps", "disks")) >= 3, m[0]
+    assert int(m["dups"]) == 0 and int(m["missing"]) == 0 and int(m["samples"]) == epochs * n
 
 
 @pytest.mark.slow  # make slow (the state machine deals both kinds in make test)

@@ -48,11 +48,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from croupier.tools import history
-from croupier.tools._serve import ServeGroup, ServeProcess, active_clients
+from croupier.tools import _faults, history
+from croupier.tools._online import OnlineFaults, _where
+from croupier.tools._serve import ServeGroup, ServeProcess
 from croupier.tools.audit import EpochReport, render
 from croupier.tools.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
 from croupier.tools.demo_train import mixture_of
@@ -80,8 +80,11 @@ REPLICATED_KINDS = ("rank", "replica", "database", "preempt")
 REPLICATED_WEIGHTS = (0.25, 0.25, 0.15, 0.35)
 NO_DATABASE_KINDS = ("rank", "replica", "preempt")
 NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
+#: ``--datacenter``: the single coordinator's faults and those of tools/_faults.py (pauses, clock jumps, full disk).
+DATACENTER_KINDS = (*KINDS, *_faults.KINDS)
+DATACENTER_WEIGHTS = (0.12, 0.10, 0.13, 0.20, 0.15, 0.15, 0.15)
 #: Faults the job trains through (the others end the launch).
-ONLINE = frozenset({"coordinator", "replica", "database"})
+ONLINE = frozenset({"coordinator", "replica", "database", *_faults.KINDS})
 
 
 class DatabaseControl(Protocol):
@@ -93,14 +96,6 @@ class DatabaseControl(Protocol):
         ...
 
 
-def _where(statuses: list[dict[str, Any]]) -> str:
-    """Where the furthest rank is, from its status file."""
-    if not statuses:
-        return "an unknown step"
-    s = max(statuses, key=lambda s: (s["epoch"], s["step"]))
-    return f"epoch {s['epoch']} step {s['step']}"
-
-
 def _history(work: pathlib.Path) -> list[pathlib.Path]:
     """The checkpoints kept, oldest first."""
     return sorted((work / "ckpts").glob("step-*.pt"))
@@ -110,12 +105,13 @@ def _step_of(ckpt: pathlib.Path | None) -> int:
     return int(ckpt.stem.split("-")[1]) if ckpt is not None else 0
 
 
-class Run:
+class Run(OnlineFaults):
     """The orchestration of one chaos run."""
 
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
                  servers: ServeGroup, log: IO[str], database: DatabaseControl | None = None,
-                 batching: str = "fixed", replicated: bool = False, mixture: bool = False) -> None:
+                 batching: str = "fixed", replicated: bool = False, mixture: bool = False,
+                 datacenter: _faults.Faults | None = None) -> None:
         self.work, self.batching, self.mixture = work, batching, mixture
         self.faults = faults
         self.restart_s = RESTART_S  # the longest coordinator (replica, database) restart seen so far
@@ -123,7 +119,11 @@ class Run:
         self.kinds: tuple[str, ...]
         self.weights: tuple[float, ...]
         first: tuple[str, ...]
-        if not replicated:
+        self.datacenter = datacenter
+        self.time_left = math.inf  # seconds of the job left, as last estimated by watch()
+        if datacenter is not None:
+            self.kinds, self.weights, first = DATACENTER_KINDS, DATACENTER_WEIGHTS, DATACENTER_KINDS
+        elif not replicated:
             self.kinds, self.weights, first = KINDS, WEIGHTS, KINDS
         elif database is not None:
             # A short run still restarts the database with either shutdown mode.
@@ -247,6 +247,7 @@ class Run:
                 steps_left = (s0["of"] - s0["k"]) + (self.epochs - 1 - s0["epoch"]) * math.ceil(
                     self.n / (int(s0["world"]) * BATCH))
                 near_end = steps_left * pace <= END_MARGIN + allowance
+                self.time_left = steps_left * pace - END_MARGIN  # a fault the job trains through ends before it
                 if target is not None and (s0["step"] >= target[1] or near_end):
                     kind = target[0]
                     early = s0["step"] < target[1] or (near_end and kind in ONLINE)
@@ -286,64 +287,6 @@ class Run:
             raise ChaosError(f"torchrun with {world} workers failed by itself (exit {proc.returncode}) in launch "
                              f"{number}; see {self.log.name}")
         return "finished"
-
-    def _online_fault(self, kind: str, st: list[dict[str, Any]]) -> None:
-        """A fault the job trains through: kill -9 of the coordinator or of a replica (restarted on its
-        port), or a restart of the database."""
-        at = _where(st)
-        members = self.servers.members
-        if kind == "coordinator":
-            members[0].kill()
-            self.tally.coordinator_kills += 1
-            took = self._restart(members[0].start)
-            self._say(f"SIGKILL of the coordinator at {at}; restarted on port {members[0].port} in {took:.1f} s, "
-                      "the ranks carry on")
-            return
-        if kind == "replica":
-            # Both drawn every time so that a seed replays the same choices whatever the traffic.
-            busiest, other = self.rng.random() < 0.5, self.rng.randrange(len(members))
-            active = [active_clients(m.port) for m in members]
-            if self.tally.replica_kills == 0:
-                i, why = 0, "the first endpoint, every rank's first choice"
-            elif busiest and max(active) > 0:
-                i, why = active.index(max(active)), "the one the ranks are using"
-            else:
-                i, why = other, "at random"
-            victim = members[i]
-            victim.kill()
-            self.tally.replica_kills += 1
-            self.tally.first_endpoint_kills += i == 0
-            self.tally.busy_replica_kills += active[i] > 0
-            took = self._restart(victim.start)
-            self._say(f"SIGKILL of replica {i} at {victim.address} ({why}; {active[i]} client connections active, "
-                      f"{sum(active)} in all) at {at}; restarted in {took:.1f} s, the ranks carry on")
-            return
-        database = self.database
-        if database is None:
-            raise ChaosError("a database fault without a database control")  # not drawn without one
-        modes = self.tally.database_restarts
-        mode = history.DATABASE_MODES[sum(modes.values()) % len(history.DATABASE_MODES)]
-        try:
-            took = self._restart(lambda: database.restart(mode))
-        except Exception as e:  # noqa: BLE001 - the control's own failure is not one of croupier's
-            raise ChaosError(f"the database did not restart (shutdown mode {mode}): {type(e).__name__}: {e}") from e
-        modes[mode] += 1
-        self.servers.check()  # every replica outlives the outage
-        self._say(f"restart of PostgreSQL ({mode} shutdown) at {at}, back in {took:.1f} s; the replicas lost "
-                  "their database meanwhile, the ranks carry on")
-
-    def _restart(self, start: Callable[[], object]) -> float:
-        """Runs `start`, a restart the ranks train through; returns its seconds (the longest so far is kept)."""
-        t = time.monotonic()
-        start()
-        took = time.monotonic() - t
-        self.restart_s = max(self.restart_s, took)
-        return took
-
-    def _say(self, what: str) -> None:
-        print(f"\n  ! fault {self.tally.faults}/{self.faults}: {what}", flush=True)
-
-    # ---------------------------------------------------------------- the run
 
     def choose_checkpoint(self, older: bool) -> tuple[pathlib.Path | None, bool]:
         """The checkpoint to resume from (None: from scratch) and whether it is an older one than the latest.
@@ -396,7 +339,8 @@ class Run:
 
 def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int = 3600,
          seed: int | None = None, store: str | None = None, replicas: int = 1,
-         database: DatabaseControl | None = None, batching: str = "fixed", mixture: bool = False) -> int:
+         database: DatabaseControl | None = None, batching: str = "fixed", mixture: bool = False,
+         datacenter: bool = False) -> int:
     """Runs the chaos run; returns 0 when every audit passes, 1 on a violation or an unexpected failure.
 
     Args:
@@ -419,6 +363,9 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         mixture: Deal the samples as a mixture of three sources whose weights change halfway
             through the run, one of them capped (``tools/demo_train.mixture_of``), audited by
             source epoch.
+        datacenter: Also pause the coordinator and workers, jump the coordinator's wall clock and
+            fill its store's file system (``croupier.tools._faults``; single coordinator only, as root
+            with libfaketime).
 
     Raises:
         ValueError: a setting out of range, or a store that is not an empty PostgreSQL database.
@@ -433,6 +380,8 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     if replicas < 1 or replicas > 1 and store is None:
         raise ValueError(f"replicas must be >= 1, and more than 1 needs a shared store (got {replicas=}, "
                          f"store={'given' if store else None})")
+    if datacenter and (store is not None or _faults.available() is not None):
+        raise ValueError(f"datacenter faults need the single coordinator and {_faults.available() or 'no store='}")
     if database is not None and store is None:
         raise ValueError("a database control needs the replicated mode (store=postgresql://...)")
     if store is not None:
@@ -458,15 +407,16 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     t0 = time.perf_counter()
     with contextlib.ExitStack() as logs:
         tlog = logs.enter_context(open(work / "train.log", "a"))
-        db = work / "coordinator.db"
+        dc = logs.enter_context(_faults.Faults(work, random.Random(seed + 1))) if datacenter else None
+        db = work / ("disk" if dc else ".") / "coordinator.db"
         if store is None:
             servers = ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
-                                               error=ChaosError)])
+                                               error=ChaosError, env=dc.env() if dc else None)])
         else:
             servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
                                                f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
         run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None,
-                  mixture)
+                  mixture, dc)
         checked: history.History | None = None
         try:
             servers.start()

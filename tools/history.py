@@ -40,11 +40,16 @@ class Tally:
     first_endpoint_kills: int = 0  # replica kills of the first endpoint, the one every rank calls first
     busy_replica_kills: int = 0  # replica kills of a replica with client connections when it was killed
     database_restarts: dict[str, int] = dataclasses.field(default_factory=lambda: {m: 0 for m in DATABASE_MODES})
+    coordinator_pauses: int = 0  # --datacenter: SIGSTOP of the coordinator, then SIGCONT
+    rank_pauses: int = 0  # --datacenter: SIGSTOP of a worker, then SIGCONT
+    clock_jumps: int = 0  # --datacenter: the coordinator's wall clock moved an hour
+    disk_fulls: int = 0  # --datacenter: the store's file system full for a while
 
     @property
     def faults(self) -> int:
         return (self.rank_kills + self.coordinator_kills + self.preemptions + self.replica_kills
-                + sum(self.database_restarts.values()))
+                + sum(self.database_restarts.values()) + self.coordinator_pauses + self.rank_pauses
+                + self.clock_jumps + self.disk_fulls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +255,9 @@ def summary(t: Tally, reports: list[EpochReport], seconds: float, replicated: bo
                  f"restarts ({db['fast']} fast, {db['immediate']} immediate)")
     else:
         kills = f"{t.rank_kills} rank kills, {t.coordinator_kills} coordinator kills"
+    if t.coordinator_pauses + t.rank_pauses + t.clock_jumps + t.disk_fulls:
+        kills += (f", {t.coordinator_pauses} coordinator pauses, {t.rank_pauses} rank pauses, {t.clock_jumps} clock "
+                  f"jumps, {t.disk_fulls} full disks")
     return (f"chaos: {t.faults} faults injected ({kills}, {t.preemptions} preemptions), {t.resizes} resizes, "
             f"{t.older_restarts} restarts from an older checkpoint ({t.rollback_steps} steps rolled back), "
             f"{t.launches} launches; {sum(r.trained for r in reports)} samples audited over {len(reports)} epochs: "

@@ -1,0 +1,115 @@
+"""The chaos run's data-center faults (``croupier chaos --datacenter``): pauses, clock jumps and a full disk.
+
+Each is a fault the job trains through, injected on the single coordinator (``croupier serve`` on a
+SQLite store) or on one of the job's workers:
+
+* ``pause``: the coordinator stopped (SIGSTOP) for a while, as a long GC pause or a frozen VM, then
+  woken (SIGCONT); the ranks compute their leases themselves meanwhile;
+* ``rank-pause``: one worker stopped and woken the same way (the others wait for it at their next
+  collective);
+* ``clock``: the coordinator's wall clock jumped an hour forward or back (it runs under libfaketime,
+  which reads the clock's offset from a file this rewrites; its monotonic clock is left alone);
+* ``disk``: the file system of the coordinator's store (a tmpfs of its own) filled to the last byte
+  for a while, then freed; the coordinator answers UNAVAILABLE meanwhile and goes on by itself.
+
+What each needs is checked up front by :func:`available` (root for the tmpfs, libfaketime's library).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import time
+
+#: libfaketime, from Debian's faketime package.
+FAKETIME = pathlib.Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+#: The faults this module injects, and how likely each is among themselves.
+KINDS = ("pause", "rank-pause", "clock", "disk")
+#: The clock's offsets, in turn: an hour ahead, an hour behind, right.
+_JUMPS = ("+1h", "-1h", "+0")
+#: Size of the store's own file system: room for the run's journal, snapshots and WAL.
+DISK_SIZE = "256m"
+
+
+def available() -> str | None:
+    """None when every fault here can be injected on this machine, else why not."""
+    if os.geteuid() != 0:
+        return "the full-disk fault mounts a tmpfs: run as root"
+    if not FAKETIME.exists():
+        return f"the clock fault needs {FAKETIME} (apt-get install faketime)"
+    return None
+
+
+class Faults:
+    """The data-center faults of one run, on the store's file system at `disk` and the clock file `clock`."""
+
+    def __init__(self, work: pathlib.Path, rng: random.Random) -> None:
+        self.rng = rng
+        self.disk = work / "disk"
+        self.clock = work / "faketime"
+        self._jumps = 0
+
+    def env(self) -> dict[str, str]:
+        """The coordinator's environment: its wall clock from the clock file, its monotonic clock its own."""
+        return {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self.clock), "FAKETIME_NO_CACHE": "1",
+                "DONT_FAKE_MONOTONIC": "1"}
+
+    def __enter__(self) -> Faults:
+        self.clock.write_text("+0\n")
+        self.disk.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(self.disk)], check=True,
+                       capture_output=True, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            (self.disk / "filler").unlink()
+        subprocess.run(["umount", "-l", str(self.disk)], check=False, capture_output=True)
+
+    def _duration(self, within: float) -> float:
+        """A pause or an outage: mostly a few seconds, one in ten long; at most `within` seconds."""
+        drawn = self.rng.uniform(5.0, 12.0) if self.rng.random() < 0.1 else self.rng.uniform(0.2, 3.0)
+        return min(drawn, within)
+
+    def pause(self, pid: int, within: float = math.inf) -> float:
+        """SIGSTOP of `pid`, then SIGCONT; returns the seconds it was stopped (at most `within`)."""
+        took = self._duration(within)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(took)  # the fault itself: a process stopped this long
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return took
+
+    def jump(self) -> str:
+        """The coordinator's wall clock to its next offset; returns it."""
+        offset = _JUMPS[self._jumps % len(_JUMPS)]
+        self._jumps += 1
+        self.clock.write_text(offset + "\n")
+        return offset
+
+    def fill(self, within: float = math.inf) -> float:
+        """The store's file system full for a while, then freed; returns the seconds it was full (at most `within`)."""
+        took = self._duration(within)
+        filler = self.disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with contextlib.suppress(OSError):  # ENOSPC: full
+                chunk = b"\0" * (1 << 20)
+                while True:
+                    os.write(fd, chunk)
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        try:
+            time.sleep(took)  # the fault itself: the disk full this long
+        finally:
+            filler.unlink()
+        return took

@@ -1,0 +1,134 @@
+"""The chaos run's faults that the job trains through: kills of the coordinator or of a replica (restarted on
+its port), restarts of the database, and the data-center faults of :mod:`croupier.tools._faults`.
+
+:class:`OnlineFaults` is a part of :class:`croupier.tools.chaos.Run`, kept apart for length; it uses the
+run's servers, tally, random choices and log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from croupier.tools import _faults, history
+from croupier.tools._serve import ServeGroup, active_clients
+from croupier.tools.cluster import runs_trainer
+from croupier.tools.history import ChaosError
+
+if TYPE_CHECKING:
+    import random
+
+    from croupier.tools.chaos import DatabaseControl
+
+
+def _where(statuses: list[dict[str, Any]]) -> str:
+    """Where the furthest rank is, from its status file."""
+    if not statuses:
+        return "an unknown step"
+    s = max(statuses, key=lambda s: (s["epoch"], s["step"]))
+    return f"epoch {s['epoch']} step {s['step']}"
+
+
+class OnlineFaults:
+    """Injects the faults a launch trains through (see the module)."""
+
+    servers: ServeGroup
+    tally: history.Tally
+    rng: random.Random
+    database: DatabaseControl | None
+    datacenter: _faults.Faults | None
+    restart_s: float
+    faults: int
+    time_left: float
+
+    def _online_fault(self, kind: str, st: list[dict[str, Any]]) -> None:
+        """A fault the job trains through: kill -9 of the coordinator or of a replica (restarted on its
+        port), or a restart of the database."""
+        at = _where(st)
+        members = self.servers.members
+        if kind in _faults.KINDS:
+            self._datacenter_fault(kind, st, at)
+            return
+        if kind == "coordinator":
+            members[0].kill()
+            self.tally.coordinator_kills += 1
+            took = self._restart(members[0].start)
+            self._say(f"SIGKILL of the coordinator at {at}; restarted on port {members[0].port} in {took:.1f} s, "
+                      "the ranks carry on")
+            return
+        if kind == "replica":
+            # Both drawn every time so that a seed replays the same choices whatever the traffic.
+            busiest, other = self.rng.random() < 0.5, self.rng.randrange(len(members))
+            active = [active_clients(m.port) for m in members]
+            if self.tally.replica_kills == 0:
+                i, why = 0, "the first endpoint, every rank's first choice"
+            elif busiest and max(active) > 0:
+                i, why = active.index(max(active)), "the one the ranks are using"
+            else:
+                i, why = other, "at random"
+            victim = members[i]
+            victim.kill()
+            self.tally.replica_kills += 1
+            self.tally.first_endpoint_kills += i == 0
+            self.tally.busy_replica_kills += active[i] > 0
+            took = self._restart(victim.start)
+            self._say(f"SIGKILL of replica {i} at {victim.address} ({why}; {active[i]} client connections active, "
+                      f"{sum(active)} in all) at {at}; restarted in {took:.1f} s, the ranks carry on")
+            return
+        database = self.database
+        if database is None:
+            raise ChaosError("a database fault without a database control")  # not drawn without one
+        modes = self.tally.database_restarts
+        mode = history.DATABASE_MODES[sum(modes.values()) % len(history.DATABASE_MODES)]
+        try:
+            took = self._restart(lambda: database.restart(mode))
+        except Exception as e:  # noqa: BLE001 - the control's own failure is not one of croupier's
+            raise ChaosError(f"the database did not restart (shutdown mode {mode}): {type(e).__name__}: {e}") from e
+        modes[mode] += 1
+        self.servers.check()  # every replica outlives the outage
+        self._say(f"restart of PostgreSQL ({mode} shutdown) at {at}, back in {took:.1f} s; the replicas lost "
+                  "their database meanwhile, the ranks carry on")
+
+    def _datacenter_fault(self, kind: str, st: list[dict[str, Any]], at: str) -> None:
+        """A pause of the coordinator or of a worker, a jump of the coordinator's clock, or its disk full."""
+        f, t, coordinator = self.datacenter, self.tally, self.servers.members[0]
+        assert f is not None and coordinator.proc is not None
+        # The job trains through a paused coordinator or a full disk: such a fault ends while the job
+        # still runs, so that the faults still due find it running.
+        within = max(0.2, self.time_left / 2)
+        if kind == "pause":
+            took = f.pause(coordinator.proc.pid, within)
+            t.coordinator_pauses += 1
+            self._say(f"the coordinator stopped (SIGSTOP) for {took:.1f} s at {at}, then woken; the ranks carry on")
+        elif kind == "rank-pause":
+            live = [s for s in st if not s.get("done") and runs_trainer(s["pid"])]
+            if not live:
+                return  # the launch is ending: nothing to pause, the fault comes again
+            victim = live[self.rng.randrange(len(live))]
+            took = f.pause(victim["pid"], within)
+            t.rank_pauses += 1
+            self._say(f"rank {victim['rank']} stopped (SIGSTOP) for {took:.1f} s at {at}, then woken")
+        elif kind == "clock":
+            offset = f.jump()
+            t.clock_jumps += 1
+            self._say(f"the coordinator's wall clock set to {offset} at {at}")
+        else:
+            took = f.fill(within)
+            t.disk_fulls += 1
+            self._say(f"the coordinator's store's file system full for {took:.1f} s at {at}, then freed")
+        self.servers.check()  # the coordinator outlives each of them
+
+    def _restart(self, start: Callable[[], object]) -> float:
+        """Runs `start`, a restart the ranks train through; returns its seconds (the longest so far is kept)."""
+        t = time.monotonic()
+        start()
+        took = time.monotonic() - t
+        self.restart_s = max(self.restart_s, took)
+        return took
+
+    def _say(self, what: str) -> None:
+        print(f"\n  ! fault {self.tally.faults}/{self.faults}: {what}", flush=True)
+
+    # ---------------------------------------------------------------- the run
+
