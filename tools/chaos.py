@@ -111,7 +111,7 @@ class Run(OnlineFaults):
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
                  servers: ServeGroup, log: IO[str], database: DatabaseControl | None = None,
                  batching: str = "fixed", replicated: bool = False, mixture: bool = False,
-                 datacenter: _faults.Faults | None = None) -> None:
+                 datacenter: _faults.Faults | None = None, step_ms: int = STEP_MS) -> None:
         self.work, self.batching, self.mixture = work, batching, mixture
         self.faults = faults
         self.restart_s = RESTART_S  # the longest coordinator (replica, database) restart seen so far
@@ -120,6 +120,7 @@ class Run(OnlineFaults):
         self.weights: tuple[float, ...]
         first: tuple[str, ...]
         self.datacenter = datacenter
+        self.step_ms = step_ms
         self.time_left = math.inf  # seconds of the job left, as last estimated by watch()
         if datacenter is not None:
             self.kinds, self.weights, first = DATACENTER_KINDS, DATACENTER_WEIGHTS, DATACENTER_KINDS
@@ -155,7 +156,7 @@ class Run(OnlineFaults):
         for stale in status.glob("*"):
             stale.unlink(missing_ok=True)
         cfg = {"workdir": str(self.work), "n": self.n, "epochs": self.epochs, "batch_size": BATCH,
-               "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD, "step_ms": STEP_MS,
+               "ckpt_every": CKPT_EVERY, "keep_checkpoints": True, "lease_ahead": LEASE_AHEAD, "step_ms": self.step_ms,
                "resume_from": str(resume) if resume is not None else None, "batching": self.batching,
                "max_tokens": MAX_TOKENS, "mixture": mixture_of(self.n, self.epochs) if self.mixture else None}
         env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.servers.address,
@@ -340,7 +341,7 @@ class Run(OnlineFaults):
 def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int = 3600,
          seed: int | None = None, store: str | None = None, replicas: int = 1,
          database: DatabaseControl | None = None, batching: str = "fixed", mixture: bool = False,
-         datacenter: bool = False) -> int:
+         datacenter: bool = False, step_ms: int = STEP_MS) -> int:
     """Runs the chaos run; returns 0 when every audit passes, 1 on a violation or an unexpected failure.
 
     Args:
@@ -366,6 +367,8 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         datacenter: Also pause the coordinator and workers, jump the coordinator's wall clock and
             fill its store's file system (``croupier.tools._faults``; single coordinator only, as root
             with libfaketime).
+        step_ms: Simulated compute per training step: a longer step leaves the job more steps to
+            host faults it trains through (a pause or a full disk lasts seconds).
 
     Raises:
         ValueError: a setting out of range, or a store that is not an empty PostgreSQL database.
@@ -373,6 +376,8 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     """
     if batching not in BATCHINGS or mixture and batching != "fixed":
         raise ValueError(f"batching must be one of {list(BATCHINGS)}, 'fixed' with a mixture (got {batching=}, {mixture=})")
+    if not 1 <= step_ms <= 10_000:
+        raise ValueError(f"step_ms must be in [1, 10000] (got {step_ms=})")
     if faults < 0 or epochs < 1 or n < 1:
         raise ValueError(f"faults must be >= 0, epochs and n >= 1 (got {faults=}, {epochs=}, {n=})")
     if n < 4 * BATCH:
@@ -416,7 +421,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
                                                f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
         run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None,
-                  mixture, dc)
+                  mixture, dc, step_ms)
         checked: history.History | None = None
         try:
             servers.start()
@@ -442,6 +447,11 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     print(render(reports) + history.by_source_table(reports))
     if unfinished:
         print(f"\nchaos: FAILED: the job ended without finishing epochs {unfinished}")
+        return 1
+    if run.tally.faults < faults:
+        print(f"\n{history.summary(run.tally, reports, time.perf_counter() - t0, replicated=store is not None)}\n"
+              f"chaos: FAILED: the job ended after {run.tally.faults} of the {faults} faults asked: give it more "
+              "epochs (--epochs) or longer steps (--step-ms)", flush=True)
         return 1
     print("\n" + history.summary(run.tally, reports, time.perf_counter() - t0, replicated=store is not None), flush=True)
     if checked is not None:

@@ -86,7 +86,8 @@ def _chaos_cmd(args: argparse.Namespace) -> int:
 
     # NOTE: no database control from the command line: it cannot restart a server it does not own.
     return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed, store=args.store,
-                 replicas=args.replicas, batching=args.batching, mixture=args.mixture, datacenter=args.datacenter)
+                 replicas=args.replicas, batching=args.batching, mixture=args.mixture, datacenter=args.datacenter,
+                 step_ms=args.step_ms)
 
 
 def _infer_demo_cmd(args: argparse.Namespace) -> int:
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mixture", action="store_true",
                    help="deal the samples as a mixture of 3 sources, weights changed halfway, one capped; audited by "
                         "source epoch (with --batching fixed)")
+    c.add_argument("--step-ms", type=int, default=40,
+                   help="simulated compute per training step, ms (default 40; longer leaves more steps for faults)")
     c.add_argument("--datacenter", action="store_true",
                    help="also stop (SIGSTOP) the coordinator and workers for a while, jump the coordinator's wall clock "
                         "an hour, and fill its store's file system (single coordinator; root and libfaketime)")

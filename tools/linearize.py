@@ -10,7 +10,8 @@ time it returned (``time.monotonic()``: one clock for every process of a machine
 
 A call that failed without an answer (UNAVAILABLE, a timeout, a killed coordinator) may or may not
 have taken effect: it is recorded as ``unknown`` and may be placed anywhere after its invocation,
-or nowhere.
+or nowhere. A join without an answer names no generation: placed, it opened the next one; not
+placed, it did nothing or joined the current one (which changes nothing the model holds).
 
 The model is the job's current generation, a number c (0 before any join). In the order the
 calls take effect: a join that names g needs g == c (joined) or g == c + 1 (opened), and leaves
@@ -103,8 +104,8 @@ def _accepts(c: Call, state: int) -> int | None:
     """The state after `c` takes effect in `state`, or None if the model refuses it there."""
     g = c.generation
     if c.kind == "join":
-        if c.outcome == "unknown":  # it joined a generation or opened the next: either is possible
-            return None if g not in (state, state + 1) else g
+        if c.outcome == "unknown":  # no answer, so no generation: it opened the next (or, skipped, joined the current)
+            return state + 1
         return g if g in (state, state + 1) else None
     if c.outcome == "ok":
         return state if g == state else None

@@ -1,0 +1,90 @@
+"""The processes of tests/test_partitions.py that run inside a network namespace.
+
+    python tests/_partition_agents.py rank ADDRESSES AUDIT_DIR STOP_FILE
+        A training rank: a DistributedSampler (world 1) over every replica, batches paced at 5 ms, a
+        checkpoint every 100 batches, epoch after epoch until STOP_FILE exists (the epoch in progress is
+        finished); prints "EPOCH e" as each ends.
+    python tests/_partition_agents.py probe HISTORY
+        Calls on command: one JSON line per call on stdin ({"op": "join" | "grant", "addr", "job",
+        "token" | "generation"}), each recorded (croupier.tools.linearize) and answered on stdout with its
+        status code and, for a join, its generation.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+import time
+
+import grpc
+
+from croupier.core.spec import Spec
+from croupier.core.wire import spec_to_proto
+from croupier.tools.linearize import Recorder
+from croupier.v1 import coordinator_pb2 as pb
+from croupier.v1 import coordinator_pb2_grpc as pb_grpc
+
+N = 2000
+CALL_S = 3.0  # a call across a cut gets no answer: it ends at this deadline
+#: A probe's channel tries to connect again within a second of a failure (gRPC's default backoff grows to 2 min).
+FAST = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def rank(addresses: str, audit: str, stop: str) -> int:
+    from croupier.client import DistributedBatchSampler
+
+    s = DistributedBatchSampler(N, batch_size=10, num_replicas=1, rank=0, address=addresses, job="train", token="t1",
+                                audit_dir=audit, lease_ahead=20)
+    try:
+        epoch = 0
+        while True:
+            s.set_epoch(epoch)
+            for k, _ in enumerate(s, 1):
+                time.sleep(0.005)  # a training step's pace, not synchronisation
+                if k % 100 == 0:
+                    s.state_dict()
+            print(f"EPOCH {epoch}", flush=True)
+            epoch += 1
+            if pathlib.Path(stop).exists():
+                return 0
+    finally:
+        s.close()
+
+
+def probe(history: str) -> int:
+    rec = Recorder(history, "probe")
+    spec = spec_to_proto(Spec(n=1000, batch_size=10))
+    channels: dict[str, grpc.Channel] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        ch = channels.get(cmd["addr"]) or channels.setdefault(cmd["addr"], grpc.insecure_channel(cmd["addr"], options=FAST))
+        stub = pb_grpc.CoordinatorStub(ch)
+        answer: dict[str, object] = {"code": "OK"}
+        kind = "join" if cmd["op"] == "join" else "grant"
+        try:
+            with rec.call(cmd["job"], kind, cmd.get("generation", 0)) as out:
+                try:
+                    if kind == "join":
+                        r = stub.Join(pb.JoinRequest(request_id=cmd["token"], job=cmd["job"], spec=spec, token=cmd["token"],
+                                                     world=1, rank=0), timeout=CALL_S, wait_for_ready=True)
+                        out["generation"] = answer["generation"] = r.generation
+                    else:
+                        stub.Grant(pb.GrantRequest(job=cmd["job"], generation=cmd["generation"], rank=0, epoch=0,
+                                                   first_batch=0, count=1), timeout=CALL_S,
+                                   wait_for_ready=True)
+                except grpc.RpcError as e:
+                    answer["code"] = e.code().name
+                    if e.code() == grpc.StatusCode.ABORTED:
+                        out["outcome"] = "fenced"
+                    raise
+        except grpc.RpcError:
+            pass
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    sys.exit(rank(*sys.argv[2:5]) if what == "rank" else probe(sys.argv[2]))
