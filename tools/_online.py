@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from croupier.tools import _faults, history
 from croupier.tools._serve import ServeGroup, active_clients
@@ -19,7 +19,14 @@ from croupier.tools.history import ChaosError
 if TYPE_CHECKING:
     import random
 
-    from croupier.tools.chaos import DatabaseControl
+
+class DatabaseControl(Protocol):
+    """What the replicated mode needs to restart the PostgreSQL server under the replicas."""
+
+    def restart(self, mode: str) -> None:
+        """Stops the server with shutdown mode `mode` ("fast" or "immediate") and starts it again on
+        the same address; MUST return only once it accepts connections again."""
+        ...
 
 
 def _where(statuses: list[dict[str, Any]]) -> str:

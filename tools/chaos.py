@@ -48,10 +48,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from croupier.tools import _faults, history
-from croupier.tools._online import OnlineFaults, _where
+from croupier.tools._online import DatabaseControl, OnlineFaults, _where
 from croupier.tools._serve import ServeGroup, ServeProcess
 from croupier.tools.audit import EpochReport, render
 from croupier.tools.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
@@ -85,15 +85,6 @@ DATACENTER_KINDS = (*KINDS, *_faults.KINDS)
 DATACENTER_WEIGHTS = (0.12, 0.10, 0.13, 0.20, 0.15, 0.15, 0.15)
 #: Faults the job trains through (the others end the launch).
 ONLINE = frozenset({"coordinator", "replica", "database", *_faults.KINDS})
-
-
-class DatabaseControl(Protocol):
-    """What the replicated mode needs to restart the PostgreSQL server under the replicas."""
-
-    def restart(self, mode: str) -> None:
-        """Stops the server with shutdown mode `mode` ("fast" or "immediate") and starts it again on
-        the same address; MUST return only once it accepts connections again."""
-        ...
 
 
 def _history(work: pathlib.Path) -> list[pathlib.Path]:
