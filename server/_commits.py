@@ -101,6 +101,7 @@ class WriterCommits:
         self.c = c
         self._pending: list[bytes] = []
         self._snapshots: list[tuple[int, bytes]] = []
+        self._outages = 0  # outages in a row, with no append done between them
 
     def commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
         c = self.c
@@ -149,13 +150,22 @@ class WriterCommits:
                 t0 = time.perf_counter()
                 last = c.store.append(batch) if batch else c._durable
                 took = time.perf_counter() - t0
-                for seq, blob in snaps:
-                    c.store.write_snapshot(seq, blob)
             except StoreFull as e:
                 self._outage(e)
                 continue
             except StoreError as e:
                 with c._cond:
+                    c._fail(e)
+                return
+            self._outages = 0
+            try:
+                for seq, blob in snaps:
+                    c.store.write_snapshot(seq, blob)
+            except StoreFull as e:  # the batch is durable: a snapshot only shortens recovery, the next one comes later
+                log.warning("store %s: snapshot not written: %s", c.store.url, e)
+            except StoreError as e:
+                with c._cond:
+                    c._durable = last
                     c._fail(e)
                 return
             if batch and c.on_commit is not None:  # before anyone is answered: an acknowledged event is counted
@@ -190,13 +200,17 @@ class WriterCommits:
             c._rollbacks += 1
             c._kept[c._rollbacks] = rec.last_seq
             c._cond.notify_all()
-            wait = 0.05
             # NOTE: a bounded backoff between looks at the file system's free space (the store's
-            # has_room), until there is room or the coordinator closes; not synchronisation.
+            # has_room), until there is room or the coordinator closes; not synchronisation. An
+            # outage lasts at least `wait`, longer each time the last one ended with no write done
+            # (a quota statvfs does not show would otherwise reload the state for every batch).
+            self._outages += 1
+            wait = min(0.1 * 2 ** (self._outages - 1), 5.0)
             has_room: Callable[[], bool] = getattr(c.store, "has_room", lambda: True)
+            c._cond.wait(wait)
             while not c._closing and not has_room():
                 c._cond.wait(wait)
-                wait = min(wait * 2, 1.0)
+                wait = min(wait * 2, 5.0)
             c._outage = None
             log.warning("store %s has room again: acknowledging", c.store.url)
 
@@ -213,18 +227,18 @@ class SharedCommits:
 
     def commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
         c = self.c
-        conflicted = False
         for _ in range(CONFLICTS):
             c._check_ok()
-            self.refresh(force=conflicted)
+            # NOTE: a decision reads the journal's end for real, watch or not: one that makes no
+            # event (a join with a token a newer generation fenced) is answered from this read alone.
+            self.refresh(force=True)
             value, events = decide()
             if not events:
                 return value
             try:
                 last = c.store.append_at(c._seq, [pack_event(ev) for ev in events])
             except StoreConflict:
-                conflicted = True  # another replica wrote first: read what it wrote and decide again
-                continue
+                continue  # another replica wrote first: read what it wrote and decide again
             except StoreUnavailable as e:
                 # NOTE: nothing was applied here; whether the commit landed (a connection lost
                 # during it) the next read of the journal tells.
@@ -255,8 +269,8 @@ class SharedCommits:
         asks the database nothing: it is answered from the state of at most the bound ago. That is
         safe for what such calls decide: a grant authorises nothing (a rank computes its batches
         without one through an outage, and a generation resumes from a checkpoint, which is
-        journaled); every write still appends at the seq it decided on, and a conflict re-reads
-        with `force`, so writes stay exact.
+        journaled). Every decision (a join, a checkpoint, the reports) and a join's wait read with
+        `force`, and append at the seq they read: writes stay exact.
         """
         c = self.c
         try:

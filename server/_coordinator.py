@@ -146,7 +146,7 @@ class Coordinator:
                 # events this one reads from the database: it looks every 50 ms while it waits.
                 poll = self._commits.join_poll_s
                 self._cond.wait(left if poll is None else min(left, poll))
-                self._fresh()
+                self._fresh(force=True)
                 gen = self._state.current(req.job)
             result = self._state.join_result(req.job, req.rank)
             if result.start is not None and self._durable < self._seq:
@@ -202,11 +202,12 @@ class Coordinator:
         the value returned once they are durable when `durable` (a shared store's are, always)."""
         return self._commits.commit(decide, durable)
 
-    def _fresh(self) -> None:
+    def _fresh(self, force: bool = False) -> None:
         """Under the lock: Unavailable if the store failed; on a shared store, first reads what
-        other replicas journaled since this one last looked (fencing needs the latest generation)."""
+        other replicas journaled since this one last looked (fencing needs the latest generation),
+        or, for a read and unless `force`, trusts its watch of the journal within the staleness bound."""
         self._check_ok()
-        self._commits.refresh()
+        self._commits.refresh(force)
 
     def _wait_durable(self, target: int) -> None:
         """Under the lock: waits until the journal is durable up to `target` (Unavailable if the store fails)."""

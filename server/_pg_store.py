@@ -13,7 +13,7 @@ import psycopg.errors
 import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from croupier.server._pg_watch import CHANNEL, JournalWatch
+from croupier.server._pg_watch import JournalWatch
 from croupier.server._store import (
     Recovered,
     StoreConflict,
@@ -68,6 +68,8 @@ _LAST = (
 
 # One statement, so one snapshot of the database: the check and the insert are atomic, and two
 # writers that both saw `expected` collide on the primary key (the second gets UniqueViolation).
+# It notifies the replicas' watches of the new last seq (with the schema: one database may hold
+# several), in the same transaction: the notification goes out when the records are committed.
 _APPEND_AT = f"""
 WITH cur AS (SELECT {_LAST} AS last),
 ins AS (
@@ -76,8 +78,12 @@ ins AS (
     FROM unnest(%(seqs)s::bigint[], %(crcs)s::bigint[], %(payloads)s::bytea[]) AS t(seq, crc, payload), cur
     WHERE cur.last = %(expected)s
     RETURNING 1
+),
+note AS (
+    SELECT pg_notify('croupier_journal', current_schema() || ':' || (%(expected)s::bigint + n)::text)
+    FROM (SELECT count(*) AS n FROM ins) AS c WHERE c.n > 0
 )
-SELECT (SELECT last FROM cur), (SELECT count(*) FROM ins)
+SELECT (SELECT last FROM cur), (SELECT count(*) FROM ins), (SELECT count(*) FROM note)
 """
 
 # Kind 0: the snapshot; kind 2: the records after it, in order.
@@ -423,10 +429,8 @@ class PostgresStore:
                     f"postgresql store {self.url}: another writer appended record {expected_last + 1} first "
                     "(nothing was written)"
                 ) from None
-            assert row is not None  # the statement always returns one row
-            last, inserted = int(row[0]), int(row[1])
-            if inserted == len(payloads):  # goes out when the transaction commits, to every replica's watch
-                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, str(seqs[-1])))
+        assert row is not None  # the statement always returns one row
+        last, inserted = int(row[0]), int(row[1])
         if inserted != len(payloads):
             check_expected_last(expected_last, last, self.url)
             raise self._corrupt(f"append at {expected_last} inserted {inserted} of {len(payloads)} records")

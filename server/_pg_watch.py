@@ -1,7 +1,7 @@
 """How a replica knows the journal's end without asking the database on every call: LISTEN plus a heartbeat.
 
-Every append on PostgreSQL notifies ``croupier_journal`` with its last seq (in its transaction, so
-the notification goes out at its commit). A :class:`JournalWatch` listens on a connection of its
+Every append on PostgreSQL notifies ``croupier_journal`` with its schema and last seq (in its
+statement, so the notification goes out at its commit). A :class:`JournalWatch` listens on a connection of its
 own and, every ``heartbeat_s``, asks the journal's last seq on that same connection. What it knows
 is the largest seq either told it; it is *confirmed* as of the moment the last heartbeat was sent
 (the answer reflects the database at that moment or later).
@@ -32,6 +32,12 @@ APPLICATION = "croupier-watch"
 _MAX_BACKOFF_S = 1.0
 
 
+def _now() -> float:
+    """Seconds on a clock that never goes back and goes on while the machine sleeps (CLOCK_BOOTTIME where
+    there is one): a confirmation taken before a suspend of the host must look as old as it is."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 class JournalWatch:
     """A thread that keeps the journal's last seq known and confirmed (see the module)."""
 
@@ -41,15 +47,15 @@ class JournalWatch:
         self._conninfo, self._last_query, self.heartbeat_s, self._url = conninfo, last_query, heartbeat_s, url
         self._lock = threading.Lock()
         self._known = 0
-        self._confirmed = -float("inf")  # time.monotonic() of the last heartbeat sent and answered
+        self._confirmed = -float("inf")  # _now() of the last heartbeat sent and answered
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="croupier-pg-watch", daemon=True)
         self._thread.start()
 
     def known_last(self, max_age_s: float) -> int | None:
-        """The journal's last seq if confirmed within `max_age_s` (monotonic), else None: ask the database."""
+        """The journal's last seq if confirmed within `max_age_s`, else None: ask the database."""
         with self._lock:
-            if time.monotonic() - self._confirmed <= max_age_s:
+            if 0 <= _now() - self._confirmed <= max_age_s:
                 return self._known
             return None
 
@@ -75,16 +81,19 @@ class JournalWatch:
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     def _serve(self, conn: psycopg.Connection[Any]) -> None:
+        row = conn.execute("SELECT current_schema()").fetchone()
+        mine = f"{row[0] if row is not None else ''}:"
         while not self._closed.is_set():
-            sent = time.monotonic()
+            sent = _now()
             row = conn.execute(self._last_query).fetchone()
             self._saw(int(row[0]) if row is not None else 0, sent)
             for n in conn.notifies(timeout=self.heartbeat_s):
-                try:
-                    self._saw(int(n.payload), None)
-                except ValueError:
-                    log.warning("store %s: notification %r on %s is not a seq", self._url, n.payload, CHANNEL)
-                if time.monotonic() - sent >= self.heartbeat_s:
+                if n.payload.startswith(mine):  # another schema's journal says nothing of this one's
+                    try:
+                        self._saw(int(n.payload[len(mine):]), None)
+                    except ValueError:
+                        log.warning("store %s: notification %r on %s is not a seq", self._url, n.payload, CHANNEL)
+                if _now() - sent >= self.heartbeat_s:
                     break
 
     def close(self) -> None:

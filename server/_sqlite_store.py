@@ -153,14 +153,15 @@ class SqliteStore:
             hint = " (another connection holds its lock: is a second coordinator using the same store?)"
         return StoreUnavailable(f"sqlite store {self.path}: {doing}: {_sqlite_reason(exc)}{hint}")
 
-    def _full(self, doing: str, exc: BaseException) -> StoreFull:
-        self._wanted = max(self._wanted, _ROOM_BYTES)
+    def _full(self, doing: str, exc: BaseException, size: int = 0) -> StoreFull:
+        self._wanted = max(_ROOM_BYTES, size)
         return StoreFull(f"sqlite store {self.path}: {doing}: {_sqlite_reason(exc)}: the file system of "
                          f"{self.path.parent} has no room; nothing of this write was stored, and the store "
                          "takes writes again once there is room")
 
     def has_room(self) -> bool:
-        """Whether the file system of the store has room again after a :class:`StoreFull` (always, before one)."""
+        """Whether the file system of the store has room again after a :class:`StoreFull` (always, before one):
+        1 MiB free, or twice the write that found it full if more."""
         try:
             st = os.statvfs(self.path.parent)
         except OSError:
@@ -356,7 +357,7 @@ class SqliteStore:
         except sqlite3.Error as exc:
             self._rollback()
             if _full(exc):
-                raise self._full("cannot append", exc) from exc
+                raise self._full("cannot append", exc, 2 * sum(len(p) for p in payloads)) from exc
             self._failure = self._unavailable("cannot append", exc)
             raise self._failure from exc
         except BaseException as exc:  # e.g. KeyboardInterrupt mid-commit: durable or not, unknown

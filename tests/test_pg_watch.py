@@ -67,8 +67,10 @@ def test_a_watched_replica_answers_grants_without_asking_the_database(postgres_u
         a.grant("j", gen, 0, 0, 0, 1)  # starts the watch
         _until(lambda: store.known_last(0.5) is not None, 10.0)
         before = store.asked
+        # NOTE: grants without progress: the reports a grant carries are journaled every 50 ms, a write
+        # that reads the journal's end for real.
         for i in range(200):
-            a.grant("j", gen, i % 2, 0, i // 2, 1, (0, i // 2))
+            a.grant("j", gen, i % 2, 0, i // 2, 1)
         assert store.asked - before <= 2, f"{store.asked - before} journal-end queries for 200 grants"
     finally:
         a.close()
