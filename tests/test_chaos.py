@@ -77,6 +77,8 @@ def test_short_chaos_run_with_data_center_faults(tmp_path: pathlib.Path) -> None
                    "--seed", "1", timeout=300)
     assert int(m["faults"]) == faults and m["pauses"] is not None, m[0]
     assert sum(int(m[k]) for k in ("pauses", "rank_pauses", "jumps", "disks")) >= 3, m[0]
+    assert re.search(r"^history: .*numbered 1\.\.\d+: none twice, none out of order.*no acknowledged join lost",
+                     out.stdout, re.M), out.stdout[-2000:]  # the whole journal, read back once the coordinator stopped
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0 and int(m["samples"]) == epochs * n
 
 

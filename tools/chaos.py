@@ -72,6 +72,7 @@ BATCHINGS = ("fixed", "tokens", "dynamic")
 MAX_TOKENS = 400
 RESTART_S = 1.5  # seconds a coordinator restart is expected to take, until one is measured
 STALL = 120.0  # seconds without a step: the run has hung
+KEEP_JOURNAL = 10**9  # the single coordinator's --snapshot-every: a run's journal is never pruned
 PACE_WINDOW_S = 1.0  # replicated mode: seconds of a launch's steps seen before its pace is measured
 KINDS = ("rank", "coordinator", "preempt")
 WEIGHTS = (0.35, 0.25, 0.40)
@@ -406,8 +407,10 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         dc = logs.enter_context(_faults.Faults(work, random.Random(seed + 1))) if datacenter else None
         db = work / ("disk" if dc else ".") / "coordinator.db"
         if store is None:
+            # The whole journal is kept (no snapshot prunes it) so that its history is checked to the first record.
             servers = ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
-                                               error=ChaosError, env=dc.env() if dc else None)])
+                                               error=ChaosError, env=dc.env() if dc else None,
+                                               args=("--snapshot-every", str(KEEP_JOURNAL)))])
         else:
             servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
                                                f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
@@ -426,6 +429,10 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             reports = run.run()
             if store is not None:
                 checked = history.check_history(store, work)
+            else:  # the file is the coordinator's alone while it runs
+                run.kill_launch()
+                servers.kill()
+                checked = history.check_history(f"sqlite:///{db}", work)
         except Exception as e:  # noqa: BLE001 - anything unexpected fails the run, with its cause
             print(f"\nchaos: FAILED after {run.tally.faults} faults, {time.perf_counter() - t0:.0f} s "
                   f"(seed {seed}): {type(e).__name__}: {e}", flush=True)

@@ -135,7 +135,7 @@ def _read_joins(path: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History:
-    """Checks the journal in the shared store against itself and against the joins the ranks were acknowledged.
+    """Checks the run's journal against itself and against the joins the ranks were acknowledged.
 
     The job's ``GenerationOpened`` events must number its generations 1, 2, 3, ... in journal
     order (none twice, none out of order), each with a token of its own; each
@@ -151,7 +151,8 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
     earlier generations are counted as unchecked.
 
     Args:
-        store_url: The shared store (``postgresql://``).
+        store_url: The run's store: the replicas' ``postgresql://`` database, or the single
+            coordinator's ``sqlite:///`` file once the coordinator is stopped.
         work: The run's workdir (joins.jsonl, audit/).
         job: The job.
 
