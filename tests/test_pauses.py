@@ -4,7 +4,8 @@ job's generations is checked linearizable (tools/linearize.py).
 
 Two `croupier serve` replicas on one PostgreSQL database, A and B. A rank process joins through A and trains
 (grants, checkpoints). Both the rank and A are stopped; meanwhile a new generation of the job is opened
-through B. Past the server's keepalive (30 s, then 10 s to answer: the longest timeout a call meets), a grant
+through B. Past the server's keepalive (30 s, then 10 s to answer: the longest timeout a call meets; 5 s in
+the suite, past every other timeout), a grant
 of the old generation is sent to A while it is still stopped, A is woken, then the rank. A must refuse that
 grant (its knowledge of the journal is older than its staleness bound: it reads the database first), and the
 rank's next call is refused (ABORTED). Fails if A answers from what it knew before the pause without
@@ -37,8 +38,11 @@ pytestmark = pytest.mark.e2e
 pytest_plugins = ["_postgres"]
 
 HERE = pathlib.Path(__file__).resolve().parent
-#: Longer than every timeout a call meets: the server's keepalive ping and the time it gives the answer.
-PAUSE_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 2
+#: Longer than every timeout a call meets: the server's keepalive ping and the time it gives the answer
+#: (make slow); the suite's pause is past the staleness bound, the watch's heartbeat and the clients'
+#: grant timeout (1 s), not past the keepalive.
+LONG_PAUSE_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 2
+SHORT_PAUSE_S = 5.0
 #: The replicas' staleness bound (croupier serve's default): the checker's slack for grants.
 STALE_S = 0.1
 
@@ -47,8 +51,10 @@ def _ok_grants(path: pathlib.Path) -> int:
     return sum(1 for c in load([str(path)]) if c.kind == "grant" and c.outcome == "ok") if path.exists() else 0
 
 
+@pytest.mark.parametrize("pause_s", [pytest.param(SHORT_PAUSE_S, id="5s"),
+                                     pytest.param(LONG_PAUSE_S, id="past-keepalive", marks=pytest.mark.slow)])
 def test_a_paused_replica_and_a_paused_rank_act_on_nothing_they_knew(postgres_url: str, serve_process: type,
-                                                                      tmp_path: pathlib.Path) -> None:
+                                                                      tmp_path: pathlib.Path, pause_s: float) -> None:
     a, b = serve_process(postgres_url), serve_process(postgres_url)
     rec = Recorder(str(tmp_path / "test.jsonl"), "test")
     rank = subprocess.Popen([sys.executable, str(HERE / "_pause_rank.py"), a.address, "job", str(tmp_path / "rank.jsonl"),
@@ -70,7 +76,7 @@ def test_a_paused_replica_and_a_paused_rank_act_on_nothing_they_knew(postgres_ur
                 rank=0), timeout=30)
             out["generation"] = r.generation
         assert r.generation == old + 1 and r.started
-        time.sleep(max(0.0, PAUSE_S - (time.monotonic() - paused)))  # the pause itself: the fault, not a wait for something
+        time.sleep(max(0.0, pause_s - (time.monotonic() - paused)))  # the pause itself: the fault, not a wait for something
 
         answer: dict[str, object] = {}
 
