@@ -7,7 +7,6 @@ the last byte by a file beside it; a real `croupier serve` process answers over 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import subprocess
@@ -21,6 +20,7 @@ from croupier.core.spec import Spec
 from croupier.core.wire import spec_to_proto
 from croupier.server._store import StoreFull
 from croupier.server._stores import open_store
+from croupier.tools._faults import fill_up
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -44,13 +44,7 @@ def small_fs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
 def _fill(where: pathlib.Path) -> pathlib.Path:
     """A file that takes every free byte of `where`'s file system."""
     filler = where / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        with contextlib.suppress(OSError):
-            while True:
-                os.write(fd, b"\0" * 4096)
-    finally:
-        os.close(fd)
+    fill_up(filler)
     return filler
 
 

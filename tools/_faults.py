@@ -45,6 +45,18 @@ def available() -> str | None:
     return None
 
 
+def fill_up(filler: pathlib.Path) -> None:
+    """Writes `filler` until its file system has not a byte left (MiB at a time, then pages)."""
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for chunk in (b"\0" * (1 << 20), b"\0" * 4096):
+            with contextlib.suppress(OSError):  # ENOSPC: this size no longer fits
+                while True:
+                    os.write(fd, chunk)
+    finally:
+        os.close(fd)
+
+
 class Faults:
     """The data-center faults of one run, on the store's file system at `disk` and the clock file `clock`."""
 
@@ -97,17 +109,7 @@ class Faults:
         """The store's file system full for a while, then freed; returns the seconds it was full (at most `within`)."""
         took = self._duration(within)
         filler = self.disk / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with contextlib.suppress(OSError):  # ENOSPC: full
-                chunk = b"\0" * (1 << 20)
-                while True:
-                    os.write(fd, chunk)
-            with contextlib.suppress(OSError):
-                while True:
-                    os.write(fd, b"\0" * 4096)
-        finally:
-            os.close(fd)
+        fill_up(filler)
         try:
             time.sleep(took)  # the fault itself: the disk full this long
         finally:
