@@ -6,8 +6,8 @@
         finished); prints "EPOCH e" as each ends.
     python tests/_partition_agents.py probe HISTORY
         Calls on command: one JSON line per call on stdin ({"op": "join" | "grant", "addr", "job",
-        "token" | "generation"}), each recorded (croupier.tools.linearize) and answered on stdout with its
-        status code and, for a join, its generation.
+        "token" | "generation", and "timeout" in seconds if not CALL_S}), each recorded (croupier.tools.linearize) and answered on stdout with its
+        status code, its seconds and, for a join, its generation.
 """
 
 from __future__ import annotations
@@ -62,17 +62,19 @@ def probe(history: str) -> int:
         ch = channels.get(cmd["addr"]) or channels.setdefault(cmd["addr"], grpc.insecure_channel(cmd["addr"], options=FAST))
         stub = pb_grpc.CoordinatorStub(ch)
         answer: dict[str, object] = {"code": "OK"}
+        t0 = time.monotonic()
         kind = "join" if cmd["op"] == "join" else "grant"
         try:
             with rec.call(cmd["job"], kind, cmd.get("generation", 0)) as out:
                 try:
                     if kind == "join":
                         r = stub.Join(pb.JoinRequest(request_id=cmd["token"], job=cmd["job"], spec=spec, token=cmd["token"],
-                                                     world=1, rank=0), timeout=CALL_S, wait_for_ready=True)
+                                                     world=1, rank=0), timeout=cmd.get("timeout", CALL_S),
+                                                     wait_for_ready=True)
                         out["generation"] = answer["generation"] = r.generation
                     else:
                         stub.Grant(pb.GrantRequest(job=cmd["job"], generation=cmd["generation"], rank=0, epoch=0,
-                                                   first_batch=0, count=1), timeout=CALL_S,
+                                                   first_batch=0, count=1), timeout=cmd.get("timeout", CALL_S),
                                    wait_for_ready=True)
                 except grpc.RpcError as e:
                     answer["code"] = e.code().name
@@ -81,6 +83,7 @@ def probe(history: str) -> int:
                     raise
         except grpc.RpcError:
             pass
+        answer["seconds"] = time.monotonic() - t0
         print(json.dumps(answer), flush=True)
     return 0
 

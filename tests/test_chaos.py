@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e  # several processes
 SUMMARY = re.compile(
     r"chaos: (?P<faults>\d+) faults injected \((?P<rank>\d+) rank kills, (?P<coord>\d+) coordinator kills"
     r"(?:, (?P<pauses>\d+) coordinator pauses, (?P<rank_pauses>\d+) rank pauses, (?P<jumps>\d+) clock jumps, "
-    r"(?P<disks>\d+) full disks)?, (?P<preempt>\d+) preemptions\), (?P<resizes>\d+) resizes, (?P<older>\d+) restarts from an older checkpoint .*; "
+    r"(?P<disks>\d+) full disks, (?P<partitions>\d+) partitions, (?P<slow>\d+) slow links)?, (?P<preempt>\d+) preemptions\), (?P<resizes>\d+) resizes, (?P<older>\d+) restarts from an older checkpoint .*; "
     r"(?P<samples>\d+) samples audited over (?P<epochs>\d+) epochs: (?P<dups>\d+) duplicates, (?P<missing>\d+) missing; "
     r"G1 holds"
 )
@@ -69,14 +69,16 @@ def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.skipif(_faults.available() is not None, reason=f"{_faults.available()}")
 def test_short_chaos_run_with_data_center_faults(tmp_path: pathlib.Path) -> None:
-    """Pauses of the coordinator and of a worker, clock jumps and a full disk beside the kills: one of each
-    kind is drawn in the first seven faults (a fault that comes due too near the job's end becomes a
+    """Pauses of the coordinator and of a worker, clock jumps, a full disk, a partition and a slow, lossy link
+    beside the kills, the coordinator and the job on hosts (network namespaces) of their own: one of each
+    kind is drawn in the first nine faults (a fault that comes due too near the job's end becomes a
     rollback, so one may be replaced), and the audit is exactly once (make soak runs 1,000)."""
-    faults, epochs, n = 7, 4, 1200
+    faults, epochs, n = 9, 4, 1200
     out, m = chaos(tmp_path / "chaos", "--datacenter", "--faults", str(faults), "--epochs", str(epochs), "--n", str(n),
-                   "--seed", "1", timeout=300)
+                   "--seed", "1", timeout=400)
     assert int(m["faults"]) == faults and m["pauses"] is not None, m[0]
-    assert sum(int(m[k]) for k in ("pauses", "rank_pauses", "jumps", "disks")) >= 3, m[0]
+    assert sum(int(m[k]) for k in ("pauses", "rank_pauses", "jumps", "disks", "partitions", "slow")) >= 5, m[0]
+    assert int(m["partitions"]) + int(m["slow"]) >= 1, m[0]
     assert re.search(r"^history: .*numbered 1\.\.\d+: none twice, none out of order.*no acknowledged join lost",
                      out.stdout, re.M), out.stdout[-2000:]  # the whole journal, read back once the coordinator stopped
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0 and int(m["samples"]) == epochs * n

@@ -1,5 +1,6 @@
-"""Network partitions for real: PostgreSQL, two replicas and the ranks on hosts of their own (Linux network
-namespaces behind one router, tests/_netns.py), cut from each other and healed while a rank trains.
+"""Network partitions and a slow, lossy link for real: PostgreSQL, two replicas and the ranks on hosts of their
+own (Linux network namespaces behind one router, croupier/tools/_netns.py), cut from each other and healed,
+or their link delayed 200 ms each way with a tenth of its packets lost, while a rank trains.
 
 The faults, in order: the rank cut from every replica; one replica cut from the database while a new
 generation is opened through the other; the database cut from both replicas; a replica cut from the
@@ -11,7 +12,12 @@ the journal; and the replica cut from the database never answers a grant of the 
 meanwhile (fails if a replica serves from what it knew without confirming it: tried, by making the
 watch's confirmation never expire).
 
-The kernel of this machine has no netem, so loss and delay on a link are not among the faults.
+The slow, lossy link (`test_a_slow_lossy_link...`): 200 ms each way and 10 % of the packets dropped, first
+between the rank and the replica it calls, then between the other replica and the database while a new
+generation is opened through the first; the grant of the replaced generation sent to the slow replica at
+once must be refused. The kernel here has no netem: the router sends the link's packets through a TUN
+device whose process delays and drops them (croupier/tools/_impair.py). Fails if a replica takes its
+confirmation of the journal's end as of when the answer came rather than when the question left (tried).
 """
 
 from __future__ import annotations
@@ -27,13 +33,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _netns import Hosts, unavailable_reason
 from _postgres import USER, Postgres
 from _postgres import unavailable_reason as pg_unavailable
 
 from croupier.server._events import GenerationOpened
 from croupier.server._journal import read_journal
 from croupier.server._stores import open_store
+from croupier.tools._netns import Hosts, unavailable_reason
 from croupier.tools.audit import audit
 from croupier.tools.linearize import check, load
 
@@ -43,6 +49,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 AGENTS = HERE / "_partition_agents.py"
 PORT = 7001
 STALE_S = 0.1  # the replicas' --max-staleness-ms, the default
+DELAY_MS, LOSS = 200.0, 0.1  # the slow, lossy link
+SLOW_CALL_S = 20.0  # a call's deadline through the replica on the slow link to the database
+DB_LOSS = 0.01  # the replica's link to the database: see the module
+GRANTS = 15  # grants through the replica on the slow link to the database, each of which must ask it
 
 
 class HostedPostgres(Postgres):
@@ -101,108 +111,163 @@ def hosts() -> Iterator[Hosts]:
         h.close()
 
 
-def test_partitions_lose_nothing_and_serve_no_replaced_generation(hosts: Hosts, tmp_path: pathlib.Path) -> None:
-    pg = HostedPostgres(hosts, "db")
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        pg.start()
-        pg.create_database("croupier")
-        store = pg.hosted_url("croupier")
-        replicas = {}
+class Cluster:
+    """PostgreSQL on host db, replicas on r0 and r1, and on rk a training rank and a probe (see the module)."""
+
+    def __init__(self, hosts: Hosts, tmp: pathlib.Path) -> None:
+        self.hosts, self.tmp = hosts, tmp
+        self.pg = HostedPostgres(hosts, "db")
+        self.procs: list[subprocess.Popen[str]] = []
+        self.pg.start()
+        self.pg.create_database("croupier")
+        store = self.pg.hosted_url("croupier")
+        self.replicas = {}
         for r in ("r0", "r1"):
-            p = subprocess.Popen(hosts.run(r, [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", hosts.addr[r],
-                                               "--port", str(PORT), "--store", store]),
-                                 stdout=subprocess.PIPE, stderr=open(tmp_path / f"{r}.log", "w"), text=True)
-            procs.append(p)
+            p = self._spawn(r, [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", hosts.addr[r], "--port",
+                                str(PORT), "--store", store], r)
             assert p.stdout is not None and p.stdout.readline().startswith("listening on"), r
-            replicas[r] = f"{hosts.addr[r]}:{PORT}"
-        stop = tmp_path / "stop"
-        # NOTE: the rank asks r1 first, so r0 serves only the probe: in step 2, r0 has no write of the rank's
-        # in flight to the database (which would hold its lock until the store's timeout), and what
-        # stands between the probe's grant and a stale answer is the replica's staleness bound alone.
-        rank = subprocess.Popen(hosts.run("rk", [sys.executable, str(AGENTS), "rank", f"{replicas['r1']},{replicas['r0']}",
-                                                  str(tmp_path / "audit"), str(stop)]),
-                                stdout=subprocess.PIPE, stderr=open(tmp_path / "rank.log", "w"), text=True)
-        procs.append(rank)
-        epochs = Lines(rank)
-        probe = subprocess.Popen(hosts.run("rk", [sys.executable, str(AGENTS), "probe", str(tmp_path / "probe.jsonl")]),
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "probe.log", "w"),
-                                 text=True)
-        procs.append(probe)
-        answers = Lines(probe)
+            self.replicas[r] = f"{hosts.addr[r]}:{PORT}"
+        self.stop = tmp / "stop"
+        # NOTE: the rank asks r1 first, so r0 serves only the probe: in a cut of r0 from the database, r0 has
+        # no write of the rank's in flight to the database (which would hold its lock until the store's
+        # timeout), and what stands between the probe's grant and a stale answer is the replica's staleness
+        # bound alone.
+        self.rank = self._spawn("rk", [sys.executable, str(AGENTS), "rank", f"{self.replicas['r1']},{self.replicas['r0']}",
+                                       str(tmp / "audit"), str(self.stop)], "rank")
+        self.epochs = Lines(self.rank)
+        self.probe = self._spawn("rk", [sys.executable, str(AGENTS), "probe", str(tmp / "probe.jsonl")], "probe",
+                                 stdin=subprocess.PIPE)
+        self.answers = Lines(self.probe)
 
-        def call(op: str, on: str, **kw: Any) -> dict[str, Any]:
-            assert probe.stdin is not None
-            probe.stdin.write(json.dumps({"op": op, "addr": replicas[on], "job": "p", **kw}) + "\n")
-            probe.stdin.flush()
-            return json.loads(answers.next(timeout=30))  # type: ignore[no-any-return]
+    def _spawn(self, host: str, cmd: list[str], log: str, **kw: Any) -> subprocess.Popen[str]:
+        p = subprocess.Popen(self.hosts.run(host, cmd), stdout=subprocess.PIPE, stderr=open(self.tmp / f"{log}.log", "w"),
+                             text=True, **kw)
+        self.procs.append(p)
+        return p
 
-        def until(op: str, on: str, want: str, **kw: Any) -> dict[str, Any]:
-            t0 = time.monotonic()
-            while (a := call(op, on, **kw))["code"] != want:  # bounded: a replica reconnecting to the database
-                assert time.monotonic() - t0 < 60, f"{op} on {on} answered {a} for 60 s, not {want}"
-            return a
+    def call(self, op: str, on: str, **kw: Any) -> dict[str, Any]:
+        """One call of the probe through replica `on`: its code, a join's generation, its seconds."""
+        assert self.probe.stdin is not None
+        self.probe.stdin.write(json.dumps({"op": op, "addr": self.replicas[on], "job": "p", **kw}) + "\n")
+        self.probe.stdin.flush()
+        return json.loads(self.answers.next(timeout=30))  # type: ignore[no-any-return]
 
-        assert epochs.next(timeout=120).startswith("EPOCH 0")
+    def until(self, op: str, on: str, want: str, **kw: Any) -> dict[str, Any]:
+        t0 = time.monotonic()
+        while (a := self.call(op, on, **kw))["code"] != want:  # bounded: a replica reconnecting to the database
+            assert time.monotonic() - t0 < 60, f"{op} on {on} answered {a} for 60 s, not {want}"
+        return a
 
-        # 1. The rank cut from every replica: it trains on from its plan (an epoch ends during the cut).
-        hosts.cut("rk", "r0")
-        hosts.cut("rk", "r1")
-        assert epochs.next(timeout=60).startswith("EPOCH")
-        assert call("join", "r0", token="cut")["code"] != "OK"
-        hosts.heal()
-
-        # 2. One replica cut from the database while a new generation is opened through the other.
-        old = until("join", "r0", "OK", token="a")["generation"]
-        hosts.cut("r0", "db")
-        new = until("join", "r1", "OK", token="b")["generation"]
-        assert new == old + 1
-        time.sleep(3 * STALE_S)  # the scenario: past the bound of what r0 last confirmed
-        stale = call("grant", "r0", generation=old)
-        assert stale["code"] != "OK", "a replica cut from the database served a generation that was replaced"
-        hosts.heal("r0", "db")
-        until("grant", "r0", "ABORTED", generation=old)
-
-        # 3. The database cut from both replicas: the rank trains on; joins get no answer.
-        hosts.cut("db", "r0")
-        hosts.cut("db", "r1")
-        assert epochs.next(timeout=60).startswith("EPOCH")
-        assert call("join", "r1", token="c")["code"] != "OK"
-        hosts.heal()
-        until("join", "r1", "OK", token="d")
-
-        # 4. A partition that heals mid-commit: a join in flight through r0 while r0 is cut from the database.
-        hosts.cut("r0", "db")
-        healer = threading.Timer(1.0, lambda: hosts.heal("r0", "db"))  # heals while the join waits for its commit
-        healer.start()
-        call("join", "r0", token="e")  # answered or not: the history takes either
-        healer.join()
-        until("grant", "r1", "OK", generation=until("join", "r1", "OK", token="f")["generation"])
-
-        stop.touch()
-        rank.wait(timeout=120)
-        assert rank.returncode == 0, (tmp_path / "rank.log").read_text()[-3000:]
-    except BaseException:
-        pg.close()
-        raise
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        hosts.heal()
-    try:
-        reports = audit(tmp_path / "audit")
+    def finish(self) -> None:
+        """Stops the rank after its epoch, then checks: every epoch exactly once, the probe's history
+        linearizable, every acknowledged join in the journal."""
+        self.stop.touch()
+        self.rank.wait(timeout=120)
+        assert self.rank.returncode == 0, (self.tmp / "rank.log").read_text()[-3000:]
+        self.kill()
+        reports = audit(self.tmp / "audit")
         assert reports and all(r.ok and r.finished and r.duplicates == 0 and r.missing == 0 for r in reports), reports
-        calls = load([str(tmp_path / "probe.jsonl")])
+        calls = load([str(self.tmp / "probe.jsonl")])
         verdict = check(calls, stale_s=STALE_S)
         assert verdict.ok, verdict.why
-        s = open_store(pg.url("croupier"))
+        s = open_store(self.pg.url("croupier"))
         try:
             opened = {e.generation for _, e in read_journal(s).events if isinstance(e, GenerationOpened) and e.job == "p"}
         finally:
             s.close()
         acked = {c.generation for c in calls if c.kind == "join" and c.outcome == "ok"}
         assert acked and acked <= opened, f"acknowledged generations {sorted(acked - opened)} are not in the journal"
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self.hosts.heal()
+        self.pg.close()
+
+
+@pytest.fixture
+def cluster(hosts: Hosts, tmp_path: pathlib.Path) -> Iterator[Cluster]:
+    c = Cluster(hosts, tmp_path)
+    try:
+        yield c
     finally:
-        pg.close()
+        c.close()
+
+
+def test_partitions_lose_nothing_and_serve_no_replaced_generation(cluster: Cluster) -> None:
+    hosts, call, until, epochs = cluster.hosts, cluster.call, cluster.until, cluster.epochs
+    assert epochs.next(timeout=120).startswith("EPOCH 0")
+
+    # 1. The rank cut from every replica: it trains on from its plan (an epoch ends during the cut).
+    hosts.cut("rk", "r0")
+    hosts.cut("rk", "r1")
+    assert epochs.next(timeout=60).startswith("EPOCH")
+    assert call("join", "r0", token="cut")["code"] != "OK"
+    hosts.heal()
+
+    # 2. One replica cut from the database while a new generation is opened through the other.
+    old = until("join", "r0", "OK", token="a")["generation"]
+    hosts.cut("r0", "db")
+    new = until("join", "r1", "OK", token="b")["generation"]
+    assert new == old + 1
+    time.sleep(3 * STALE_S)  # the scenario: past the bound of what r0 last confirmed
+    stale = call("grant", "r0", generation=old)
+    assert stale["code"] != "OK", "a replica cut from the database served a generation that was replaced"
+    hosts.heal("r0", "db")
+    until("grant", "r0", "ABORTED", generation=old)
+
+    # 3. The database cut from both replicas: the rank trains on; joins get no answer.
+    hosts.cut("db", "r0")
+    hosts.cut("db", "r1")
+    assert epochs.next(timeout=60).startswith("EPOCH")
+    assert call("join", "r1", token="c")["code"] != "OK"
+    hosts.heal()
+    until("join", "r1", "OK", token="d")
+
+    # 4. A partition that heals mid-commit: a join in flight through r0 while r0 is cut from the database.
+    hosts.cut("r0", "db")
+    healer = threading.Timer(1.0, lambda: hosts.heal("r0", "db"))  # heals while the join waits for its commit
+    healer.start()
+    call("join", "r0", token="e")  # answered or not: the history takes either
+    healer.join()
+    until("grant", "r1", "OK", generation=until("join", "r1", "OK", token="f")["generation"])
+    cluster.finish()
+
+
+def test_a_slow_lossy_link_loses_nothing_and_serves_no_replaced_generation(cluster: Cluster) -> None:
+    hosts, call, until, epochs = cluster.hosts, cluster.call, cluster.until, cluster.epochs
+    assert epochs.next(timeout=120).startswith("EPOCH 0")
+
+    # 1. The link of the replica the rank does not call (r0) to the database: 200 ms each way, and lossy; then a
+    # new generation opened through the other: the grant of the replaced one, sent to r0, is refused.
+    old = until("join", "r0", "OK", token="a")["generation"]
+    until("grant", "r0", "OK", generation=old)
+    hosts.impair("r0", "db", delay_ms=DELAY_MS, loss=DB_LOSS, seed=2)
+    new = until("join", "r1", "OK", token="b")["generation"]
+    assert new == old + 1
+    time.sleep(3 * STALE_S)  # the scenario: past the bound of what r0 confirmed before its link slowed
+    stale = call("grant", "r0", generation=old, timeout=SLOW_CALL_S)
+    assert stale["code"] != "OK", "a replica on a slow link to the database served a generation that was replaced"
+    # What protects it: what r0 knows of the journal's end is confirmed as of when its question left, so
+    # across a 400 ms round trip it is never within the 100 ms bound, and every grant asks the database.
+    served = [call("grant", "r0", generation=new, timeout=SLOW_CALL_S) for _ in range(GRANTS)]
+    print("grants through r0:", [(a["code"], round(a["seconds"], 2)) for a in served])
+    quick = [round(a["seconds"], 3) for a in served if a["code"] == "OK" and a["seconds"] < 2 * DELAY_MS / 1000]
+    assert sum(a["code"] == "OK" for a in served) >= GRANTS // 2 and not quick, f"grants served from what r0 knew: {quick}"
+    assert hosts.restore("r0", "db")[0] > 0
+
+    # 2. The rank's link to the replica it calls (r1): 200 ms each way, 10 % of the packets lost. It trains on
+    # (through r1 or r0); a call across the link takes the round trip.
+    hosts.impair("rk", "r1", delay_ms=DELAY_MS, loss=LOSS, seed=1)
+    assert epochs.next(timeout=90).startswith("EPOCH")
+    slow = until("grant", "r1", "OK", generation=new)
+    assert slow["seconds"] >= 2 * DELAY_MS / 1000, f"a call across the slow link took {slow['seconds']:.3f} s"
+    assert epochs.next(timeout=90).startswith("EPOCH")
+    passed, dropped = hosts.restore("rk", "r1")
+    assert passed > 0 and dropped > 0, f"the impairer of rk <-> r1 passed {passed} and dropped {dropped} packets"
+    cluster.finish()

@@ -1,7 +1,10 @@
-"""The chaos run's data-center faults (``croupier chaos --datacenter``): pauses, clock jumps and a full disk.
+"""The chaos run's data-center faults (``croupier chaos --datacenter``): pauses, clock jumps, a full disk, and a
+partitioned or slow, lossy network.
 
-Each is a fault the job trains through, injected on the single coordinator (``croupier serve`` on a
-SQLite store) or on one of the job's workers:
+The coordinator and the job run on hosts of their own: two network namespaces behind a router
+(:mod:`croupier.tools._netns`), the coordinator's host "co", the job's (torchrun and its workers) "job".
+Each fault is one the job trains through, injected on the single coordinator (``croupier serve`` on a
+SQLite store), on one of the job's workers or on the network between them:
 
 * ``pause``: the coordinator stopped (SIGSTOP) for a while, as a long GC pause or a frozen VM, then
   woken (SIGCONT); the ranks compute their leases themselves meanwhile;
@@ -10,9 +13,14 @@ SQLite store) or on one of the job's workers:
 * ``clock``: the coordinator's wall clock jumped an hour forward or back (it runs under libfaketime,
   which reads the clock's offset from a file this rewrites; its monotonic clock is left alone);
 * ``disk``: the file system of the coordinator's store (a tmpfs of its own) filled to the last byte
-  for a while, then freed; the coordinator answers UNAVAILABLE meanwhile and goes on by itself.
+  for a while, then freed; the coordinator answers UNAVAILABLE meanwhile and goes on by itself;
+* ``partition``: the job's host cut from the coordinator's for a while (packets dropped silently both
+  ways: calls get no answer), then healed;
+* ``slow-link``: the link between them delayed 200 ms each way with a tenth of its packets lost, for a
+  while (:mod:`croupier.tools._impair`, since not every kernel has netem).
 
-What each needs is checked up front by :func:`available` (root for the tmpfs, libfaketime's library).
+What each needs is checked up front by :func:`available` (root for the tmpfs and the namespaces,
+libfaketime's library).
 """
 
 from __future__ import annotations
@@ -25,15 +33,20 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
+
+from croupier.tools import _netns
 
 #: libfaketime, from Debian's faketime package.
 FAKETIME = pathlib.Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 #: The faults this module injects, and how likely each is among themselves.
-KINDS = ("pause", "rank-pause", "clock", "disk")
+KINDS = ("pause", "rank-pause", "clock", "disk", "partition", "slow-link")
 #: The clock's offsets, in turn: an hour ahead, an hour behind, right.
 _JUMPS = ("+1h", "-1h", "+0")
 #: Size of the store's own file system: room for the run's journal, snapshots and WAL.
 DISK_SIZE = "256m"
+#: The slow link: each way's delay, and the share of packets lost.
+SLOW_DELAY_MS, SLOW_LOSS = 200.0, 0.1
 
 
 def available() -> str | None:
@@ -42,7 +55,9 @@ def available() -> str | None:
         return "the full-disk fault mounts a tmpfs: run as root"
     if not FAKETIME.exists():
         return f"the clock fault needs {FAKETIME} (apt-get install faketime)"
-    return None
+    if not os.path.exists("/dev/net/tun"):
+        return "the slow-link fault needs /dev/net/tun"
+    return _netns.unavailable_reason()
 
 
 def fill_up(filler: pathlib.Path) -> None:
@@ -65,13 +80,25 @@ class Faults:
         self.disk = work / "disk"
         self.clock = work / "faketime"
         self._jumps = 0
+        self.hosts: _netns.Hosts | None = None
 
     def env(self) -> dict[str, str]:
         """The coordinator's environment: its wall clock from the clock file, its monotonic clock its own."""
         return {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self.clock), "FAKETIME_NO_CACHE": "1",
                 "DONT_FAKE_MONOTONIC": "1"}
 
+    def prefix(self, host: str) -> Sequence[str]:
+        """What runs a command on `host` ("co" or "job")."""
+        assert self.hosts is not None, "outside the with block"
+        return self.hosts.run(host, [])
+
+    def address(self, host: str) -> str:
+        """The address of `host` ("co" or "job")."""
+        assert self.hosts is not None, "outside the with block"
+        return self.hosts.addr[host]
+
     def __enter__(self) -> Faults:
+        self.hosts = _netns.Hosts(["co", "job"])
         self.clock.write_text("+0\n")
         self.disk.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(self.disk)], check=True,
@@ -82,6 +109,9 @@ class Faults:
         with contextlib.suppress(OSError):
             (self.disk / "filler").unlink()
         subprocess.run(["umount", "-l", str(self.disk)], check=False, capture_output=True)
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
 
     def _duration(self, within: float) -> float:
         """A pause or an outage: mostly a few seconds, one in ten long; at most `within` seconds."""
@@ -115,3 +145,27 @@ class Faults:
         finally:
             filler.unlink()
         return took
+
+    def partition(self, within: float = math.inf) -> float:
+        """The job's host cut from the coordinator's for a while, then healed; returns the seconds of the cut."""
+        assert self.hosts is not None, "outside the with block"
+        took = self._duration(within)
+        self.hosts.cut("job", "co")
+        try:
+            time.sleep(took)  # the fault itself: the network cut this long
+        finally:
+            self.hosts.heal()
+        return took
+
+    def slow_link(self, within: float = math.inf) -> tuple[float, int, int]:
+        """The link between the job and the coordinator slow and lossy for a while; returns its seconds and
+        the packets passed and dropped meanwhile."""
+        assert self.hosts is not None, "outside the with block"
+        took = self._duration(within)
+        self.hosts.impair("job", "co", SLOW_DELAY_MS, SLOW_LOSS, seed=self.rng.randrange(2**31))
+        passed = dropped = 0
+        try:
+            time.sleep(took)  # the fault itself: the link slow this long
+        finally:
+            passed, dropped = self.hosts.restore("job", "co")
+        return took, passed, dropped

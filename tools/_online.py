@@ -98,7 +98,8 @@ class OnlineFaults:
                   "their database meanwhile, the ranks carry on")
 
     def _datacenter_fault(self, kind: str, st: list[dict[str, Any]], at: str) -> None:
-        """A pause of the coordinator or of a worker, a jump of the coordinator's clock, or its disk full."""
+        """A pause of the coordinator or of a worker, a jump of the coordinator's clock, its disk full, or the
+        network between it and the job cut or slow."""
         f, t, coordinator = self.datacenter, self.tally, self.servers.members[0]
         assert f is not None and coordinator.proc is not None
         # The job trains through a paused coordinator or a full disk: such a fault ends while the job
@@ -120,10 +121,20 @@ class OnlineFaults:
             offset = f.jump()
             t.clock_jumps += 1
             self._say(f"the coordinator's wall clock set to {offset} at {at}")
-        else:
+        elif kind == "disk":
             took = f.fill(within)
             t.disk_fulls += 1
             self._say(f"the coordinator's store's file system full for {took:.1f} s at {at}, then freed")
+        elif kind == "partition":
+            took = f.partition(within)
+            t.partitions += 1
+            self._say(f"the job's network cut from the coordinator's for {took:.1f} s at {at}, then healed")
+        else:
+            took, passed, dropped = f.slow_link(within)
+            t.slow_links += 1
+            self._say(f"the link between the job and the coordinator {_faults.SLOW_DELAY_MS:.0f} ms slow each way, "
+                      f"{_faults.SLOW_LOSS:.0%} of its packets lost, for {took:.1f} s at {at} ({passed} packets "
+                      f"passed, {dropped} dropped)")
         self.servers.check()  # the coordinator outlives each of them
 
     def _restart(self, start: Callable[[], object]) -> float:

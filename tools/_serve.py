@@ -15,8 +15,9 @@ from typing import IO
 
 def start_serve(port: int, store: str, log: IO[str], what: str = "croupier serve", error: type[Exception] = RuntimeError,
                 verbose: bool = False, new_session: bool = False, args: Sequence[str] = (),
-                env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    """Starts ``croupier serve`` on 127.0.0.1:`port` (0: any free port) over `store`.
+                env: Mapping[str, str] | None = None, host: str = "127.0.0.1",
+                prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str]:
+    """Starts ``croupier serve`` on `host`:`port` (0: any free port) over `store`.
 
     The store's URL (a password, maybe) goes in ``CROUPIER_STORE``, not on the command line; the
     process's output is copied to `log` by a daemon thread.
@@ -24,6 +25,8 @@ def start_serve(port: int, store: str, log: IO[str], what: str = "croupier serve
     Args:
         args: More of ``croupier serve``'s options.
         env: Variables set for the process beside this one's environment.
+        prefix: What runs the command (``ip netns exec NAME`` to run it in a network namespace; it must
+            exec the command, so that the process started is the server's).
 
     Returns:
         The process and the address it listens on.
@@ -31,7 +34,7 @@ def start_serve(port: int, store: str, log: IO[str], what: str = "croupier serve
     Raises:
         error: it did not start (`what` names it in the message).
     """
-    cmd = [sys.executable, "-m", "croupier.tools.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [*prefix, sys.executable, "-m", "croupier.tools.cli", "serve", "--host", host, "--port", str(port),
            *(["-v"] if verbose else []), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=new_session,
                             env={**os.environ, **(env or {}), "CROUPIER_STORE": store})
@@ -67,11 +70,13 @@ class ServeProcess:
         new_session: Start it in a session of its own (a signal to this one's group misses it).
         args: More of ``croupier serve``'s options.
         env: Variables set for the process beside this one's environment.
+        host: The address it listens on.
+        prefix: What runs the command (see :func:`start_serve`).
     """
 
     def __init__(self, store: str, log: IO[str], name: str = "the coordinator", error: type[Exception] = RuntimeError,
                  *, port: int = 0, verbose: bool = False, new_session: bool = False, args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
         self.store = store
         self.log = log
         self.name = name
@@ -81,6 +86,7 @@ class ServeProcess:
         self.new_session = new_session
         self.args = tuple(args)
         self.env = dict(env or {})
+        self.host, self.prefix = host, tuple(prefix)
         self.address = ""
         self.proc: subprocess.Popen[str] | None = None
 
@@ -91,7 +97,8 @@ class ServeProcess:
             error: It did not start.
         """
         self.proc, self.address = start_serve(self.port, self.store, self.log, f"croupier serve --port {self.port} ({self.name})",
-                                              self.error, self.verbose, self.new_session, self.args, self.env)
+                                              self.error, self.verbose, self.new_session, self.args, self.env,
+                                              self.host, self.prefix)
         self.port = int(self.address.rsplit(":", 1)[1])
         return self
 

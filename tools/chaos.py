@@ -81,9 +81,10 @@ REPLICATED_KINDS = ("rank", "replica", "database", "preempt")
 REPLICATED_WEIGHTS = (0.25, 0.25, 0.15, 0.35)
 NO_DATABASE_KINDS = ("rank", "replica", "preempt")
 NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
-#: ``--datacenter``: the single coordinator's faults and those of tools/_faults.py (pauses, clock jumps, full disk).
+#: ``--datacenter``: the single coordinator's faults and those of tools/_faults.py (pauses, clock jumps, full disk,
+#: partitions, a slow link).
 DATACENTER_KINDS = (*KINDS, *_faults.KINDS)
-DATACENTER_WEIGHTS = (0.12, 0.10, 0.13, 0.20, 0.15, 0.15, 0.15)
+DATACENTER_WEIGHTS = (0.10, 0.09, 0.12, 0.15, 0.12, 0.12, 0.12, 0.10, 0.08)
 #: Faults the job trains through (the others end the launch).
 ONLINE = frozenset({"coordinator", "replica", "database", *_faults.KINDS})
 
@@ -157,6 +158,9 @@ class Run(OnlineFaults):
         env.pop("CROUPIER_TOKEN", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "--max-restarts=0", "--monitor-interval=0.2", "-m", TRAINER]
+        if self.datacenter is not None:  # on the job's host (ip netns exec execs torchrun: its pid is torchrun's)
+            cmd = [*self.datacenter.prefix("job"), *cmd]
+            env["GLOO_SOCKET_IFNAME"] = "lo"  # the workers talk to each other on the host's loopback
         self.log.write(f"\n===== launch {self.tally.launches}: {world} workers, resume_from={resume}\n")
         self.log.flush()
         self.pids = set()
@@ -356,9 +360,10 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         mixture: Deal the samples as a mixture of three sources whose weights change halfway
             through the run, one of them capped (``tools/demo_train.mixture_of``), audited by
             source epoch.
-        datacenter: Also pause the coordinator and workers, jump the coordinator's wall clock and
-            fill its store's file system (``croupier.tools._faults``; single coordinator only, as root
-            with libfaketime).
+        datacenter: Also pause the coordinator and workers, jump the coordinator's wall clock, fill
+            its store's file system, and cut or slow the network between the job and the coordinator,
+            each on a host of its own (``croupier.tools._faults``; single coordinator only, as root with
+            libfaketime and network namespaces).
         step_ms: Simulated compute per training step: a longer step leaves the job more steps to
             host faults it trains through (a pause or a full disk lasts seconds).
 
@@ -410,7 +415,9 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             # The whole journal is kept (no snapshot prunes it) so that its history is checked to the first record.
             servers = ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
                                                error=ChaosError, env=dc.env() if dc else None,
-                                               args=("--snapshot-every", str(KEEP_JOURNAL)))])
+                                               args=("--snapshot-every", str(KEEP_JOURNAL)),
+                                               host=dc.address("co") if dc else "127.0.0.1",
+                                               prefix=dc.prefix("co") if dc else ())])
         else:
             servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
                                                f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])

@@ -218,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated compute per training step, ms (default 40; longer leaves more steps for faults)")
     c.add_argument("--datacenter", action="store_true",
                    help="also stop (SIGSTOP) the coordinator and workers for a while, jump the coordinator's wall clock "
-                        "an hour, and fill its store's file system (single coordinator; root and libfaketime)")
+                        "an hour, fill its store's file system, and cut or slow (200 ms, 10%% loss) the network between "
+                        "the job and the coordinator, each on a host (network namespace) of its own (single "
+                        "coordinator; root, libfaketime)")
     c.set_defaults(func=_chaos_cmd)
 
     f = sub.add_parser("infer-demo", help="exactly-once batch inference on preemptible workers (dynamic dealing) under "

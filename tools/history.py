@@ -44,12 +44,14 @@ class Tally:
     rank_pauses: int = 0  # --datacenter: SIGSTOP of a worker, then SIGCONT
     clock_jumps: int = 0  # --datacenter: the coordinator's wall clock moved an hour
     disk_fulls: int = 0  # --datacenter: the store's file system full for a while
+    partitions: int = 0  # --datacenter: the job's network cut from the coordinator's for a while
+    slow_links: int = 0  # --datacenter: the link between them slow and lossy for a while
 
     @property
     def faults(self) -> int:
         return (self.rank_kills + self.coordinator_kills + self.preemptions + self.replica_kills
                 + sum(self.database_restarts.values()) + self.coordinator_pauses + self.rank_pauses
-                + self.clock_jumps + self.disk_fulls)
+                + self.clock_jumps + self.disk_fulls + self.partitions + self.slow_links)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,9 +258,9 @@ def summary(t: Tally, reports: list[EpochReport], seconds: float, replicated: bo
                  f"restarts ({db['fast']} fast, {db['immediate']} immediate)")
     else:
         kills = f"{t.rank_kills} rank kills, {t.coordinator_kills} coordinator kills"
-    if t.coordinator_pauses + t.rank_pauses + t.clock_jumps + t.disk_fulls:
+    if t.coordinator_pauses + t.rank_pauses + t.clock_jumps + t.disk_fulls + t.partitions + t.slow_links:
         kills += (f", {t.coordinator_pauses} coordinator pauses, {t.rank_pauses} rank pauses, {t.clock_jumps} clock "
-                  f"jumps, {t.disk_fulls} full disks")
+                  f"jumps, {t.disk_fulls} full disks, {t.partitions} partitions, {t.slow_links} slow links")
     return (f"chaos: {t.faults} faults injected ({kills}, {t.preemptions} preemptions), {t.resizes} resizes, "
             f"{t.older_restarts} restarts from an older checkpoint ({t.rollback_steps} steps rolled back), "
             f"{t.launches} launches; {sum(r.trained for r in reports)} samples audited over {len(reports)} epochs: "
