@@ -32,9 +32,11 @@ from typing import Any
 
 import numpy as np
 import scale_ceiling
+import scale_recovery
+from scale_recovery import proc_rss as _proc_rss
 
 BENCH = pathlib.Path(__file__).resolve()
-RESULT = "RESULT "
+RESULT = scale_recovery.RESULT
 #: The issue's targets: first batch p99 after the last join, by world size (seconds).
 TARGET_P99_S = {1024: 0.1, 16384: 1.0}
 #: CPU-seconds per joining rank may grow at most this much from the smallest world to the largest.
@@ -180,13 +182,6 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _proc_rss(pid: int) -> int:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
           steady: dict[str, float] | None = None) -> dict[str, Any]:
     """One join storm of `world` ranks on a fresh `croupier serve`; its figures (and, with `steady`, the
@@ -267,149 +262,6 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
     }
 
 
-# --------------------------------------------------------------------------- many jobs: recovery after kill -9
-
-#: The issue's target: recovery of a coordinator of 1,000 jobs and 1e6 journaled events (seconds).
-TARGET_RECOVERY_S = 5.0
-#: World sizes of the jobs: 1 to 512 ranks, each power of two as likely.
-JOB_WORLDS = [1 << k for k in range(10)]
-
-
-def _fill(args: dict[str, Any]) -> None:
-    """Writes a store as a coordinator of `jobs` jobs leaves it after `events` events, then waits to be killed.
-
-    Every job joins all its ranks (registered, a generation opened, each rank joined, started); the
-    rest are progress reports and checkpoints, as training ranks send them. The events are appended
-    in batches as a coordinator's group commits append them, and the state is snapshotted every
-    `snapshot_every` records, as the coordinator snapshots it.
-    """
-    from croupier.core.cursor import Cursor
-    from croupier.core.spec import Spec
-    from croupier.server._events import (
-        CheckpointRecorded,
-        GenerationOpened,
-        GenerationStarted,
-        JobRegistered,
-        ProgressReported,
-        RankJoined,
-    )
-    from croupier.server._journal import pack_event, pack_snapshot
-    from croupier.server._state import State
-    from croupier.server._stores import open_store
-
-    rng = np.random.default_rng(0)
-    store = open_store(args["url"])
-    state = State()
-    pending: list[bytes] = []
-    since = 0
-    written = 0
-    snap: dict[str, float] = {"ms": 0.0, "bytes": 0, "seq": 0}
-
-    def emit(ev: Any) -> None:
-        nonlocal since, written
-        state.apply(ev)
-        pending.append(pack_event(ev))
-        written += 1
-        if len(pending) >= 256:
-            flush()
-
-    def flush() -> None:
-        nonlocal since
-        if not pending:
-            return
-        seq = store.append(pending)
-        since += len(pending)
-        pending.clear()
-        if since >= args["snapshot_every"]:
-            t0 = time.perf_counter()
-            payload = pack_snapshot(state)
-            store.write_snapshot(seq, payload)
-            snap["ms"], snap["bytes"], snap["seq"] = (time.perf_counter() - t0) * 1e3, len(payload), seq
-            since = 0
-
-    worlds = [int(w) for w in rng.choice(JOB_WORLDS, size=args["jobs"])]
-    for j, w in enumerate(worlds):
-        name = f"job-{j:04d}"
-        spec = Spec(n=1_000_000, seed=j, batch_size=32)
-        emit(JobRegistered(name, spec))
-        emit(GenerationOpened(name, 1, w, f"{name}-1"))
-        for r in range(w):
-            emit(RankJoined(name, 1, r, None, None))
-        emit(GenerationStarted(name, 1, Cursor(0, ((0, 1_000_000),))))
-    t = 0
-    while written < args["events"]:
-        j = t % len(worlds)
-        name, w = f"job-{j:04d}", worlds[j]
-        step = t // len(worlds) + 1
-        for r in range(w):
-            emit(ProgressReported(name, 1, r, 0, step, 1_700_000_000_000 + t))
-            if written >= args["events"]:
-                break
-        if step % 50 == 0:
-            emit(CheckpointRecorded(name, 1, 0, step, Cursor(0, ((min(step * 32 * w, 999_999), 1_000_000),)),
-                                    f"{name}-1/0/{step}", 1_700_000_000_000 + t))
-        t += 1
-    flush()
-    print(RESULT + json.dumps({"events": written, "jobs": len(worlds), "ranks": sum(worlds), "snapshot_ms": snap["ms"],
-                               "snapshot_mib": snap["bytes"] / 2**20, "replayed": written - snap["seq"]}), flush=True)
-    sys.stdin.readline()  # killed here (kill -9), never closed
-
-
-def recovery(jobs: int, events: int, snapshot_every: int) -> dict[str, Any]:
-    """A store of `jobs` jobs and `events` events, its writer killed with kill -9, then `croupier serve` on it:
-    the seconds to its 'listening' line, its RSS per job, the store's size and a ListJobs of every job."""
-    import signal
-
-    with tempfile.TemporaryDirectory() as tmp:
-        url = f"sqlite:///{tmp}/c.db"
-        filler = subprocess.Popen([sys.executable, str(BENCH), "--fill", json.dumps(dict(
-            url=url, jobs=jobs, events=events, snapshot_every=snapshot_every))], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True)
-        assert filler.stdout is not None
-        line = filler.stdout.readline()
-        if not line.startswith(RESULT):
-            raise RuntimeError(f"the store could not be filled: {line!r}")
-        made = json.loads(line[len(RESULT):])
-        filler.send_signal(signal.SIGKILL)
-        filler.wait(timeout=60)
-        size = sum(f.stat().st_size for f in pathlib.Path(tmp).glob("c.db*"))
-        t0 = time.monotonic()
-        serve = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", url,
-                                  "--snapshot-every", str(snapshot_every)], stdout=subprocess.PIPE, text=True)
-        try:
-            assert serve.stdout is not None
-            first = serve.stdout.readline().strip()
-            took = time.monotonic() - t0
-            if not first.startswith("listening on "):
-                raise RuntimeError(f"croupier serve did not recover: {first!r}")
-            rss = _proc_rss(serve.pid)
-            from croupier.client import CoordinatorClient
-
-            with CoordinatorClient(first.split()[-1]) as c:
-                t1 = time.monotonic()
-                listed = c.jobs()
-                list_ms = (time.monotonic() - t1) * 1e3
-        finally:
-            serve.terminate()
-            serve.wait(timeout=60)
-    return {**made, "snapshot_every": snapshot_every, "recovery_s": took, "rss_mib": rss / 2**20,
-            "rss_kib_per_job": rss / 1024 / jobs, "store_mib": size / 2**20, "listed": len(listed),
-            "list_jobs_ms": list_ms}
-
-
-def render_recovery(r: dict[str, Any]) -> str:
-    ok = r["recovery_s"] < TARGET_RECOVERY_S
-    return "\n".join([
-        "| jobs (ranks) | events | --snapshot-every | one snapshot | records replayed | store "
-        "| recovery to 'listening' (kill -9 before) | RSS after (per job) | ListJobs of all | target |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| {r['jobs']:,} ({r['ranks']:,}) | {r['events']:,} | {r['snapshot_every']:,} "
-        f"| {r['snapshot_mib']:.1f} MiB in {r['snapshot_ms']:.0f} ms | {r['replayed']:,} | {r['store_mib']:.0f} MiB "
-        f"| {r['recovery_s']:.2f} s | {r['rss_mib']:.0f} MiB ({r['rss_kib_per_job']:.0f} KiB) "
-        f"| {r['listed']:,} in {r['list_jobs_ms']:.0f} ms | < {TARGET_RECOVERY_S:g} s: {_verdict(ok)} |",
-    ])
-
-
 #: The issue's targets for steady training: the coordinator below one core, grant p99 below 10 ms.
 TARGET_STEADY_CORES, TARGET_STEADY_P99_MS = 1.0, 10.0
 
@@ -427,12 +279,8 @@ def _steady_row(r: dict[str, Any]) -> str:
         f"| {r['world']:,} | {r['lease']} steps of {r['step_s']:g} s | {r['world'] / (r['lease'] * r['step_s']):,.0f} "
         f"({r['grants_per_s']:,.0f}) | {r['cores']:.3f} | {r['grant_p50_ms']:.1f} / {r['grant_p99_ms']:.1f} / "
         f"{r['grant_max_ms']:.1f} ms | {r['failed']} | < {TARGET_STEADY_CORES:g} core and p99 < "
-        f"{TARGET_STEADY_P99_MS:g} ms: {_verdict(ok)} |"
+        f"{TARGET_STEADY_P99_MS:g} ms: {scale_recovery.verdict(ok)} |"
     )
-
-
-def _verdict(ok: bool) -> str:
-    return "met" if ok else "MISSED"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -443,7 +291,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         t = TARGET_P99_S.get(r["world"])
         c = r.get("ceiling")
-        target = (f"p99 < {t * 1e3:g} ms: {_verdict(r['first_p99_ms'] < t * 1e3)}" if t is not None else "")
+        target = (f"p99 < {t * 1e3:g} ms: {scale_recovery.verdict(r['first_p99_ms'] < t * 1e3)}" if t is not None else "")
         if t is not None and c is not None and c["p99_ms"] >= t * 1e3:
             target += " (out of reach here: the ceiling's p99 is over it)"
         ceiling = f"{c['p50_ms']:.0f} / {c['p99_ms']:.0f} ms" if c is not None else "-"
@@ -455,7 +303,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         ratio = hi["cpu_ms_per_rank"] / lo["cpu_ms_per_rank"] if lo["cpu_ms_per_rank"] else math.inf
         lines.append("")
         lines.append(f"CPU per joining rank, {hi['world']:,} ranks / {lo['world']:,} ranks: {ratio:.2f} "
-                     f"(flat: <= {TARGET_FLAT}; {_verdict(ratio <= TARGET_FLAT)})")
+                     f"(flat: <= {TARGET_FLAT}; {scale_recovery.verdict(ratio <= TARGET_FLAT)})")
     return "\n".join(lines)
 
 
@@ -505,13 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-duration", type=float, default=0.0,
                     help="seconds of steady training measured (default: one lease's period, so every rank asks once)")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
-    ap.add_argument("--fill", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.driver:
         _driver(json.loads(args.driver))
-        return 0
-    if args.fill:
-        _fill(json.loads(args.fill))
         return 0
     rows = []
     for w in [int(x) for x in args.worlds.split(",") if x]:
@@ -529,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(steady[-1]), flush=True)
         table += ("\n\n" if table else "") + render_steady(steady)
     if args.jobs:
-        rec = recovery(args.jobs, args.events, args.snapshot_every)
+        rec = scale_recovery.recovery(args.jobs, args.events, args.snapshot_every)
         print(json.dumps(rec), flush=True)
-        table += ("\n\n" if table else "") + render_recovery(rec)
+        table += ("\n\n" if table else "") + scale_recovery.render(rec)
     print(table)
     if args.out:
         out = pathlib.Path(args.out)
