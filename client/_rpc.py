@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 
 from croupier.client import _resolve
+from croupier.client._call_log import CallLog
 from croupier.core import errors as E
 from croupier.core import settings
 from croupier.core.amend import Amendment
@@ -170,7 +171,10 @@ class Security:
         else:
             channel = grpc.insecure_channel(address, options=options)
         if self.credential:
-            return grpc.intercept_channel(channel, _Credential(self.credential))
+            channel = grpc.intercept_channel(channel, _Credential(self.credential))
+        calls = settings.get("CROUPIER_CALL_LOG")
+        if calls:
+            channel = grpc.intercept_channel(channel, CallLog(calls))
         return channel
 
 

@@ -79,6 +79,7 @@ def test_short_chaos_run_with_data_center_faults(tmp_path: pathlib.Path) -> None
     assert int(m["faults"]) == faults and m["pauses"] is not None, m[0]
     assert sum(int(m[k]) for k in ("pauses", "rank_pauses", "jumps", "disks", "partitions", "slow")) >= 5, m[0]
     assert int(m["partitions"]) + int(m["slow"]) >= 1, m[0]
+    assert re.search(r"^calls: \d+ joins, grants and checkpoints of the ranks recorded .*: linearizable", out.stdout, re.M)
     assert re.search(r"^history: .*numbered 1\.\.\d+: none twice, none out of order.*no acknowledged join lost",
                      out.stdout, re.M), out.stdout[-2000:]  # the whole journal, read back once the coordinator stopped
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0 and int(m["samples"]) == epochs * n

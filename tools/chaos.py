@@ -32,7 +32,9 @@ on that database instead of the one coordinator, every rank given all k endpoint
 Every rank records the join it got acknowledged (WORKDIR/joins.jsonl, see
 ``croupier.tools.demo_train``); at the end, :func:`croupier.tools.history.check_history` reads the journal from the
 database and checks that no generation was accepted twice or out of order and that no
-acknowledged join was lost.
+acknowledged join was lost. Every rank's client also records its joins, grants and checkpoints with
+their times (``CROUPIER_CALL_LOG``, WORKDIR/calls); at the end the history is checked linearizable
+(:mod:`croupier.tools.linearize`; grants given the replicas' staleness bound in the replicated mode).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import sys
 import time
 from typing import IO, Any
 
-from croupier.tools import _faults, history
+from croupier.tools import _faults, history, linearize
 from croupier.tools._online import DatabaseControl, OnlineFaults, _where
 from croupier.tools._serve import ServeGroup, ServeProcess
 from croupier.tools.audit import EpochReport, render
@@ -72,6 +74,7 @@ BATCHINGS = ("fixed", "tokens", "dynamic")
 MAX_TOKENS = 400
 RESTART_S = 1.5  # seconds a coordinator restart is expected to take, until one is measured
 STALL = 120.0  # seconds without a step: the run has hung
+STALENESS_S = 0.1  # the replicas' --max-staleness-ms (croupier serve's default), in seconds
 KEEP_JOURNAL = 10**9  # the single coordinator's --snapshot-every: a run's journal is never pruned
 PACE_WINDOW_S = 1.0  # replicated mode: seconds of a launch's steps seen before its pace is measured
 KINDS = ("rank", "coordinator", "preempt")
@@ -153,7 +156,8 @@ class Run(OnlineFaults):
                "resume_from": str(resume) if resume is not None else None, "batching": self.batching,
                "max_tokens": MAX_TOKENS, "mixture": mixture_of(self.n, self.epochs) if self.mixture else None}
         env = {**os.environ, "DEMO": json.dumps(cfg), "CROUPIER_ADDRESS": self.servers.address,
-               "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"), "OMP_NUM_THREADS": "1",
+               "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"),
+               "CROUPIER_CALL_LOG": str(self.work / "calls"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         env.pop("CROUPIER_TOKEN", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -424,6 +428,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None,
                   mixture, dc, step_ms)
         checked: history.History | None = None
+        calls = linearize.Verdict(True, 0, 0)
         try:
             servers.start()
             if store is None:
@@ -440,6 +445,11 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
                 run.kill_launch()
                 servers.kill()
                 checked = history.check_history(f"sqlite:///{db}", work)
+            # A replica may answer a grant from a state up to its staleness bound old (croupier serve's default).
+            calls = linearize.check(linearize.load(sorted(str(f) for f in (work / "calls").glob("*.jsonl"))),
+                                    stale_s=STALENESS_S if store is not None else 0.0)
+            if not calls.ok:
+                raise ChaosError(f"the ranks' calls are not linearizable: {calls.why}")
         except Exception as e:  # noqa: BLE001 - anything unexpected fails the run, with its cause
             print(f"\nchaos: FAILED after {run.tally.faults} faults, {time.perf_counter() - t0:.0f} s "
                   f"(seed {seed}): {type(e).__name__}: {e}", flush=True)
@@ -461,4 +471,6 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     print("\n" + history.summary(run.tally, reports, time.perf_counter() - t0, replicated=store is not None), flush=True)
     if checked is not None:
         print(history.history_line(checked), flush=True)
+        print(f"calls: {calls.calls} joins, grants and checkpoints of the ranks recorded with their times "
+              f"({work / 'calls'}): linearizable", flush=True)
     return 0

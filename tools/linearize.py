@@ -23,8 +23,15 @@ A replica on PostgreSQL may answer a grant from a state up to its staleness boun
 (``croupier serve --max-staleness-ms``): ``check(..., stale_s=)`` lets a grant take effect that much
 before its invocation. Joins and checkpoints are writes and get no such slack.
 
-The search is Wing and Gong's, with Lowe's memo of (calls placed, state) pairs; jobs are checked one
-at a time (a register per job: the histories compose).
+Because the generation only grows, one step at a time, the check needs no search: it is a question of
+the instants T_1 <= T_2 <= ... at which each generation opens. A call answered for g needs a point in
+its interval between T_g and T_g+1; a fenced call for g needs T_g+1 before it returned; each T_g needs
+a cause, a join acknowledged as g whose interval holds T_g or a join without an answer invoked before
+it (each used once). :func:`check` places each T_g as early as these allow, in order (see
+:func:`_earliest_openings` for why that decides), in O(n log n): a soak's tens of thousands of calls
+take a moment. ``_search`` is Wing and Gong's search with Lowe's memo of (calls placed, state) pairs,
+the general method, kept to cross-check it (``tests/test_linearize.py`` checks both against a
+brute-force oracle). Jobs are checked one at a time (a register per job: the histories compose).
 """
 
 from __future__ import annotations
@@ -77,22 +84,84 @@ class Verdict:
     why: str = ""
 
 
-def check(calls: Iterable[Call], stale_s: float = 0.0, max_states: int = 2_000_000) -> Verdict:
-    """Checks that the history is linearizable, job by job (see the module).
-
-    Raises:
-        RuntimeError: A job's search passed `max_states` explored (call, state) pairs: too concurrent
-            a history to decide here (shorter runs, or fewer calls in flight).
-    """
+def check(calls: Iterable[Call], stale_s: float = 0.0) -> Verdict:
+    """Checks that the history is linearizable, job by job (see the module); when it is not, `why` names the
+    generation that cannot open and shows the calls answered for it and the one before (up to 20)."""
     by_job: dict[str, list[Call]] = {}
     for c in calls:
         by_job.setdefault(c.job, []).append(c)
     for job, cs in sorted(by_job.items()):
-        if not _linearizable(cs, stale_s, max_states):
+        failed = _earliest_openings(cs, stale_s)
+        if failed is not None:
+            g, why = failed
+            near = sorted((c for c in cs if c.generation in (g - 1, g) and c.outcome != "unknown"), key=lambda c: c.invoked)
             return Verdict(False, len(by_job), sum(map(len, by_job.values())), job,
-                           f"no order of job {job!r}'s {len(cs)} calls keeps real time and the generations: "
-                           + "; ".join(_show(c) for c in sorted(cs, key=lambda c: c.invoked)))
+                           f"no order of job {job!r}'s {len(cs)} calls keeps real time and the generations: {why}; "
+                           + "; ".join(_show(c) for c in near[:20]))
     return Verdict(True, len(by_job), sum(map(len, by_job.values())))
+
+
+def _earliest_openings(calls: Sequence[Call], stale_s: float) -> tuple[int, str] | None:
+    """None if `calls` (one job's) are linearizable, else the generation that cannot open and why.
+
+    With c the generation, T_g the instant it becomes g (T_0 = -inf) and [s, e] a call's interval (s
+    earlier by `stale_s` for a grant): a call answered for g (a join acknowledged as g, a grant or a
+    checkpoint ``ok``) needs T_g <= e and T_g+1 >= s; a ``fenced`` one for g needs T_g+1 <= e; T_g needs
+    a cause, a join acknowledged as g with s <= T_g <= e or a join without an answer with s <= T_g,
+    each used once (equal instants may be ordered either way, as the real-time order only binds a
+    call that returned strictly before another began). Calls without an answer other than joins
+    constrain nothing. Each T_g is then placed as early as its lower bounds allow (T_g-1, and s of
+    each call answered for g-1), by its earliest cause:
+
+    * a join acknowledged as g if one fits below T_g's upper bound (e of each call answered for g and
+      each fenced for g-1), though a join without an answer would fit earlier: that join's own s is
+      a lower bound of T_g+1 already (it was answered for g), so the later T_g binds nothing more, and
+      the join without an answer stays for later;
+    * else the join without an answer invoked first (any still unused that fits now fits later too).
+
+    Placing each as early as it can go leaves every later generation the most room, so if this fails
+    at g, no placement succeeds.
+    """
+    top = 0
+    lo: dict[int, float] = {}  # g -> the latest s of a call answered for g (a lower bound of T_g+1)
+    hi: dict[int, float] = {}  # g -> the earliest e that bounds T_g from above
+    causes: dict[int, list[tuple[float, float]]] = {}  # g -> (s, e) of each join acknowledged as g
+    unknown: list[float] = []
+    for c in calls:
+        s = c.invoked - (stale_s if c.kind == "grant" else 0.0)
+        if c.outcome == "unknown":
+            if c.kind == "join":
+                unknown.append(s)
+            continue
+        g = c.generation
+        if c.outcome == "fenced":
+            hi[g + 1] = min(hi.get(g + 1, math.inf), c.returned)
+            top = max(top, g + 1)
+            continue
+        lo[g] = max(lo.get(g, -math.inf), s)
+        hi[g] = min(hi.get(g, math.inf), c.returned)
+        top = max(top, g)
+        if c.kind == "join":
+            causes.setdefault(g, []).append((s, c.returned))
+    unknown.sort()
+    used = 0
+    t = -math.inf  # T_g-1
+    for g in range(1, top + 1):
+        low, high = max(t, lo.get(g - 1, -math.inf)), hi.get(g, math.inf)
+        if low > high:
+            return g, (f"generation {g} must open at or after {low:.6f} (generation {g - 1} was still current then) "
+                    f"and at or before {high:.6f} (a call had seen it, or a later one, by then)")
+        acked = min((max(low, s) for s, e in causes.get(g, ()) if max(low, s) <= e), default=math.inf)
+        if acked <= high and not math.isinf(acked):
+            t = acked
+        elif used < len(unknown) and max(low, unknown[used]) <= high:
+            t = max(low, unknown[used])
+            used += 1
+        else:
+            return g, (f"no join can have opened generation {g} between {low:.6f} and {high:.6f} (none acknowledged as "
+                    f"{g} then, and {len(unknown) - used} of the {len(unknown)} joins without an answer left, the "
+                    f"first invoked at {unknown[used] if used < len(unknown) else math.inf:.6f})")
+    return None
 
 
 def _show(c: Call) -> str:
@@ -114,7 +183,8 @@ def _accepts(c: Call, state: int) -> int | None:
     return state  # a read without an answer constrains nothing
 
 
-def _linearizable(calls: Sequence[Call], stale_s: float, max_states: int) -> bool:
+def _search(calls: Sequence[Call], stale_s: float, max_states: int = 2_000_000) -> bool:
+    """Wing and Gong's search (see the module): the general method, to cross-check :func:`_earliest_openings`."""
     n = len(calls)
     # A grant may have been answered from a state up to stale_s old: it may take effect that much earlier.
     start = [c.invoked - (stale_s if c.kind == "grant" else 0.0) for c in calls]

@@ -1,0 +1,78 @@
+"""A record of the calls a client makes about its job's generations, for the history checker.
+
+Set ``CROUPIER_CALL_LOG`` to a directory and every client channel of the process records each Join,
+Grant, Lease and checkpoint Report it makes, with the ``time.monotonic()`` of its invocation and of
+its answer, one JSON line per call in ``DIR/calls-<host>-<pid>.jsonl``; ``croupier.tools.linearize``
+reads those files and checks that the history is linearizable (``croupier chaos`` does, after its run).
+Each line is one ``write`` to a file opened for appending: a kill -9 of the process loses none that
+returned (a crash of the machine may).
+
+What a call's answer says of its effect:
+
+- a Join answered names its generation (``ok``); one that got no answer (UNAVAILABLE, a deadline, a
+  cancelled call) or a RESOURCE_EXHAUSTED may have taken effect (``unknown``); any other refusal
+  changed nothing and is not recorded;
+- a Grant or Lease (``grant``) and a Report that carries a checkpoint (``checkpoint``) answered are
+  ``ok``, and ABORTED (a newer generation) is ``fenced``; without an answer they constrain nothing
+  and are not recorded, nor are progress reports without a checkpoint (advisory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import grpc
+
+_SERVICE = "/croupier.v1.Coordinator/"
+_KINDS = {"Join": "join", "Grant": "grant", "Lease": "grant", "Report": "checkpoint"}
+#: A join refused with these may still have taken effect.
+_JOIN_UNKNOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class CallLog(grpc.UnaryUnaryClientInterceptor):
+    """Records the calls made through a channel in directory `where` (see the module)."""
+
+    _lock = threading.Lock()
+    _fds: dict[tuple[str, int], int] = {}  # (directory, pid) -> the file's descriptor (a forked child opens its own)
+
+    def __init__(self, where: str) -> None:
+        os.makedirs(where, exist_ok=True)
+        self.where = where
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method
+        kind = _KINDS.get(method[len(_SERVICE):]) if method.startswith(_SERVICE) else None
+        if kind is None or kind == "checkpoint" and not request.HasField("checkpoint"):
+            return continuation(details, request)
+        invoked = time.monotonic()
+        outcome = continuation(details, request)
+        returned = time.monotonic()
+        error = outcome.exception()
+        if error is None:
+            generation = outcome.result().generation if kind == "join" else request.generation
+            self._write(request.job, kind, generation, "ok", invoked, returned)
+            return outcome
+        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+        if kind == "join" and code in _JOIN_UNKNOWN:
+            self._write(request.job, kind, 0, "unknown", invoked, None)
+        elif kind != "join" and code == grpc.StatusCode.ABORTED:
+            self._write(request.job, kind, request.generation, "fenced", invoked, returned)
+        return outcome
+
+    def _write(self, job: str, kind: str, generation: int, outcome: str, invoked: float, returned: float | None) -> None:
+        pid = os.getpid()
+        process = f"{socket.gethostname()}-{pid}"
+        line = json.dumps({"process": process, "job": job, "kind": kind, "generation": int(generation),
+                           "outcome": outcome, "invoked": invoked, "returned": returned}) + "\n"
+        with self._lock:
+            fd = self._fds.get((self.where, pid))
+            if fd is None:
+                path = os.path.join(self.where, f"calls-{process}.jsonl")
+                fd = self._fds[(self.where, pid)] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(fd, line.encode())
