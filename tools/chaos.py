@@ -411,6 +411,9 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         print("  note: no control of the database server: no database faults (croupier chaos cannot restart a "
               "PostgreSQL server it does not own); replica kills, rank kills and preemptions only", flush=True)
     t0 = time.perf_counter()
+    # A SIGTERM (a run stopped by its caller) unwinds like Ctrl-C: the coordinator, the job, the namespaces
+    # and the store's file system are taken down on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with contextlib.ExitStack() as logs:
         tlog = logs.enter_context(open(work / "train.log", "a"))
         dc = logs.enter_context(_faults.Faults(work, random.Random(seed + 1))) if datacenter else None
