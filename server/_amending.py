@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from croupier.core import amend
 from croupier.core.amend import Amendment
 from croupier.core.api import JoinRequest
-from croupier.core.cursor import Cursor
+from croupier.core.cursor import Cursor, is_fresh
 from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.mixture import PARTS
 from croupier.core.spec import MAX_N, Spec
@@ -116,7 +116,15 @@ def frontier(spec: Spec, start: Cursor | None) -> int:
         return 0
     n = spec.n
     last = start.remaining[-1]
-    return start.epoch * n + (n if last[1] < n else last[0])
+    if last[1] < n:
+        return start.epoch * n + n
+    # NOTE: with tail="pad_last" every pad is a copy of the epoch's last position (n - 1). Once the epoch
+    # has begun, a generation whose ranks could not share what was left evenly may have dealt it as a
+    # pad, by the rules of then; an amendment must not deal that position otherwise (the pad would be
+    # a sample the epoch does not hold), so it holds from the next epoch.
+    if spec.tail == "pad_last" and not is_fresh(spec, start):
+        return start.epoch * n + n
+    return start.epoch * n + last[0]
 
 
 def held(spec: Spec, start: Cursor | None, records: Sequence[Amendment],
