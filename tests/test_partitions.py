@@ -52,7 +52,7 @@ STALE_S = 0.1  # the replicas' --max-staleness-ms, the default
 DELAY_MS, LOSS = 200.0, 0.1  # the slow, lossy link
 SLOW_CALL_S = 20.0  # a call's deadline through the replica on the slow link to the database
 DB_LOSS = 0.01  # the replica's link to the database: see the module
-GRANTS = 8  # grants through the replica on the slow link to the database, each of which must ask it
+GRANTS = 12  # grants through the replica on the slow link to the database, each of which must ask it
 
 
 class HostedPostgres(Postgres):
