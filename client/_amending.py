@@ -52,7 +52,10 @@ def skip(s: _Base, indices: Iterable[int]) -> Amendment:
     or of any later one, deals them; ``croupier audit`` counts them as skipped, not missing.
 
     `indices` are dataset indices as this sampler hands them out. They hold from the first sample
-    the next generation deals, in the source epoch in progress too.
+    the next generation deals, in the source epoch in progress too; with ``tail="pad_last"`` a job
+    resumed inside an epoch holds them from the next epoch (a pad copies the epoch's last position,
+    which may have been dealt already), so a corrupt sample found mid-epoch there must also be
+    passed over by the dataset until that epoch ends.
 
     Raises:
         ValueError: an index out of range or skipped already, a skip that would leave a source

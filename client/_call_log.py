@@ -9,9 +9,11 @@ returned (a crash of the machine may).
 
 What a call's answer says of its effect:
 
-- a Join answered names its generation (``ok``); one that got no answer (UNAVAILABLE, a deadline, a
-  cancelled call) or a RESOURCE_EXHAUSTED may have taken effect (``unknown``); any other refusal
-  changed nothing and is not recorded;
+- a Join is on record from its invocation, without an answer (``unknown``: a process killed during
+  the call may have had it take effect); a second line of the same call (``"call"``) says how it
+  ended: answered, it names its generation (``ok``); no answer (UNAVAILABLE, a deadline, a cancelled
+  call) or a RESOURCE_EXHAUSTED leaves it ``unknown``; any other refusal changed nothing
+  (``refused``: the checker drops it);
 - a Grant or Lease (``grant``) and a Report that carries a checkpoint (``checkpoint``) answered are
   ``ok``, and ABORTED (a newer generation) is ``fenced``; without an answer they constrain nothing
   and are not recorded, nor are progress reports without a checkpoint (advisory).
@@ -19,6 +21,7 @@ What a call's answer says of its effect:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -39,6 +42,7 @@ class CallLog(grpc.UnaryUnaryClientInterceptor):
     """Records the calls made through a channel in directory `where` (see the module)."""
 
     _lock = threading.Lock()
+    _ids = itertools.count(1)  # a join's lines share a number (next() is atomic under the GIL)
     _fds: dict[tuple[str, int], int] = {}  # (directory, pid) -> the file's descriptor (a forked child opens its own)
 
     def __init__(self, where: str) -> None:
@@ -51,25 +55,33 @@ class CallLog(grpc.UnaryUnaryClientInterceptor):
         if kind is None or kind == "checkpoint" and not request.HasField("checkpoint"):
             return continuation(details, request)
         invoked = time.monotonic()
+        call = None
+        if kind == "join":
+            # A join may take effect and its process die before the answer: it is on record from the start,
+            # as one without an answer, until a line of the same call says how it ended.
+            call = next(self._ids)
+            self._write(request.job, kind, 0, "unknown", invoked, None, call)
         outcome = continuation(details, request)
         returned = time.monotonic()
         error = outcome.exception()
         if error is None:
             generation = outcome.result().generation if kind == "join" else request.generation
-            self._write(request.job, kind, generation, "ok", invoked, returned)
+            self._write(request.job, kind, generation, "ok", invoked, returned, call)
             return outcome
         code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-        if kind == "join" and code in _JOIN_UNKNOWN:
-            self._write(request.job, kind, 0, "unknown", invoked, None)
+        if kind == "join" and code not in _JOIN_UNKNOWN:
+            self._write(request.job, kind, 0, "refused", invoked, returned, call)  # changed nothing
         elif kind != "join" and code == grpc.StatusCode.ABORTED:
             self._write(request.job, kind, request.generation, "fenced", invoked, returned)
         return outcome
 
-    def _write(self, job: str, kind: str, generation: int, outcome: str, invoked: float, returned: float | None) -> None:
+    def _write(self, job: str, kind: str, generation: int, outcome: str, invoked: float, returned: float | None,
+               call: int | None = None) -> None:
         pid = os.getpid()
         process = f"{socket.gethostname()}-{pid}"
-        line = json.dumps({"process": process, "job": job, "kind": kind, "generation": int(generation),
-                           "outcome": outcome, "invoked": invoked, "returned": returned}) + "\n"
+        record = {"process": process, "job": job, "kind": kind, "generation": int(generation), "outcome": outcome,
+                  "invoked": invoked, "returned": returned}
+        line = json.dumps(record if call is None else {**record, "call": call}) + "\n"
         with self._lock:
             fd = self._fds.get((self.where, pid))
             if fd is None:

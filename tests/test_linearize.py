@@ -139,6 +139,11 @@ def test_a_clients_call_log_records_what_the_checker_reads(server: Server, tmp_p
         ("join", g1, "ok"), ("grant", g1, "ok"), ("checkpoint", g1, "ok"), ("join", g2, "ok"), ("grant", g1, "fenced"),
         ("grant", g2, "ok")]
     assert check(calls).ok
+    # A join is on record from its invocation: a process killed before the answer leaves it without one.
+    lines = [ln for f in files for ln in pathlib.Path(f).read_text().splitlines()]
+    first = next(ln for ln in lines if '"call"' in ln)
+    (tmp_path / "killed.jsonl").write_text(first + "\n")
+    assert [(c.kind, c.outcome) for c in load([str(tmp_path / "killed.jsonl")])] == [("join", "unknown")]
     late = time.monotonic()
     planted = Call("zombie", "j", "grant", g1, "ok", late, late + 0.001)  # answered for g1 long after g2 opened
     assert not check([*calls, planted]).ok

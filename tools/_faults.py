@@ -98,11 +98,15 @@ class Faults:
         return self.hosts.addr[host]
 
     def __enter__(self) -> Faults:
-        self.hosts = _netns.Hosts(["co", "job"])
         self.clock.write_text("+0\n")
         self.disk.mkdir(parents=True, exist_ok=True)
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_SIZE}", "tmpfs", str(self.disk)], check=True,
                        capture_output=True, text=True)
+        try:
+            self.hosts = _netns.Hosts(["co", "job"])
+        except BaseException:
+            subprocess.run(["umount", "-l", str(self.disk)], check=False, capture_output=True)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

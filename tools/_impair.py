@@ -74,7 +74,7 @@ def run(name: str, delay_s: float, loss: float, rng: random.Random) -> tuple[int
             try:
                 os.write(fd, packet)
                 passed += 1
-            except OSError:  # no route any more (a cut added meanwhile): the packet is lost
+            except OSError:  # the device refused it (down, or the packet malformed): lost
                 dropped += 1
         timeout = max(0.0, queued[0][0] - now) if queued else 0.5
         try:
@@ -94,7 +94,7 @@ def run(name: str, delay_s: float, loss: float, rng: random.Random) -> tuple[int
             seq += 1
             heapq.heappush(queued, (time.monotonic() + delay_s, seq, packet))
     os.close(fd)
-    return passed, dropped
+    return passed, dropped + len(queued)  # those still delayed at the stop are lost with the device
 
 
 def main(argv: list[str] | None = None) -> int:

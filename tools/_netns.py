@@ -67,9 +67,9 @@ class Hosts:
                 self._ns[name] = ns
                 here, there = f"{self.tag}h{i}", f"{self.tag}r{i}"
                 net = f"{SUBNET}.{i + 1}"
-                _ip("link", "add", here, "type", "veth", "peer", "name", there)
-                _ip("link", "set", here, "netns", ns)
-                _ip("link", "set", there, "netns", self.router)
+                # Made inside the router's namespace, so that no failure leaves a link in the root one.
+                _ip("-n", self.router, "link", "add", here, "type", "veth", "peer", "name", there)
+                _ip("-n", self.router, "link", "set", here, "netns", ns)
                 _ip("-n", self.router, "addr", "add", f"{net}.1/24", "dev", there)
                 _ip("-n", self.router, "link", "set", there, "up")
                 self.addr[name] = f"{net}.2"
@@ -129,14 +129,20 @@ class Hosts:
 
     def restore(self, a: str, b: str) -> tuple[int, int]:
         """Ends the impairment of the link between `a` and `b`; returns the packets its impairer (passed, dropped)."""
-        proc, table = self._impaired.pop(frozenset((a, b)))
+        proc, table = self._impaired[frozenset((a, b))]
         for x, y in ((a, b), (b, a)):
             _ip("-n", self.router, "rule", "del", "from", self.addr[x], "to", self.addr[y], "lookup", str(table),
                 "priority", str(_TO_IMPAIRER))
         dev = f"{self.tag}i{table}"
         _ip("-n", self.router, "rule", "del", "iif", dev, "lookup", "main", "priority", str(_FROM_IMPAIRER))
         proc.terminate()
-        out, err = proc.communicate(timeout=10)
+        try:
+            out, err = proc.communicate(timeout=10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            del self._impaired[frozenset((a, b))]
         words = out.split()
         if proc.returncode != 0 or words[:1] != ["passed"]:
             raise RuntimeError(f"the impairer of {a} <-> {b} failed (exit {proc.returncode}): {err.strip()[-500:]}")

@@ -253,8 +253,13 @@ class Recorder:
 
 
 def load(paths: Iterable[str]) -> list[Call]:
-    """The calls recorded in JSON-lines files (a last line cut short by a kill is skipped)."""
-    out = []
+    """The calls recorded in JSON-lines files (a last line cut short by a kill is skipped).
+
+    A call written more than once (lines with the same ``"call"`` number from one process: a join on
+    record from its invocation, then how it ended) counts as its last line; ``refused`` (it changed
+    nothing) drops it.
+    """
+    out: dict[tuple[str, int] | int, Call | None] = {}
     for path in paths:
         with open(path) as f:
             for line in f:
@@ -262,6 +267,9 @@ def load(paths: Iterable[str]) -> list[Call]:
                     d = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                call = d.pop("call", None)
                 d["returned"] = math.inf if d["returned"] is None else d["returned"]
-                out.append(Call(**d))
-    return out
+                refused = d["outcome"] == "refused"
+                c = None if refused else Call(**d)
+                out[(d["process"], call) if call is not None else len(out)] = c
+    return [c for c in out.values() if c is not None]
