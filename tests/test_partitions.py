@@ -25,6 +25,7 @@ it about once in 25 runs).
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import queue
 import subprocess
@@ -249,6 +250,7 @@ def test_partitions_lose_nothing_and_serve_no_replaced_generation(cluster: Clust
     cluster.finish()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/net/tun"), reason="the slow link's impairer needs /dev/net/tun")
 def test_a_slow_lossy_link_loses_nothing_and_serves_no_replaced_generation(cluster: Cluster) -> None:
     hosts, call, until, epochs = cluster.hosts, cluster.call, cluster.until, cluster.epochs
     assert epochs.next(timeout=120).startswith("EPOCH 0")
