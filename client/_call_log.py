@@ -43,7 +43,8 @@ class CallLog(grpc.UnaryUnaryClientInterceptor):
 
     _lock = threading.Lock()
     _ids = itertools.count(1)  # a join's lines share a number (next() is atomic under the GIL)
-    _fds: dict[tuple[str, int], int] = {}  # (directory, pid) -> the file's descriptor (a forked child opens its own)
+    #: (directory, pid) -> the file's descriptor and the process's name (a forked child opens its own)
+    _fds: dict[tuple[str, int], tuple[int, str]] = {}
 
     def __init__(self, where: str) -> None:
         os.makedirs(where, exist_ok=True)
@@ -78,13 +79,13 @@ class CallLog(grpc.UnaryUnaryClientInterceptor):
     def _write(self, job: str, kind: str, generation: int, outcome: str, invoked: float, returned: float | None,
                call: int | None = None) -> None:
         pid = os.getpid()
-        process = f"{socket.gethostname()}-{pid}"
-        record = {"process": process, "job": job, "kind": kind, "generation": int(generation), "outcome": outcome,
-                  "invoked": invoked, "returned": returned}
-        line = json.dumps(record if call is None else {**record, "call": call}) + "\n"
         with self._lock:
-            fd = self._fds.get((self.where, pid))
-            if fd is None:
+            opened = self._fds.get((self.where, pid))
+            if opened is None:
+                process = f"{socket.gethostname()}-{pid}"
                 path = os.path.join(self.where, f"calls-{process}.jsonl")
-                fd = self._fds[(self.where, pid)] = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.write(fd, line.encode())
+                opened = self._fds[(self.where, pid)] = (os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), process)
+            fd, process = opened
+            record = {"process": process, "job": job, "kind": kind, "generation": int(generation), "outcome": outcome,
+                      "invoked": invoked, "returned": returned}
+            os.write(fd, (json.dumps(record if call is None else {**record, "call": call}) + "\n").encode())

@@ -33,7 +33,8 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from croupier.tools import _netns
 
@@ -47,6 +48,7 @@ _JUMPS = ("+1h", "-1h", "+0")
 DISK_SIZE = "256m"
 #: The slow link: each way's delay, and the share of packets lost.
 SLOW_DELAY_MS, SLOW_LOSS = 200.0, 0.1
+T = TypeVar("T")
 
 
 def available() -> str | None:
@@ -122,15 +124,20 @@ class Faults:
         drawn = self.rng.uniform(5.0, 12.0) if self.rng.random() < 0.1 else self.rng.uniform(0.2, 3.0)
         return min(drawn, within)
 
+    def _lasting(self, within: float, begin: Callable[[], object], end: Callable[[], T]) -> tuple[float, T]:
+        """A fault that lasts: `begin`, a drawn while (at most `within` seconds), then `end` whatever happens;
+        returns the seconds and what `end` returned."""
+        took = self._duration(within)
+        begin()
+        try:
+            time.sleep(took)  # the fault itself: it lasts this long
+        finally:
+            ended = end()
+        return took, ended
+
     def pause(self, pid: int, within: float = math.inf) -> float:
         """SIGSTOP of `pid`, then SIGCONT; returns the seconds it was stopped (at most `within`)."""
-        took = self._duration(within)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            time.sleep(took)  # the fault itself: a process stopped this long
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        return took
+        return self._lasting(within, lambda: os.kill(pid, signal.SIGSTOP), lambda: os.kill(pid, signal.SIGCONT))[0]
 
     def jump(self) -> str:
         """The coordinator's wall clock to its next offset; returns it."""
@@ -141,35 +148,22 @@ class Faults:
 
     def fill(self, within: float = math.inf) -> float:
         """The store's file system full for a while, then freed; returns the seconds it was full (at most `within`)."""
-        took = self._duration(within)
         filler = self.disk / "filler"
-        fill_up(filler)
-        try:
-            time.sleep(took)  # the fault itself: the disk full this long
-        finally:
-            filler.unlink()
-        return took
+        return self._lasting(within, lambda: fill_up(filler), filler.unlink)[0]
 
     def partition(self, within: float = math.inf) -> float:
         """The job's host cut from the coordinator's for a while, then healed; returns the seconds of the cut."""
-        assert self.hosts is not None, "outside the with block"
-        took = self._duration(within)
-        self.hosts.cut("job", "co")
-        try:
-            time.sleep(took)  # the fault itself: the network cut this long
-        finally:
-            self.hosts.heal()
-        return took
+        hosts = self.hosts
+        assert hosts is not None, "outside the with block"
+        return self._lasting(within, lambda: hosts.cut("job", "co"), hosts.heal)[0]
 
     def slow_link(self, within: float = math.inf) -> tuple[float, int, int]:
         """The link between the job and the coordinator slow and lossy for a while; returns its seconds and
         the packets passed and dropped meanwhile."""
-        assert self.hosts is not None, "outside the with block"
-        took = self._duration(within)
-        self.hosts.impair("job", "co", SLOW_DELAY_MS, SLOW_LOSS, seed=self.rng.randrange(2**31))
-        passed = dropped = 0
-        try:
-            time.sleep(took)  # the fault itself: the link slow this long
-        finally:
-            passed, dropped = self.hosts.restore("job", "co")
+        hosts = self.hosts
+        assert hosts is not None, "outside the with block"
+        # The impairer's seed is drawn once the duration is (the order a seed replays).
+        took, (passed, dropped) = self._lasting(
+            within, lambda: hosts.impair("job", "co", SLOW_DELAY_MS, SLOW_LOSS, seed=self.rng.randrange(2**31)),
+            lambda: hosts.restore("job", "co"))
         return took, passed, dropped
