@@ -10,7 +10,7 @@ the last worker's end; ideal is the total work over the total speed,
 alone sets the time (1.75x ideal); dynamic dealing should come within 10% of ideal.
 
     python benchmarks/straggler_bench.py           # 2,000 batches of 8, t = 20 ms: about a minute
-    python benchmarks/straggler_bench.py --quick   # 400 batches, t = 10 ms: seconds (tests/test_straggler_bench.py)
+    python benchmarks/straggler_bench.py --quick   # 400 batches, t = 10 ms: seconds (tests/benchmarks/test_straggler_bench.py)
 
 Prints a markdown table and writes it to ``OUT/straggler.md``; the full run exits 1 when
 dynamic dealing misses its target. Every run also checks that each mode dealt every index once.

@@ -28,7 +28,7 @@ give or take less than :meth:`Mixture.window_bound` ``(s)``, for every ``K`` and
 
 Within 1 for every window cannot be had with three or more sources in general: each source would
 have to be a Beatty sequence of its own, and three Beatty sequences with different rates do not
-share out the positions between them (``tests/test_mixture.py`` shows it by exhaustive search for
+share out the positions between them (``tests/core/test_mixture.py`` shows it by exhaustive search for
 weights such as 0.293 / 0.656 / 0.051, where no sequence of even 13 positions keeps every window
 of every source within 1).
 

@@ -1,6 +1,6 @@
 """Every ``CROUPIER_*`` environment variable croupier reads: one table, read here and nowhere else.
 
-The docs list the same table (docs/settings.md); tests/test_settings.py keeps the two in step and
+The docs list the same table (docs/settings.md); tests/core/test_settings.py keeps the two in step and
 fails on a read of a ``CROUPIER_*`` variable outside this module. An explicit argument always wins
 over its variable; an empty variable counts as unset.
 """

@@ -46,7 +46,7 @@ MAX_N = 2**62
 #: round or constant, a key derivation, the bucket sort or pack shuffle, a partition or tail
 #: rule, a mixture's tree, segments, source permutations or sample seeds) MUST bump ORDER_VERSION
 #: and regenerate tests/golden/orders.json and tests/golden/mixtures.json with
-#: tests/golden/make_golden.py, in the same change. tests/test_golden.py fails on any such
+#: tests/golden/make_golden.py, in the same change. tests/core/test_golden.py fails on any such
 #: change, including one a dependency makes under us (torch's randperm for ``torch``).
 #: ORDER_VERSION is part of :attr:`Spec.fingerprint` and of every checkpoint state, and a state
 #: of another order version is refused by name instead of being read against the wrong order.

@@ -14,7 +14,7 @@ two. What must hold for every input:
   that no join waits, and allows it.
 
     python fuzz/rpc_fuzz.py -max_total_time=600           # ten minutes (make fuzz)
-    python fuzz/rpc_fuzz.py -runs=3000 -seed=1            # the suite's short run (tests/test_fuzz.py)
+    python fuzz/rpc_fuzz.py -runs=3000 -seed=1            # the suite's short run (tests/project/test_fuzz.py)
 
 libFuzzer's options go through (``-max_total_time``, ``-runs``, ``-seed``, a corpus folder). A
 finding is printed with its input, and the process exits non-zero.
@@ -74,7 +74,7 @@ def _setup() -> tuple[Coordinator, dict[str, Any]]:
     servicer._joins.acquire()  # every waiting place taken: a join that would wait is refused at once
     handlers = {name: _handler(getattr(servicer, name), MAX_REQUEST) for name in RPCS}
     if os.environ.get("CROUPIER_FUZZ_PLANT") == "1":
-        # A planted fault, for tests/test_fuzz.py: GetJob registers a job before it reads its request.
+        # A planted fault, for tests/project/test_fuzz.py: GetJob registers a job before it reads its request.
         get_job = servicer.GetJob
 
         def planted(raw: bytes, context: Any) -> Any:

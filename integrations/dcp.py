@@ -11,7 +11,7 @@ load the same dict with ``dcp.load``, with any world size on load::
     dcp.save(state, checkpoint_id=step_dir)    # on every rank (a collective), mid-epoch is fine
 
 How DCP treats a ``Stateful`` whose ``state_dict()`` holds plain values (torch 2.4 to 2.13, read in
-``torch/distributed/checkpoint``; checked by ``tests/test_integration_dcp.py``), and what follows:
+``torch/distributed/checkpoint``; checked by ``tests/integrations/test_integration_dcp.py``), and what follows:
 
 * Flattening: nested mappings are flattened into dotted keys (``dataloader.epoch``,
   ``dataloader.remaining``, ...); a list holding no tensor and no mapping is a leaf. Every leaf

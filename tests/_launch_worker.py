@@ -1,4 +1,4 @@
-"""One rank of a launcher test (tests/test_launchers.py): a training loop fed by croupier's sampler.
+"""One rank of a launcher test (tests/e2e/test_launchers.py): a training loop fed by croupier's sampler.
 
 Started as a real process, the way a launcher starts it:
 

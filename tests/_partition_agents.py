@@ -1,4 +1,4 @@
-"""The processes of tests/test_partitions.py that run inside a network namespace.
+"""The processes of tests/e2e/test_partitions.py that run inside a network namespace.
 
     python tests/_partition_agents.py rank ADDRESSES AUDIT_DIR STOP_FILE
         A training rank: a DistributedSampler (world 1) over every replica, batches paced at 5 ms, a

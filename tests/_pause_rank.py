@@ -1,4 +1,4 @@
-"""A rank for tests/test_pauses.py: joins a job (world 1, a token of its own) through one coordinator, then asks
+"""A rank for tests/e2e/test_pauses.py: joins a job (world 1, a token of its own) through one coordinator, then asks
 grants and reports checkpoints of its generation until it is fenced, recording every call (tools/linearize.py).
 
     python tests/_pause_rank.py ADDRESS JOB HISTORY NAME

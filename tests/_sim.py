@@ -144,7 +144,7 @@ def checkpoint_of(state: State, generation: int, epoch: int, batches: int, job: 
 class Job:
     """A lockstep data-parallel training loop of `world` ranks fed by a State, with restarts.
 
-    It computes every batch with the pure plan (``serve``); ``tests/test_state_machine.py``
+    It computes every batch with the pure plan (``serve``); ``tests/server/test_state_machine.py``
     drives the production path (server, samplers) instead.
     """
 

@@ -1,4 +1,4 @@
-"""The store contract: what every backend MUST do, as tests a subclass per backend runs (tests/test_store.py, tests/test_store_pg.py)."""
+"""The store contract: what every backend MUST do, as tests a subclass per backend runs (tests/server/test_store.py, tests/server/test_store_pg.py)."""
 
 from __future__ import annotations
 

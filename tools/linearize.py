@@ -30,7 +30,7 @@ a cause, a join acknowledged as g whose interval holds T_g or a join without an 
 it (each used once). :func:`check` places each T_g as early as these allow, in order (see
 :func:`_earliest_openings` for why that decides), in O(n log n): a soak's tens of thousands of calls
 take a moment. ``_search`` is Wing and Gong's search with Lowe's memo of (calls placed, state) pairs,
-the general method, kept to cross-check it (``tests/test_linearize.py`` checks both against a
+the general method, kept to cross-check it (``tests/tools/test_linearize.py`` checks both against a
 brute-force oracle). Jobs are checked one at a time (a register per job: the histories compose).
 """
 

@@ -5,14 +5,14 @@
 #     python tests/golden/make_golden.py fixtures   # adds this release's checkpoint fixtures
 #     python tests/golden/make_golden.py mixtures   # the mixtures' orders (tests/golden/mixtures.json)
 #
-# The orders file is what tests/test_golden.py holds the engine to: regenerate it only in the
+# The orders file is what tests/core/test_golden.py holds the engine to: regenerate it only in the
 # change that bumps ORDER_VERSION (see the NOTE in core/spec.py), or that adds a new kind of
 # order (which changes no existing spec's order: the vectors already in the file must not
 # change). The fixtures are checkpoint states written by a release's samplers, with what the
 # rest of their epoch yields; the fixture writer uses nothing but the samplers' public API, so
 # it runs under older releases too (tests/fixtures/checkpoint-v1-*.json were written by running
 # it against croupier 0.1), and it never overwrites a fixture: fixtures are kept forever (see
-# tests/test_fixtures.py).
+# tests/core/test_fixtures.py).
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def make_orders() -> dict[str, Any]:
     })
     return {
         "about": "Golden orders of croupier's order engine. Written by tests/golden/make_golden.py; checked by "
-                 "tests/test_golden.py. Regenerate only with a bump of ORDER_VERSION (core/spec.py) or for a new "
+                 "tests/core/test_golden.py. Regenerate only with a bump of ORDER_VERSION (core/spec.py) or for a new "
                  "kind of order.",
         "order_version": ORDER_VERSION,
         "plans": plans,
@@ -208,7 +208,7 @@ def make_fixture(case: dict[str, Any], address: str) -> dict[str, Any]:
     return {
         "about": f"A checkpoint state of format {fmt} (order version {order_version}), written by {case['sampler']} "
                  f"at world {world} after {case['taken']} items per rank of epoch {case['epoch']}, and the items "
-                 "the rest of that epoch yields at world 1. Keep forever (see tests/test_fixtures.py).",
+                 "the rest of that epoch yields at world 1. Keep forever (see tests/core/test_fixtures.py).",
         "format": fmt,
         "order": order_version,
         "sampler": case["sampler"],

@@ -1,0 +1,130 @@
+"""The docs stay true to the tree: a README a newcomer reads in five minutes, links that resolve, and an
+architecture page that names every module there is and none that is gone."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ("core", "server", "client", "tools", "integrations")
+README_LINES = 250
+
+
+def modules(root: pathlib.Path = ROOT) -> set[str]:
+    """Every .py file under the packages' folders, subpackages included, as a path from the root."""
+    return {
+        p.relative_to(root).as_posix()
+        for folder in PACKAGES
+        for p in (root / folder).rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+
+
+def layout_mismatch(page: str, root: pathlib.Path = ROOT) -> tuple[set[str], set[str]]:
+    """(modules the page's Layout section does not name, modules it names that do not exist).
+
+    NOTE: only the Layout section counts, so a module named in passing elsewhere on the page
+    does not stand in for its row.
+    """
+    _, found, layout = page.partition("\n## Layout\n")
+    if not found:
+        raise ValueError("docs/architecture.md has no '## Layout' section")
+    layout = re.split(r"^## ", layout, flags=re.M)[0]
+    folders = "|".join(PACKAGES)
+    named = set(re.findall(rf"`((?:{folders})/[\w/]+\.py)`", layout))
+    have = modules(root)
+    return have - named, named - have
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    missing, gone = layout_mismatch((ROOT / "docs" / "architecture.md").read_text())
+    assert not missing, f"docs/architecture.md does not name {sorted(missing)}: add a row for each"
+    assert not gone, f"docs/architecture.md names modules that do not exist: {sorted(gone)}"
+
+
+def test_the_layout_check_can_fail(tmp_path: pathlib.Path) -> None:
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "core" / "a.py").write_text("")
+    (tmp_path / "core" / "b.py").write_text("")
+    (tmp_path / "core" / "sub").mkdir()
+    (tmp_path / "core" / "sub" / "c.py").write_text("")
+    page = (
+        "# Architecture\n\nIn passing: `core/b.py`.\n\n## Layout\n\n"
+        "| `core/a.py` | x |\n| `core/gone.py` | y |\n\n## After\n\n`core/sub/c.py`\n"
+    )
+    assert layout_mismatch(page, tmp_path) == ({"core/b.py", "core/sub/c.py"}, {"core/gone.py"})
+
+
+def test_the_readme_is_short() -> None:
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= README_LINES, f"README.md has {n} lines; move what is not the first five minutes to docs/"
+
+
+def broken_links(root: pathlib.Path = ROOT) -> list[str]:
+    """Relative links in README.md and docs/*.md whose file (or heading) does not exist."""
+    bad = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(root)}: {target}")
+            elif anchor and dest.suffix == ".md":
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), flags=re.M)}
+                if anchor not in slugs:
+                    bad.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    return bad
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it."""
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
+
+
+def test_every_relative_link_resolves() -> None:
+    assert broken_links() == []
+
+
+def test_the_link_check_can_fail(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Its part\n")
+    (tmp_path / "README.md").write_text("[ok](docs/a.md#its-part) [gone](docs/b.md) [no anchor](docs/a.md#other)\n")
+    assert broken_links(tmp_path) == ["README.md: docs/b.md", "README.md: docs/a.md#other (no such heading)"]
+
+
+OUTSIDE = re.compile(r"\.\./shared|\.\./\.\.|/work/shared|SPEC\.md|(?<![\w/.-])reference/")
+
+
+def outside_references(root: pathlib.Path = ROOT) -> list[str]:
+    """Paths in the docs, the tests and the packages that lead out of the repository."""
+    pages = [*root.glob("*.md"), *(root / "docs").glob("*.md"), *(root / "deploy").glob("*.md")]
+    code = [*(root / "tests").glob("*.py"), *(p for f in PACKAGES for p in (root / f).rglob("*.py"))]
+    bad = []
+    for path in sorted(pages + code):
+        if path.name == "test_docs.py":  # it names the patterns it looks for
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            bad += [f"{path.relative_to(root)}:{n}: {m.group(0)}" for m in OUTSIDE.finditer(line)]
+    return bad
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    """The project speaks of itself: no link or path that leaves the repository."""
+    assert outside_references() == []
+
+
+def test_the_outside_check_can_fail(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("fine: docs/guarantees.md\nsee ../shared/notes\n")
+    (tmp_path / "tests" / "test_x.py").write_text('"""Checked against reference/spdl and SPEC.md."""\n')
+    assert outside_references(tmp_path) == [
+        "docs/a.md:2: ../shared",
+        "tests/test_x.py:1: reference/",
+        "tests/test_x.py:1: SPEC.md",
+    ]

@@ -1,0 +1,93 @@
+"""The import contract: a pure core both sides depend on, a server that never imports the client,
+and no package reaching into another's private modules."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+#: Source folder -> the package it installs as.
+PACKAGES = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client", "tools": "croupier.tools",
+            "integrations": "croupier.integrations"}
+#: What each package may import of croupier (its own package always).
+ALLOWED = {
+    "croupier.core": {"croupier.v1"},
+    "croupier.server": {"croupier.core", "croupier.v1"},
+    "croupier.client": {"croupier.core", "croupier.v1", "croupier.server"},  # the server: the embedded coordinator
+    "croupier.tools": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client"},
+    # The trainers' glue: the client's public API only, as a user's code would use it.
+    "croupier.integrations": {"croupier.core", "croupier.client"},
+}
+#: Third-party modules a package must not import at module level (lazily inside a function is allowed).
+NOT_AT_TOP = {"croupier.core": {"grpc", "sqlite3", "torch", "msgpack"}}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
+    """(module, line, at module level) for every import in a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(node) for node in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno, id(node) in top) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.module, node.lineno, id(node) in top))
+            out += [(f"{node.module}.{a.name}", node.lineno, id(node) in top) for a in node.names]
+    return out
+
+
+def violations(root: pathlib.Path = ROOT) -> list[str]:
+    """Every import that breaks the contract, as 'file:line: reason'."""
+    bad: dict[str, str] = {}  # one reason per import statement
+    for folder, pkg in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root)
+            for mod, line, at_top in _imports(path):
+                parts = mod.split(".")
+                if parts[0] in NOT_AT_TOP.get(pkg, set()) and at_top:
+                    bad.setdefault(f"{where}:{line}", f"{pkg} imports {parts[0]} at module level")
+                if parts[0] != "croupier" or len(parts) < 2:
+                    continue
+                other = ".".join(parts[:2])
+                if other == pkg:
+                    continue
+                if other not in ALLOWED[pkg]:
+                    bad.setdefault(f"{where}:{line}", f"{pkg} must not import {other} ({mod})")
+                elif any(p.startswith("_") for p in parts[2:]):
+                    bad.setdefault(f"{where}:{line}", f"{pkg} imports a private module of {other} ({mod})")
+    return [f"{k}: {v}" for k, v in bad.items()]
+
+
+def test_import_contract() -> None:
+    assert violations() == []
+
+
+def test_import_contract_catches_a_breach(tmp_path: pathlib.Path) -> None:
+    """The check can fail: a server module that imports the client, a client reaching into the server."""
+    for folder in PACKAGES:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "server" / "bad.py").write_text("def f():\n    from croupier.client import DistributedSampler\n")
+    (tmp_path / "client" / "bad.py").write_text("from croupier.server._state import State\n")
+    (tmp_path / "core" / "bad.py").write_text("import grpc\n")
+    found = violations(tmp_path)
+    assert len(found) == 3, found
+
+
+@pytest.mark.parametrize(
+    ("module", "absent"),
+    [
+        ("croupier.core", ["grpc", "sqlite3", "torch", "croupier.server", "croupier.client"]),
+        ("croupier.core.wire", ["grpc", "sqlite3"]),
+        ("croupier.client", ["sqlite3", "croupier.server", "croupier.tools"]),
+        ("croupier.server", ["croupier.client", "croupier.tools"]),
+    ],
+)
+def test_what_an_import_loads(module: str, absent: list[str]) -> None:
+    code = f"import sys, {module}; print(','.join(m for m in {absent!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"import {module} loaded {out}"
