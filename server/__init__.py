@@ -6,8 +6,8 @@ from croupier.server._events import BatchesCommitted, BatchesDealt, GenerationOp
 from croupier.server._journal import JournalRead, read_journal
 from croupier.server._logs import JsonFormatter, TextFormatter, configure_logging
 from croupier.server._options import ServerOptions
-from croupier.server._progress import JobView, RankView, job_view
 from croupier.server._service import Server, serve
+from croupier.server._standing import JobView, RankView, job_view
 from croupier.server._state import State
 from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, redact_url
 from croupier.server._stores import open_store

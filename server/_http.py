@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from croupier.server._progress import JobView, view_json
+from croupier.server._standing import JobView, view_json
 
 log = logging.getLogger("croupier.server")
 

@@ -16,7 +16,7 @@ from croupier.core.errors import CroupierError
 from croupier.core.wire import SERVICE
 from croupier.server._coordinator import Coordinator
 from croupier.server._http import Endpoint
-from croupier.server._progress import PER_RANK_MAX_WORLD, JobView, job_view
+from croupier.server._standing import PER_RANK_MAX_WORLD, JobView, job_view
 
 #: Call latencies: a lease takes about a millisecond, a join waits up to 30 s for its generation.
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -24,7 +24,7 @@ from croupier.core.order import fresh
 from croupier.core.spec import Spec
 from croupier.core.wire import SERVICE
 from croupier.server import Server, ServerOptions
-from croupier.server._progress import PER_RANK_MAX_WORLD, job_view
+from croupier.server._standing import PER_RANK_MAX_WORLD, job_view
 from croupier.v1 import coordinator_pb2 as pb
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
