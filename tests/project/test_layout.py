@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -91,3 +92,72 @@ def test_what_an_import_loads(module: str, absent: list[str]) -> None:
     code = f"import sys, {module}; print(','.join(m for m in {absent!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import {module} loaded {out}"
+
+
+# ---------------------------------------------------------------------- the tests' own layout
+
+TEST_FOLDERS = {"core", "server", "client", "tools", "integrations", "e2e", "deploy", "benchmarks", "project"}
+LONGEST_TEST_FILE = 500
+
+
+def layout_problems(root: pathlib.Path = ROOT) -> list[str]:
+    """What breaks the tests' layout (docs/testing.md): a test file outside the folders, a name used
+    twice (pytest imports test modules by their base name), a file over 500 lines."""
+    out: list[str] = []
+    seen: dict[str, pathlib.Path] = {}
+    for f in sorted((root / "tests").rglob("*.py")):
+        rel = f.relative_to(root / "tests")
+        if rel.parts[0] in ("fixtures", "golden"):
+            continue
+        if f.name.startswith("test_") and (len(rel.parts) != 2 or rel.parts[0] not in TEST_FOLDERS):
+            out.append(f"{rel}: a test file belongs in one of tests/{{{','.join(sorted(TEST_FOLDERS))}}}/")
+        if f.name in seen and f.name != "__init__.py":
+            out.append(f"{rel}: its name is also {seen[f.name].relative_to(root / 'tests')}'s")
+        seen[f.name] = f
+        if (n := len(f.read_text().splitlines())) > LONGEST_TEST_FILE:
+            out.append(f"{rel}: {n} lines (at most {LONGEST_TEST_FILE})")
+    return out
+
+
+def test_the_tests_are_laid_out_like_the_code() -> None:
+    assert layout_problems() == []
+
+
+def test_the_tests_layout_check_can_fail(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "tests" / "core").mkdir(parents=True)
+    (tmp_path / "tests" / "server").mkdir()
+    (tmp_path / "tests" / "test_flat.py").write_text("")
+    (tmp_path / "tests" / "core" / "test_same.py").write_text("")
+    (tmp_path / "tests" / "server" / "test_same.py").write_text("x = 1\n" * 501)
+    found = layout_problems(tmp_path)
+    assert len(found) == 3, found
+
+
+def doc_test_references(root: pathlib.Path = ROOT) -> list[str]:
+    """Each `tests/...py` (and `::test_name`) a page of docs/ or the README names that does not exist."""
+    out: list[str] = []
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        for m in re.finditer(r"tests/([\w/]+\.py)((?:::\w+)?)", text):
+            f = root / "tests" / m.group(1)
+            if not f.is_file():
+                out.append(f"{page.relative_to(root)}: tests/{m.group(1)} does not exist")
+            elif m.group(2) and not re.search(rf"^\s*(async )?def {m.group(2)[2:]}\b|^class {m.group(2)[2:]}\b",
+                                              f.read_text(), re.M):
+                out.append(f"{page.relative_to(root)}: tests/{m.group(1)} has no {m.group(2)[2:]}")
+    return out
+
+
+def test_the_docs_name_tests_that_exist() -> None:
+    assert doc_test_references() == []
+
+
+def test_the_docs_test_check_can_fail(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests" / "core").mkdir(parents=True)
+    (tmp_path / "tests" / "core" / "test_a.py").write_text("def test_there() -> None:\n    pass\n")
+    (tmp_path / "README.md").write_text("`tests/core/test_a.py::test_there` `tests/test_a.py`\n")
+    (tmp_path / "docs" / "x.md").write_text("`tests/core/test_a.py::test_gone`\n")
+    found = doc_test_references(tmp_path)
+    assert len(found) == 2, found
