@@ -51,11 +51,16 @@ class Metrics:
         self.commit = Histogram("croupier_journal_commit_seconds", "Time of one journal append: the events queued "
                                 "since the last one, made durable together.", buckets=COMMIT_BUCKETS, registry=self.registry)
         self.records = Counter("croupier_journal_records_total", "Events the journal made durable.", registry=self.registry)
+        self.unread = Counter("croupier_rpc_refused_unread_total", "Calls that ended before their request was read: a "
+                              "request over gRPC's receive limit (twice --max-request-bytes), which gRPC refuses with "
+                              "RESOURCE_EXHAUSTED unread, or a client that gave up before sending it (or sent none); by method.",
+                              ["method"], registry=self.registry)
         for m in rpcs:
             self.latency.labels(m)
             self.calls.labels(m, grpc.StatusCode.OK.name)
+            self.unread.labels(m)
         self.registry.register(_JobsCollector(core))
-        self.interceptor: grpc.ServerInterceptor = _Interceptor(self.calls, self.latency)
+        self.interceptor: grpc.ServerInterceptor = _Interceptor(self.calls, self.latency, self.unread)
         core.on_commit = self.on_commit
 
     def start(self) -> None:
@@ -92,10 +97,21 @@ def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
 
 
 class _Interceptor(grpc.ServerInterceptor):
-    """Times each unary call of the coordinator's service and counts it by the status code it ended with."""
+    """Times each unary call of the coordinator's service and counts it by the status code it ended with;
+    counts apart the calls that ended before their request was read.
 
-    def __init__(self, calls: Counter, latency: Histogram) -> None:
-        self.calls, self.latency = calls, latency
+    NOTE: a request over gRPC's receive limit is refused by gRPC itself (RESOURCE_EXHAUSTED) before
+    a unary handler runs, so a unary handler never learns of it. The call is therefore served as
+    a stream of one request: the handler runs first and reads the request itself, and a call
+    whose request never arrives is counted in ``croupier_rpc_refused_unread_total`` (gRPC's
+    refusal cancels the call: the read fails, or finds the stream closed, whichever gRPC reports
+    first). gRPC does not say why a call was cancelled: a client that gave up before sending its
+    request (rare for a unary call, whose request goes with its headers) is counted there too.
+    Nothing changes on the wire.
+    """
+
+    def __init__(self, calls: Counter, latency: Histogram, unread: Counter) -> None:
+        self.calls, self.latency, self.unread = calls, latency, unread
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
@@ -106,10 +122,18 @@ class _Interceptor(grpc.ServerInterceptor):
         if handler is None or handler.unary_unary is None or service != SERVICE:
             return handler
         inner = handler.unary_unary
-        calls, latency = self.calls, self.latency
+        calls, latency, unread = self.calls, self.latency, self.unread
 
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
+        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             t0 = time.perf_counter()
+            try:
+                request = next(requests)
+            except grpc.RpcError:  # the call was cancelled before its request arrived
+                unread.labels(method).inc()
+                raise
+            except StopIteration:  # no request arrived (or none was sent): what gRPC answers a unary handler
+                unread.labels(method).inc()
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{details.method!r} requires exactly one request message")
             code = grpc.StatusCode.UNKNOWN
             try:
                 response = inner(request, context)
@@ -123,8 +147,8 @@ class _Interceptor(grpc.ServerInterceptor):
                 latency.labels(method).observe(time.perf_counter() - t0)
                 calls.labels(method, code.name).inc()
 
-        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
 
 
 def job_views(core: Coordinator) -> list[JobView]:

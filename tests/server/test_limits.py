@@ -1,4 +1,4 @@
-"""Limits: a flood of joins for new jobs is refused (RESOURCE_EXHAUSTED) while a real job's leases stay fast."""
+"""Limits: a flood of joins for new jobs is refused (RESOURCE_EXHAUSTED) while a real job's leases stay fast; requests over the size limit are refused and counted."""
 
 from __future__ import annotations
 
@@ -136,4 +136,37 @@ def test_a_request_over_the_size_limit_names_the_option_and_is_counted(tmp_path:
         counted = server.metrics.registry.get_sample_value(
             "croupier_rpc_calls_total", {"method": "Join", "code": "RESOURCE_EXHAUSTED"})
         assert counted == 1
+        assert server.core.snapshot_state() == before
+
+
+def test_a_request_over_twice_the_size_limit_is_refused_unread_and_counted(tmp_path: pathlib.Path) -> None:
+    """Past gRPC's receive limit (twice --max-request-bytes, at least 1 MiB more), gRPC refuses the
+    request before croupier's handler could read it: RESOURCE_EXHAUSTED all the same, counted in
+    croupier_rpc_refused_unread_total, and nothing changes."""
+    from croupier.server import Server, ServerOptions
+
+    limit = 65_536
+    opts = ServerOptions(max_request_bytes=limit, metrics_port=0)
+    with Server(f"sqlite:///{tmp_path}/c.db", options=opts) as server:
+        assert server.metrics is not None
+        registry = server.metrics.registry
+        with CoordinatorClient(server.address, retry_for=5.0) as c:  # a call that is read is not counted there
+            c.join_started(JoinRequest("small", Spec(n=10), "t", 1, 0), timeout=10)
+        before = server.core.snapshot_state()
+        raw = b"\x0a" + b"\xff" * 10 + b"x" * (2 * limit + (1 << 20))  # past the receive limit: never parsed
+        with grpc.insecure_channel(server.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(f"/{SERVICE}/Join")(raw, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "larger than max" in (e.value.details() or "")  # gRPC's own refusal, not croupier's handler
+
+        def unread(method: str) -> float | None:
+            return registry.get_sample_value("croupier_rpc_refused_unread_total", {"method": method})
+
+        t0 = time.monotonic()  # the handler counts it on its own thread, once gRPC has cancelled the call
+        while unread("Join") != 1:
+            assert time.monotonic() - t0 < 10, f"croupier_rpc_refused_unread_total{{method='Join'}} is {unread('Join')}"
+        assert unread("Lease") == 0
+        assert registry.get_sample_value("croupier_rpc_calls_total", {"method": "Join", "code": "OK"}) == 1
+        assert registry.get_sample_value("croupier_rpc_calls_total", {"method": "Join", "code": "RESOURCE_EXHAUSTED"}) is None
         assert server.core.snapshot_state() == before
