@@ -11,13 +11,12 @@ import numpy as np
 from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
-from croupier.client._base import _Base, _position
-from croupier.client._guard import check_callers
+from croupier.client._base import _Base
 from croupier.client._rpc import Security
 from croupier.client._sample import tagged
 from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields
 from croupier.core.checks import check_bool
-from croupier.core.plans import kind_for
+from croupier.core.registry import kind_for
 from croupier.core.spec import TOKEN_WINDOW
 
 
@@ -152,7 +151,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         return len(self) * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        self._read_ahead = check_callers(self._start is None, self._resume is not None) or self._read_ahead
+        self._note_callers()
         # Chained in C: taking an index costs what taking one from torch's list does; Python runs
         # once per lease, and `_taken()` reads the position inside the lease from its iterator.
         return itertools.chain.from_iterable(self._leases(object()))
@@ -169,11 +168,10 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                 items = array.array("q")
                 items.frombytes(np.ascontiguousarray(lease.indices, dtype=np.int64).data.cast("B"))
             it = iter(items)
-            self._chunk, self._chunk_len = it, len(items)
+            self._progress = self._progress.hand_out(it, len(items))
             yield it
             if self._active is me:  # the lease is used up (or the loop let go of this iterator)
-                self._yielded += _position(it, len(items))
-                self._chunk = None
+                self._progress = self._progress.chunk_done()
 
 
 class _IndexView(Sampler[int]):
@@ -263,38 +261,42 @@ class DistributedBatchSampler(_Base, BatchSampler):
         self.sampler = _IndexView(self)
 
     def __iter__(self) -> Iterator[list[int]]:
-        self._read_ahead = check_callers(self._start is None, self._resume is not None) or self._read_ahead
+        self._note_callers()
         return self._batches(object())
 
     def _batches(self, me: object) -> Iterator[list[int]]:
         # NOTE: a lease's indices become Python ints in one call, and each batch is a slice of
         # that list: per batch, a slice and a count, where slicing a numpy batch and converting
-        # it costs several times more.
+        # it costs several times more. The lease's batches are handed out through a list's
+        # iterator, whose position counts them (one transition of the progress per lease).
         for lease in self._items(me):
             items: list[int] = lease.indices.tolist() if lease.tags is None else tagged(lease.indices, lease.tags)
-            sizes = lease.sizes
+            offsets = list(itertools.accumulate(lease.sizes, initial=0))
+            batches = [items[a:b] for a, b in itertools.pairwise(offsets)]
+            p = self._progress
+            epoch, done = p.epoch, p.before + p.yielded  # the lease's first batch's item number
             # This rank's last batch of the epoch, if it is in this lease: its end is logged as
             # it is handed out. (Token-budget batches know it only once their plan got there.)
-            known = self._known_rest(self._epoch)
-            last = -1 if known is None else known - 1 - self._yielded
-            o = 0
-            for j, size in enumerate(sizes):
-                b = items[o:o + size]
-                o += size
+            known = self._known_rest(epoch)
+            last = -1 if known is None else known - 1 - p.yielded
+            it = iter(batches)
+            self._progress = p.hand_out(it, len(batches))
+            for j, b in enumerate(it):
                 if self._audit is not None:
-                    self._audit.batch(self._epoch, self._before + self._yielded, lease.indices[o - size:o])
-                if j >= last if known is not None else self._ends_here():
+                    self._audit.batch(epoch, done + j, lease.indices[offsets[j]:offsets[j + 1]])
+                if j >= last if known is not None else self._ends_here(p.yielded + j):
                     self._log_end()
-                self._yielded += 1
                 yield b
                 if self._active is not me:
                     return
+            self._progress = self._progress.chunk_done()
 
-    def _ends_here(self) -> bool:
-        """Whether the batch about to be handed out is this rank's last of the epoch (when that is known yet)."""
-        known = self._known_rest(self._epoch)
-        return known is not None and self._yielded + 1 >= known
+    def _ends_here(self, yielded: int) -> bool:
+        """Whether the batch about to be handed out, after `yielded` of this generation, is this rank's
+        last of the epoch (when that is known yet)."""
+        known = self._known_rest(self._progress.epoch)
+        return known is not None and yielded + 1 >= known
 
     def _indices_in(self, epoch: int) -> int:
-        p = self._plan(epoch)
+        p = self._epoch_plan(epoch)
         return 0 if p is None else p.samples(self.rank) + self._items_before(epoch) * self.batch_size
