@@ -7,14 +7,14 @@ from croupier.server._journal import JournalRead, read_journal
 from croupier.server._logs import JsonFormatter, TextFormatter, configure_logging
 from croupier.server._options import ServerOptions
 from croupier.server._service import Server, serve
-from croupier.server._standing import JobView, RankView, job_view
+from croupier.server._standing import GenerationDeals, JobView, RankView, generation_deals, job_view
 from croupier.server._state import State
 from croupier.server._store import Store, StoreCorrupt, StoreError, StoreUnavailable, redact_url
 from croupier.server._stores import open_store
 
 __all__ = [
-    "Authorizer", "BatchesCommitted", "BatchesDealt", "configure_logging", "Coordinator", "GenerationOpened",
-    "GenerationStarted", "job_view", "JobView", "JournalRead", "JsonFormatter", "open_store", "RankJoined", "RankView",
-    "read_journal", "redact_url", "serve", "Server", "ServerOptions", "State", "Store", "StoreCorrupt", "StoreError",
-    "StoreUnavailable", "TextFormatter",
+    "Authorizer", "BatchesCommitted", "BatchesDealt", "configure_logging", "Coordinator", "GenerationDeals",
+    "generation_deals", "GenerationOpened", "GenerationStarted", "job_view", "JobView", "JournalRead", "JsonFormatter",
+    "open_store", "RankJoined", "RankView", "read_journal", "redact_url", "serve", "Server", "ServerOptions", "State",
+    "Store", "StoreCorrupt", "StoreError", "StoreUnavailable", "TextFormatter",
 ]

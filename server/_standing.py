@@ -1,14 +1,19 @@
 """Where a job's ranks stand (epoch, progress, slowest rank, batches behind), as one pure function.
 
-The metrics, the status page and ``croupier status`` all show it.
+The metrics, the status page and ``croupier status`` all show it. Beside it, what a state read
+from a store says a job's current generation was dealt and committed (:func:`generation_deals`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import TYPE_CHECKING
 
 from croupier.core.api import JobStatus, RankCursor
+
+if TYPE_CHECKING:
+    from croupier.server._state import State
 
 #: Jobs with a world up to this many ranks get per-rank series and list every rank on the status
 #: page; larger jobs only their ranks' min, median and max (and the status page their slowest ranks).
@@ -147,3 +152,46 @@ def view_json(v: JobView, now_ms: int) -> dict[str, object]:
         "ranks": [{"rank": r.rank, "epoch": r.epoch, "batches": r.batches, "batches_in_epoch": r.batches_in_epoch,
                    "progress": r.progress, "lag": r.lag, "report_age_s": age(r.reported_ms)} for r in v.ranks],
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationDeals:
+    """What a job's current generation was dealt and committed in one epoch of a plan the coordinator
+    deals (dynamic dealing), as a state holds it: a copy, read-only.
+
+    Attributes:
+        token: The generation's incarnation token.
+        generation: Its number.
+        world: Its world size.
+        dealt: Rank -> batches the coordinator dealt it in the epoch (ranks dealt none are absent).
+        committed: Rank -> batches of its sequence it committed in the epoch (ranks that committed
+            none are absent).
+    """
+
+    token: str
+    generation: int
+    world: int
+    dealt: dict[int, int]
+    committed: dict[int, int]
+
+
+def generation_deals(state: State, job: str, epoch: int) -> GenerationDeals | None:
+    """What `job`'s current generation was dealt and committed in `epoch`, read from `state` (a state
+    recovered or read from a store, e.g. :func:`croupier.server.read_journal`'s snapshot).
+
+    The public way for tools to read deals out of a state: the state is not changed, and the
+    answer shares nothing with it.
+
+    Returns:
+        None when the state holds no such job or the job has no generation yet; else the
+        generation with its deals (empty when it was dealt nothing in `epoch`, or its plan is not
+        one the coordinator deals).
+    """
+    j = state.jobs.get(job)
+    if j is None or j.generation is None:
+        return None
+    g = j.generation
+    book = j.deals.get(epoch)
+    dealt = {r: book.dealt(r) for r in sorted(book.runs)} if book is not None else {}
+    committed = dict(sorted(book.committed.items())) if book is not None else {}
+    return GenerationDeals(g.token, g.number, g.world, dealt, committed)

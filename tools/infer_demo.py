@@ -120,7 +120,7 @@ class Journal:
 
         The store MUST NOT be open elsewhere (a SQLite store is locked by its running coordinator).
         """
-        from croupier.server import BatchesCommitted, BatchesDealt, GenerationOpened, open_store, read_journal
+        from croupier.server import BatchesCommitted, BatchesDealt, GenerationOpened, generation_deals, open_store, read_journal
 
         store = open_store(store_url)
         try:
@@ -131,24 +131,20 @@ class Journal:
         dealt: dict[str, int] = {}  # this read's count: a record read again must not count twice
         if rec.snapshot is not None:
             self.snapshots += 1
-            j = rec.snapshot.jobs.get(job)
-            if j is not None and j.generation is not None:
-                g = j.generation
-                self._open(g.token, g.number, g.world)
-                book = j.deals.get(0)
-                for rank, batches in (book.committed if book else {}).items():
-                    self._commit(g.number, rank, batches, logged=False)
-                for rank in (book.runs if book else {}):
-                    dealt[f"{g.number}/{rank}"] = book.dealt(rank) if book else 0
+            g = generation_deals(rec.snapshot, job, 0)
+            if g is not None:
+                self._open(g.token, g.generation, g.world)
+                for rank, batches in g.committed.items():
+                    self._commit(g.generation, rank, batches, logged=False)
+                for rank, count in g.dealt.items():
+                    dealt[f"{g.generation}/{rank}"] = count
         for _, ev in rec.events:
             self.records += 1
-            if getattr(ev, "job", None) != job:
-                continue
-            if isinstance(ev, GenerationOpened):
+            if isinstance(ev, GenerationOpened) and ev.job == job:
                 self._open(ev.token, ev.generation, ev.world)
-            elif isinstance(ev, BatchesCommitted) and ev.epoch == 0:
+            elif isinstance(ev, BatchesCommitted) and ev.job == job and ev.epoch == 0:
                 self._commit(ev.generation, ev.rank, ev.batches, logged=True)
-            elif isinstance(ev, BatchesDealt) and ev.epoch == 0:
+            elif isinstance(ev, BatchesDealt) and ev.job == job and ev.epoch == 0:
                 key = f"{ev.generation}/{ev.rank}"
                 dealt[key] = dealt.get(key, 0) + ev.count
         for key, count in dealt.items():
