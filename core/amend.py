@@ -34,6 +34,8 @@ KINDS = ("weights", "grow", "skip")
 #: Most samples one ``skip`` may name, and most a job may have skipped in all (each costs every
 #: batch of its source a few numpy operations).
 MAX_SKIP = 100_000
+#: The (source, sample) pairs :meth:`Amendment.describe` shows of a skip (the rest are counted).
+SHOWN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,10 @@ class Amendment:
         if self.kind == "grow":
             return f"grow source {self.values[0]} from {self.values[1]} to {self.values[2]} samples ({where})"
         if self.kind == "skip":
-            return f"skip {len(self.values) // 2} samples ({where})"
+            pairs = self.pairs
+            shown = ", ".join(f"({s}, {j})" for s, j in pairs[:SHOWN])
+            more = f" and {len(pairs) - SHOWN} more" if len(pairs) > SHOWN else ""
+            return f"skip {len(pairs)} samples, (source, sample) {shown}{more} ({where})"
         return f"weights {list(self.values)} in parts ({where})"
 
     @property
@@ -116,25 +121,39 @@ def skipped(amendments: Sequence[Amendment]) -> set[tuple[int, int]]:
     return {p for a in amendments if a.kind == "skip" for p in a.pairs}
 
 
-def skip_of(indices: Sequence[int], sizes: Sequence[int], before: Sequence[Amendment]) -> Amendment:
-    """A pending ``skip`` of dataset `indices`, numbered as a ConcatDataset of the sources numbers
-    them once every amendment in `before` has taken effect.
+def skip_of(indices: Sequence[int], sizes: Sequence[int], before: Sequence[Amendment],
+            numbered: Sequence[int]) -> Amendment:
+    """A pending ``skip`` of dataset `indices`, numbered as a ConcatDataset of sources of sizes `numbered` numbers them.
+
+    Args:
+        indices: The dataset indices named.
+        sizes: The sources' sizes in the job's spec.
+        before: Every amendment recorded before, in order (held and pending).
+        numbered: The sources' sizes the indices are numbered by: those the ranks hand them out
+            with (the spec's, grown by the grows their generation holds; a grow still pending
+            renumbers nothing).
+
+    Returns:
+        The skip, its (source, sample) pairs sorted.
 
     Raises:
         ValueError: an index out of range, already skipped, none or too many, or a skip that would
             leave a source with no sample.
     """
     now = sizes_after(sizes, before)
+    if len(numbered) != len(now) or any(m > n for m, n in zip(numbered, now)):
+        raise ValueError(f"indices numbered by sources of sizes {list(numbered)} are not the job's (sizes {list(now)})")
     if not indices:
         raise ValueError("skip needs at least one index")
-    offsets = np.concatenate([[0], np.cumsum(np.array(now, dtype=np.int64))])
+    offsets = np.concatenate([[0], np.cumsum(np.array(numbered, dtype=np.int64))])
     done = skipped(before)
     pairs: set[tuple[int, int]] = set()
     for i in indices:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
             raise ValueError(f"skip takes dataset indices as ints (got {i!r})")
         if not 0 <= int(i) < int(offsets[-1]):
-            raise ValueError(f"index {i} is not in the dataset: indices are in [0, {int(offsets[-1])})")
+            raise ValueError(f"index {i} is not in the dataset: indices are in [0, {int(offsets[-1])}) "
+                             f"(sources of {', '.join(map(str, numbered))} samples)")
         s = int(np.searchsorted(offsets, int(i), side="right")) - 1
         p = (s, int(i) - int(offsets[s]))
         if p in done:

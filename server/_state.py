@@ -41,7 +41,7 @@ from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, N
 from croupier.core.plan import Runs
 from croupier.core.plans import kind_of
 from croupier.core.spec import ORDER_VERSION, Spec
-from croupier.server import _amending
+from croupier.server import _amendments
 from croupier.server._events import (
     FORMAT_VERSION,
     AmendmentRecorded,
@@ -95,8 +95,6 @@ class State:
             )
         elif req.spec != job.spec:  # a rank's sources as grown: the job's spec is what it deals
             req = dataclasses.replace(req, spec=job.spec)
-        adopted = _amending.adopt(req, job)
-        events += adopted
         gen = job.generation if job else None
         if gen is not None and req.token == gen.token:
             if req.world != gen.world:
@@ -126,21 +124,23 @@ class State:
             return events
         agreed.check(req, number)
         events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
-        loaded = _amending.load(req, job, number, events)
+        start = None
         if len(joined) + 1 == world:
             start = _decide_start(req.spec, {**joined, req.rank: mine}, world)
             events.append(GenerationStarted(req.job, number, start))
-            events += _amending.start(req, job, number, start, adopted, loaded)
-        return events
+        # NOTE: a mixture's amendments are settled in this one step (those the checkpoint carries,
+        # loaded, held from the start); a repeated join above has nothing of them left to settle.
+        return events + _amendments.settle_join(req, job, number, start)
 
     def decide_amend(self, job: str, kind: str, values: Sequence[int]) -> tuple[Amendment, list[Event]]:
         """The amendment a request records (pending: it holds from the next generation's first
-        position) and its event (``croupier.server._amending.decide``).
+        position) and its event (``croupier.server._amendments.decide``).
 
         Args:
             job: The job's name.
             kind: ``"weights"`` (`values`: each source's parts), ``"grow"`` (source, new size) or
-                ``"skip"`` (dataset indices, numbered after every amendment recorded before).
+                ``"skip"`` (dataset indices, numbered as the job's ranks hand them out: by the
+                sources' sizes under the amendments the current generation holds).
 
         Raises:
             NotFound: an unknown job.
@@ -148,7 +148,7 @@ class State:
             InvalidArgument: values that do not make such an amendment (the message names them).
         """
         self.current(job)
-        a = _amending.decide(self.jobs[job], kind, values)
+        a = _amendments.decide(self.jobs[job], kind, values)
         return a, [AmendmentRecorded(job, a.kind, a.values)]
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,

@@ -30,6 +30,9 @@ def values_of(kind: str, raw: Sequence[str]) -> tuple[int, ...]:
 def main(address: str | None, job: str, kind: str, raw: Sequence[str], out: TextIO | None = None) -> int:
     """Records the change and prints it; 0 once recorded, 1 when the coordinator refuses it (the reason printed).
 
+    A skip's answer names every (source, sample) it recorded, one a line: the indices are read as
+    the job's ranks hand them out (numbered by the grows their generation holds, not by a pending one).
+
     Args:
         address: HOST:PORT of the coordinator; None for ``CROUPIER_ADDRESS``, else 127.0.0.1:50051.
         job: The job's name.
@@ -48,4 +51,6 @@ def main(address: str | None, job: str, kind: str, raw: Sequence[str], out: Text
             return 1
     out.write(f"job {job!r}: recorded {a.describe()}; it holds from the first sample the job's next generation "
               "deals (a restart, a resize or a rollback starts one)\n")
+    if kind == "skip":  # every pair, not only the few describe() shows
+        out.write("".join(f"  skipped: source {s}, sample {j}\n" for s, j in a.pairs))
     return 0

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from croupier.core import settings
+from croupier.core.amend import sizes_after
 from croupier.core.api import JobStatus
 from croupier.core.errors import CroupierError, NotFound, Unavailable
 
@@ -166,6 +167,7 @@ def job_lines(name: str, st: JobStatus, now_ms: int) -> list[str]:
     if s.silent:
         lines.append(f"never reported: ranks {rank_list(s.silent)}")
     lines.append(f"spec: {st.spec.describe()}")
+    lines += sizes_lines(st)
     by_rank = {c.rank: c for c in st.ranks}
     rows = []
     for k in sorted(set(range(r.world)) | set(by_rank)):
@@ -185,6 +187,23 @@ def job_lines(name: str, st: JobStatus, now_ms: int) -> list[str]:
     if st.amendments:
         lines += ["", f"amendments ({len(st.amendments)}):", *(f"  {a.describe()}" for a in st.amendments)]
     return lines
+
+
+def sizes_lines(st: JobStatus) -> list[str]:
+    """A mixture's sources as its ranks deal them now (grown by the amendments held), those pending, and its epochs.
+
+    NOTE: an epoch is the ``n`` the job was registered with (``len(dataset)`` then): a grow adds
+    samples to its source's epochs, not positions to the sampler's; the spec line shows the sizes
+    registered, which a grow does not change either.
+    """
+    if st.spec.sources is None:
+        return []
+    now = sizes_after(st.spec.sources, [a for a in st.amendments if a.at is not None])
+    later = sizes_after(st.spec.sources, st.amendments)
+    line = f"sources: {', '.join(map(str, now))} samples ({sum(now)} indices)"
+    if later != now:
+        line += f"; {', '.join(map(str, later))} ({sum(later)}) once the pending grows hold"
+    return [line, f"epoch: {st.spec.n} positions (len(dataset) when the job was registered; a grow leaves it)"]
 
 
 def watch_seconds(text: str) -> float:

@@ -20,6 +20,7 @@ from croupier.core.spec import Spec
 from croupier.server._service import Server
 from croupier.server._state import State
 from croupier.tools.audit import audit, by_source, render_sources, verdict
+from croupier.tools.status import job_lines
 
 N, SOURCES, GROWN = 240, [30, 90, 400], [40, 90, 400]
 WEIGHTS = [5, 3, 2]
@@ -112,6 +113,39 @@ def test_a_coordinator_that_lost_its_store_takes_the_amendments_back_from_the_ch
     assert on_new == on_old  # the same rest of the epoch, rank by rank
 
 
+def test_a_skip_after_a_pending_grow_takes_out_the_sample_handed_out_and_epochs_keep_the_registered_length(
+        server: Server) -> None:
+    """One rank, sources of 997, 401 and 113: after grow(1, 431), skip([1438]) names source 2's sample 40, as
+    the sampler handed it out (the grow is pending); resumed on the grown dataset, that sample is never dealt,
+    every other one of source 2 is, and an epoch is still the 1,511 positions the job was registered with."""
+    sources, grown = [997, 401, 113], [997, 431, 113]
+
+    def sampler(sizes: list[int], token: str) -> DistributedSampler:
+        return DistributedSampler(sum(sizes), 1, 0, address=server.address, job="numbering", token=token,
+                                  tail="uneven", sources=sizes, weights=[1, 1, 1], lease_ahead=8)
+
+    s = sampler(sources, "g1")
+    it = iter(s)
+    handed = [int(next(it)) for _ in range(40)]
+    assert s.grow(1, 431) == Amendment("grow", (1, 401, 431))
+    assert s.skip([1438]).pairs == [(2, 40)]
+    state = s.state_dict()
+    s.close()
+    r = sampler(grown, "g2")
+    r.load_state_dict(state)
+    assert len(r) == 1511  # the registered epoch, not len(dataset) of the grown sources (1,541)
+    rest = [int(i) for i in r]
+    r.set_epoch(state["epoch"] + 1)
+    assert len(r) == 1511
+    nxt = [int(i) for i in r]
+    r.close()
+    assert len(handed) + len(rest) == 1511 and len(nxt) == 1511
+    source2 = {i - 1428 for i in rest + nxt if i >= 1428}  # source 2's samples, numbered on the grown sources
+    assert 40 not in source2 and source2 == set(range(113)) - {40}
+    st = server.core.job("numbering")
+    assert "sources: 997, 431, 113 samples (1541 indices)" in "\n".join(job_lines("numbering", st, 0))
+
+
 # --------------------------------------------------------------------------- the coordinator's decisions
 
 
@@ -198,6 +232,34 @@ def test_a_grown_rank_spec_is_the_job_spec_and_other_sizes_are_refused() -> None
         st.decide_join(JoinRequest("j", Spec(n=110, sources=(30, 81), weights=MIX.weights), "t3", 1, 0))
 
 
+def test_a_skip_reads_indices_as_the_ranks_hand_them_out_whatever_grows_are_pending() -> None:
+    st = _started()
+    for ev in st.decide_amend("j", "grow", [0, 40])[1]:  # pending: the ranks still deal sources of (30, 70)
+        st.apply(ev)
+    a, events = st.decide_amend("j", "skip", [35])
+    assert a.pairs == [(1, 5)]  # not (0, 35), which index 35 names once the grow holds
+    for ev in events:
+        st.apply(ev)
+    _started(token="t2", state=st)  # the next generation holds the grow: sources of (40, 70) now
+    assert st.decide_amend("j", "skip", [35])[0].pairs == [(0, 35)]
+    for ev in st.decide_join(JoinRequest("j", MIX, "t3", 2, 0)):  # a generation waiting for rank 1
+        st.apply(ev)
+    for ev in st.decide_amend("j", "grow", [1, 75])[1]:
+        st.apply(ev)
+    # It will hold every grow recorded from its start: its ranks hand out sources of (40, 75).
+    assert st.decide_amend("j", "skip", [114])[0].pairs == [(1, 74)]
+
+
+def test_a_join_settles_its_amendments_in_one_step_after_the_rank_is_in() -> None:
+    """A lost store: the checkpoint's amendments are taken back, loaded and held, in that order, after the
+    rank joined and the generation started."""
+    ck = (Amendment("skip", (0, 1), 50),)
+    events = State().decide_join(JoinRequest("j", MIX, "t1", 1, 0, Cursor(0, ((60, 100),)), amendments=ck))
+    kinds = [type(e).__name__ for e in events]
+    assert kinds == ["JobRegistered", "GenerationOpened", "RankJoined", "GenerationStarted", "AmendmentRecorded",
+                     "AmendmentsLoaded", "GenerationAmended"]
+
+
 def test_the_hold_position_follows_the_resume_point() -> None:
     for start, at in [(None, 0), (Cursor(3, ((0, 100),)), 300), (Cursor(3, ((40, 100),)), 340),
                       (Cursor(3, ((10, 20), (40, 90))), 400)]:
@@ -224,7 +286,8 @@ def test_croupier_skip_and_amend_record_changes_and_refuse_bad_ones_by_name(serv
         c.join_started(JoinRequest("cli", MIX, "t1", 1, 0))
     ok = _cli("skip", "cli", "3", "40", "--address", server.address)
     assert ok.returncode == 0, ok.stderr
-    assert "recorded skip 2 samples (pending)" in ok.stdout and "next generation" in ok.stdout
+    assert "recorded skip 2 samples, (source, sample) (0, 3), (1, 10) (pending)" in ok.stdout
+    assert "next generation" in ok.stdout and "skipped: source 0, sample 3\n  skipped: source 1, sample 10\n" in ok.stdout
     assert _cli("amend", "cli", "--weights", "1,3", "--address", server.address).returncode == 0
     assert _cli("amend", "cli", "--grow", "1", "90", "--address", server.address).returncode == 0
     before = server.core.snapshot_state()
@@ -232,6 +295,8 @@ def test_croupier_skip_and_amend_record_changes_and_refuse_bad_ones_by_name(serv
     assert bad.returncode == 1 and "index 3 (source 0, sample 3) is skipped already" in bad.stderr
     bad = _cli("amend", "cli", "--grow", "1", "50", "--address", server.address)
     assert bad.returncode == 1 and "only grows" in bad.stderr
+    bad = _cli("skip", "cli", "100", "--address", server.address)  # the grow to 90 is pending: no index 100 yet
+    assert bad.returncode == 1 and "indices are in [0, 100) (sources of 30, 70 samples)" in bad.stderr
     bad = _cli("amend", "cli", "--address", server.address)
     assert bad.returncode == 2 and "takes one change" in bad.stderr
     bad = _cli("amend", "cli", "--weights", "1,x", "--address", server.address)
@@ -240,6 +305,8 @@ def test_croupier_skip_and_amend_record_changes_and_refuse_bad_ones_by_name(serv
     assert [a.kind for a in server.core.job("cli").amendments] == ["skip", "weights", "grow"]
     shown = _cli("status", "cli", "--address", server.address)
     assert shown.returncode == 0 and "amendments (3):" in shown.stdout and "grow source 1 from 70 to 90" in shown.stdout
+    assert "sources: 30, 70 samples (100 indices); 30, 90 (120) once the pending grows hold" in shown.stdout
+    assert "epoch: 100 positions" in shown.stdout
 
 
 def test_a_checkpoint_record_carries_the_amendments_its_generation_dealt_with() -> None:

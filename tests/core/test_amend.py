@@ -39,7 +39,7 @@ def amended_streams(draw: st.DrawFn) -> Stream:
             space = sum(now)
             idx = draw(st.lists(st.integers(0, space - 1), min_size=1, max_size=6, unique=True))
             try:
-                a = skip_of(idx, sizes, amendments)
+                a = skip_of(idx, sizes, amendments, now)  # every amendment drawn holds
             except ValueError:  # already skipped, or a source left empty: drawn again by the next example
                 continue
         amendments.append(Amendment(a.kind, a.values, at))
@@ -161,12 +161,24 @@ def test_bad_amendments_are_refused_by_name(new: Amendment, why: str) -> None:
         check((10, 20), before, new, PARTS)
 
 
-def test_skip_names_indices_as_concat_dataset_numbers_them_after_grows() -> None:
-    before = [Amendment("grow", (0, 10, 15), 0)]
-    assert skip_of([14, 15], (10, 20), before).pairs == [(0, 14), (1, 0)]
-    with pytest.raises(ValueError, match=r"index 35 is not in the dataset: indices are in \[0, 35\)"):
-        skip_of([35], (10, 20), before)
+def test_skip_reads_indices_in_the_numbering_given_and_a_pending_grow_renumbers_nothing() -> None:
+    before = [Amendment("grow", (0, 10, 15), None)]
+    # Pending: the ranks still hand out sources of (10, 20), so index 14 is source 1's sample 4.
+    assert skip_of([14, 15], (10, 20), before, (10, 20)).pairs == [(1, 4), (1, 5)]
+    # Held: numbered as a ConcatDataset of the grown sources (15, 20).
+    assert skip_of([14, 15], (10, 20), before, (15, 20)).pairs == [(0, 14), (1, 0)]
+    with pytest.raises(ValueError, match=r"index 35 is not in the dataset: indices are in \[0, 35\) \(sources of 15, 20"):
+        skip_of([35], (10, 20), before, (15, 20))
+    with pytest.raises(ValueError, match=r"numbered by sources of sizes \[16, 20\] are not the job's \(sizes \[15, 20\]\)"):
+        skip_of([1], (10, 20), before, (16, 20))
     assert sizes_after((10, 20), before) == (15, 20)
+
+
+def test_a_skip_describes_the_source_and_sample_of_each_pair() -> None:
+    assert Amendment("skip", (2, 40)).describe() == "skip 1 samples, (source, sample) (2, 40) (pending)"
+    many = Amendment("skip", tuple(x for j in range(10) for x in (0, j)), 7)
+    assert many.describe() == ("skip 10 samples, (source, sample) (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), "
+                               "(0, 6), (0, 7) and 2 more (from position 7)")
 
 
 def test_an_amendment_round_trips_and_bad_lists_are_refused() -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 from _machine_world import (
     EXAMPLES,
@@ -104,7 +105,11 @@ class Elastic(RuleBasedStateMachine):
             # What the generation deals with: the amendments it holds (each with its position). A rollback
             # keeps them; a lost store takes back those of the checkpoint resumed from, which are all that
             # the positions the log still holds were dealt with (the later ones went with the timeline).
-            self.held = tuple(a for a in self.server.core.job(JOB).amendments if a.at is not None)
+            held = tuple(a for a in self.server.core.job(JOB).amendments if a.at is not None)
+            # A grow it holds now renumbers the sources after the grown one: the log follows.
+            self.log = _renumbered(self.log, sizes_after(self.setup.sources, self.held),
+                                   sizes_after(self.setup.sources, held))
+            self.held = held
         self.step()
 
     @property
@@ -350,25 +355,32 @@ class Elastic(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.setup.sources) and self.live is not None)
     @rule(data=st.data())
     def amend(self, data: st.DataObject) -> None:
-        """A change of the running mixture through rank 0's sampler: new weights, samples skipped, or the last
-        source grown (its indices stay the last, so the log's indices keep their numbering); it holds from the
-        next generation's first position on."""
+        """A change of the running mixture through rank 0's sampler: new weights, samples skipped, or a source
+        grown; it holds from the next generation's first position on. A skip names indices as the sampler
+        hands them out, whatever grows are pending: what it records is the (source, sample) they name."""
         self.busy = True
         live = self.live
         assert live is not None
         s = live.samplers[0]
         k = len(self.setup.sources)
-        sizes = sizes_after(self.setup.sources, self.server.core.job(JOB).amendments)
+        recorded = self.server.core.job(JOB).amendments
+        sizes = sizes_after(self.setup.sources, recorded)
+        # The numbering the running generation hands indices out in: its held amendments' (those with a position).
+        numbering = sizes_after(self.setup.sources, [a for a in recorded if a.at is not None])
         kinds = ["weights", "skip", "skip"] + (["grow"] if self.setup.kind != "tokens" else [])
         kind = data.draw(st.sampled_from(kinds), label="amendment")
         try:
             if kind == "weights":
                 s.set_weights(data.draw(st.lists(st.integers(0, 5), min_size=k, max_size=k).filter(any), label="weights"))
             elif kind == "skip":
-                s.skip(data.draw(st.lists(st.integers(0, sum(sizes) - 1), min_size=1, max_size=2, unique=True),
-                                 label="indices"))
+                indices = data.draw(st.lists(st.integers(0, sum(numbering) - 1), min_size=1, max_size=2, unique=True),
+                                    label="indices")
+                got = s.skip(indices)
+                meant = sorted(_pair(numbering, i) for i in indices)
+                assert got.pairs == meant, f"skip({indices}) recorded {got.pairs}, not {meant} (sources {numbering})"
             else:
-                s.grow(k - 1, sizes[-1] + data.draw(st.integers(1, 6), label="grown by"))
+                g = data.draw(st.integers(0, k - 1), label="source grown")
+                s.grow(g, sizes[g] + data.draw(st.integers(1, 6), label="grown by"))
         except ValueError:  # skipped already, a source left empty, nothing left to deal: refused, nothing changed
             self.stats["amendments_refused"] += 1
             return
@@ -428,6 +440,26 @@ class Elastic(RuleBasedStateMachine):
         self.stats["restarts"] += 1
         self.stats["older_checkpoints"] += i < len(self.checkpoints) - 1
         self.stats["resizes"] += world != old_world
+
+
+def _pair(sizes: Sequence[int], index: int) -> tuple[int, int]:
+    """(source, sample) of `index` in a ConcatDataset of sources of `sizes`."""
+    s = int(np.searchsorted(np.cumsum(sizes), index, side="right"))
+    return s, index - sum(sizes[:s])
+
+
+def _renumbered(log: list[tuple[int, int, int, tuple[int, ...]]], old: Sequence[int],
+                new: Sequence[int]) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """The log's indices, numbered by sources of sizes `old`, renumbered by sources of sizes `new`."""
+    if tuple(old) == tuple(new):
+        return log
+    offsets = np.concatenate([[0], np.cumsum(new)])
+
+    def one(i: int) -> int:
+        s, j = _pair(old, i)
+        return int(offsets[s]) + j
+
+    return [(e, g, w, tuple(one(i) for i in b)) for e, g, w, b in log]
 
 
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,

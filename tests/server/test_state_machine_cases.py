@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from _machine import Elastic
-from _machine_world import Setup
+from _machine_world import JOB, Setup
 
 
 class Draws:
@@ -40,5 +40,31 @@ def test_a_pad_dealt_before_an_amendment_stays_a_sample_of_the_epoch() -> None:
         m.train(k=6)  # the epoch ends and is audited
         m.no_duplicates_so_far()
         assert m.stats["epochs_audited"] >= 1
+    finally:
+        m.teardown()
+
+
+def test_a_skip_after_a_pending_grow_names_the_sample_the_sampler_handed_out() -> None:
+    """Source 0 grown from 5 to 8 samples, pending; then a skip of index 12, which the running sampler hands out
+    as source 2's sample 2. The coordinator read it in the grown numbering, where 12 is source 1's sample 4, and
+    recorded that: the sample the user named was dealt on, and one nobody named never again. A skip's indices
+    are now read as the ranks hand them out (the grows their generation holds; a pending one renumbers nothing);
+    after the restart, which holds the grow, the epoch is audited in the grown numbering."""
+    m = Elastic()
+    setup = Setup(kind="batch", n=15, seed=3, permutation="feistel", partition="contiguous", tail="uneven",
+                  buffer_size=None, batch=1, drop_last=False, even_batches=False, lease_ahead=1, prefetch=2, lengths=(),
+                  max_tokens=0, token_window=0, sources=(5, 5, 5), weights=((0, (1, 1, 1)),),
+                  max_epochs=(None, None, None))
+    try:
+        m.start(setup=setup, world=1, start=None)
+        m.train(k=3)
+        m.amend(Draws("grow", 0, 3))
+        m.amend(Draws("skip", [12]))  # asserts the skip recorded (source 2, sample 2)
+        assert m.server.core.job(JOB).amendments[-1].pairs == [(2, 2)]
+        m.checkpoint()
+        m.restart_from_any_checkpoint(Draws(False, 0, False), world=2)
+        m.train(k=20)  # the epoch ends and is audited
+        m.no_duplicates_so_far()
+        assert m.stats["epochs_audited"] >= 1 and m.stats["amendments_skip"] == 1
     finally:
         m.teardown()

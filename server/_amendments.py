@@ -1,4 +1,4 @@
-"""A mixture's amendments as the coordinator decides them: recorded, taken back from a checkpoint, held by a generation."""
+"""A mixture's amendments as the coordinator decides them: recorded, settled in one step of a join, held by a generation."""
 
 from __future__ import annotations
 
@@ -16,8 +16,28 @@ from croupier.server._events import AmendmentRecorded, AmendmentsLoaded, Event, 
 from croupier.server._jobs import Job
 
 
+def numbering(j: Job) -> tuple[int, ...]:
+    """The sources' sizes that number the dataset indices a skip names: as job `j`'s ranks hand them out.
+
+    NOTE: indices are numbered as a ``ConcatDataset`` of the sources numbers them once the grows the
+    current generation holds took effect: a grow recorded since is pending and renumbers nothing until
+    the next generation starts, so a skip names the sample the ranks handed out at that index, whatever
+    order grows and skips come in. A generation still waiting for its ranks hands out indices numbered
+    by every grow recorded (it holds them all from its start).
+    """
+    assert j.spec.sources is not None
+    gen = j.generation
+    return amend.sizes_after(j.spec.sources, j.held if gen is not None and gen.start is not None else j.amendments)
+
+
 def decide(j: Job, kind: str, values: Sequence[int]) -> Amendment:
     """The amendment a request records for job `j` (pending: it holds from the next generation's first position).
+
+    Args:
+        j: The job.
+        kind: ``"weights"``, ``"grow"`` or ``"skip"``.
+        values: A weights' parts, a grow's (source, new size), or a skip's dataset indices, numbered
+            as the job's ranks hand them out (:func:`numbering`).
 
     Raises:
         FailedPrecondition: a job that deals no mixture, or a grow of a spec with lengths.
@@ -43,7 +63,7 @@ def decide(j: Job, kind: str, values: Sequence[int]) -> Amendment:
             if sum(now) - now[vals[0]] + vals[1] > MAX_N:
                 raise ValueError(f"the sources would add up to more than {MAX_N} samples")
         elif kind == "skip":
-            a = amend.skip_of(vals, j.spec.sources, j.amendments)
+            a = amend.skip_of(vals, j.spec.sources, j.amendments, numbering(j))
         else:
             a = Amendment(kind, vals)
         amend.check(j.spec.sources, j.amendments, a, PARTS)
@@ -56,58 +76,59 @@ def decide(j: Job, kind: str, values: Sequence[int]) -> Amendment:
     return a
 
 
-def adopt(req: JoinRequest, job: Job | None) -> list[AmendmentRecorded]:
-    """The amendments a join's checkpoint carries that the job has no record of (its store was lost):
-    recorded, in the checkpoint's order, after the job's own records.
+def settle_join(req: JoinRequest, job: Job | None, number: int, start: Cursor | None) -> list[Event]:
+    """The amendment events of a rank's join of generation `number`, in the order they apply.
+
+    One step of the join, after the rank is in (and, when it was the last, the generation started):
+
+    1. the amendments its checkpoint carries that the job has no record of (its store was lost),
+       recorded in the checkpoint's order after the job's own;
+    2. for a mixture's first resuming rank, the checkpoint's amendments, loaded by the generation
+       (every later resuming rank must carry the same);
+    3. when `start` is given (this join starts the generation there), what the generation holds:
+       the loaded amendments, then every other one recorded, from its first position on.
+
+    Args:
+        req: The join (its spec the job's).
+        job: The job as it stands before the join (None: the join registers it).
+        number: The generation the rank joins.
+        start: The generation's resume point when this join starts it, else None.
 
     Raises:
-        InvalidArgument: amendments that cannot belong to the job's spec.
+        InvalidArgument: a checkpoint's amendments that cannot belong to the job's spec.
+        FailedPrecondition: a resuming rank whose checkpoint's amendments are not the first one's, or
+            amendments that leave the job with nothing to deal from `start`.
     """
-    if not req.amendments:
-        return []
-    spec = job.spec if job else req.spec
-    try:
-        spec.amended(req.amendments)
-    except ValueError as e:
-        raise InvalidArgument(f"the checkpoint's amendments do not fit job {req.job!r}'s spec: {e}") from None
-    return [AmendmentRecorded(req.job, a.kind, a.values) for a in amend.minus(req.amendments, job.amendments if job else [])]
-
-
-def load(req: JoinRequest, job: Job | None, number: int, events: list[Event]) -> tuple[Amendment, ...] | None:
-    """The amendments of the checkpoint generation `number`'s resuming ranks loaded (None: none resumed
-    yet); a mixture's first resuming rank's are recorded into `events`, none included.
-
-    Raises:
-        FailedPrecondition: a resuming rank whose checkpoint's amendments are not the first one's
-            (every rank must load the same checkpoint, whichever joins first).
-    """
-    loaded = job.loaded if job is not None and job.generation is not None and job.generation.number == number else None
-    if req.resume is None or req.spec.sources is None:
-        return loaded
-    if loaded is None:
-        events.append(AmendmentsLoaded(req.job, number, req.amendments))
-        return req.amendments
-    if loaded != req.amendments:
-        raise FailedPrecondition(
-            f"rank {req.rank} joins generation {number} of job {req.job!r} with a checkpoint whose amendments "
-            f"are [{'; '.join(a.describe() for a in req.amendments)}]; another rank's are "
-            f"[{'; '.join(a.describe() for a in loaded)}]: every rank must load the same checkpoint")
-    return loaded
-
-
-def start(req: JoinRequest, job: Job | None, number: int, at: Cursor, adopted: Sequence[AmendmentRecorded],
-          loaded: tuple[Amendment, ...] | None) -> list[Event]:
-    """The event of what generation `number`, starting at `at`, deals with (none when no amendment).
-
-    Raises:
-        FailedPrecondition: amendments that leave the job with nothing to deal from there.
-    """
-    records = [*(job.amendments if job is not None else []), *(Amendment(e.kind, e.values) for e in adopted)]
-    try:
-        out = held(job.spec if job is not None else req.spec, at, records, loaded or ())
-    except ValueError as e:
-        raise FailedPrecondition(f"job {req.job!r} cannot start generation {number}: {e}") from None
-    return [GenerationAmended(req.job, number, out)] if out else []
+    spec = job.spec if job is not None else req.spec
+    recorded = list(job.amendments) if job is not None else []
+    events: list[Event] = []
+    if req.amendments:
+        try:
+            spec.amended(req.amendments)
+        except ValueError as e:
+            raise InvalidArgument(f"the checkpoint's amendments do not fit job {req.job!r}'s spec: {e}") from None
+        adopted = amend.minus(req.amendments, recorded)
+        events += [AmendmentRecorded(req.job, a.kind, a.values) for a in adopted]
+        recorded += [Amendment(a.kind, a.values) for a in adopted]
+    same = job is not None and job.generation is not None and job.generation.number == number
+    loaded = job.loaded if same and job is not None else None
+    if req.resume is not None and req.spec.sources is not None:
+        if loaded is None:
+            loaded = req.amendments
+            events.append(AmendmentsLoaded(req.job, number, loaded))
+        elif loaded != req.amendments:
+            raise FailedPrecondition(
+                f"rank {req.rank} joins generation {number} of job {req.job!r} with a checkpoint whose amendments "
+                f"are [{'; '.join(a.describe() for a in req.amendments)}]; another rank's are "
+                f"[{'; '.join(a.describe() for a in loaded)}]: every rank must load the same checkpoint")
+    if start is not None:
+        try:
+            out = held(spec, start, recorded, loaded or ())
+        except ValueError as e:
+            raise FailedPrecondition(f"job {req.job!r} cannot start generation {number}: {e}") from None
+        if out:
+            events.append(GenerationAmended(req.job, number, out))
+    return events
 
 
 def frontier(spec: Spec, start: Cursor | None) -> int:
