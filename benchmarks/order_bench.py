@@ -25,7 +25,7 @@ from torch.utils.data import Dataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from croupier.core import feistel as _feistel  # noqa: E402
-from croupier.core.order import Cursor, fresh, order, plan  # noqa: E402
+from croupier.core.order import Cursor, fixed_plan, fresh, order  # noqa: E402
 from croupier.core.spec import Spec  # noqa: E402
 
 TABLE_HEADER = (
@@ -108,7 +108,7 @@ def _measure(calls: list[Callable[[], object]]) -> Measured:
 def _croupier_first_batch(spec: Spec, position: int, world: int, rank: int) -> np.ndarray:
     """The first batch of `rank` for a job resumed at `position` of epoch 1 (a fresh epoch at 0)."""
     cursor = fresh(spec, 1) if position == 0 else Cursor(epoch=1, remaining=((position, spec.n),))
-    batch = plan(spec, cursor, world).batch_indices(rank, 0)
+    batch = fixed_plan(spec, cursor, world).batch_indices(rank, 0)
     assert batch is not None
     return batch
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # A sample order, to see what a rank gets: the first batch of each rank, epoch 0.
     sample = Spec(n=n, seed=0, permutation="feistel", batch_size=6)
-    p = plan(sample, fresh(sample, 0), 4)
+    p = fixed_plan(sample, fresh(sample, 0), 4)
     print()
     print(f"Sample: epoch 0 of N = {_fmt_n(n)}, feistel, seed 0, W = 4, batch_size = 6, first batch of each rank")
     for r in range(4):

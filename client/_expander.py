@@ -1,6 +1,6 @@
 """Computes leases' indices in a helper process, off the training loop's GIL (``CROUPIER_EXPANDER=0``: in this one).
 
-``Plan.lease`` makes a few hundred numpy calls per lease. Called from a prefetch thread, each of
+A fixed plan's ``lease`` makes a few hundred numpy calls per lease. Called from a prefetch thread, each of
 them has to win the GIL back from the training loop's main thread, so the thread falls behind and
 the loop waits on it. A helper process computes the same indices on another core and sends them
 back as raw int64 bytes; the prefetch thread then only waits on a pipe, with the GIL released.
@@ -43,7 +43,7 @@ import numpy as np
 
 from croupier.core import settings
 from croupier.core.cursor import Cursor
-from croupier.core.order import Plan
+from croupier.core.order import FixedPlan
 from croupier.core.plan import EpochPlan, Grant
 from croupier.core.spec import Spec
 
@@ -60,7 +60,7 @@ _PIPE_BYTES = 1 << 20
 
 PlanKey = tuple[Spec, Cursor, int]
 #: Where this process imports the order engine from; the helper must import the same file.
-_ORDER_FILE = sys.modules[Plan.__module__].__file__
+_ORDER_FILE = sys.modules[FixedPlan.__module__].__file__
 
 
 class _Helper:
@@ -167,14 +167,14 @@ class _Helper:
 
     # ---------------------------------------------------------------- a lease
 
-    def lease(self, plan: Plan, rank: int, first: int, count: int, total: int) -> np.ndarray | None:
+    def lease(self, plan: EpochPlan, rank: int, first: int, count: int, total: int) -> np.ndarray | None:
         """The `total` indices of the lease from the helper, or None when it cannot give them."""
         with self.lock:
             if not self.usable or self.proc is None:
                 return None
             key: PlanKey = (plan.spec, plan.cursor, plan.world)
             k = self.keys.get(key)
-            send: Plan | None = None
+            send: EpochPlan | None = None
             if k is None:
                 k, send = self.next_key, plan
                 self.next_key += 1
@@ -238,12 +238,15 @@ if hasattr(os, "register_at_fork"):
 
 
 def eligible(plan: EpochPlan) -> bool:
-    """Whether leases of `plan` go to the helper process: fixed-size batches of a spec without lengths."""
-    # NOTE: the helper holds fixed plans only: a token plan's packed windows and a dynamic plan's
-    # deals stay here (they are not a pure function of a small key). Bucket specs carry 8 bytes a
-    # sample, too many to send along; the torch order is one index into a cached randperm, nothing
-    # to move off this process (and the helper would import torch and build the randperm again).
-    return isinstance(plan, Plan) and plan.spec.lengths is None and plan.spec.permutation != "torch"
+    """Whether leases of `plan` go to the helper process: fixed-size batches the ranks compute
+    themselves, of a spec without lengths."""
+    # NOTE: the helper holds plans that are a pure function of a small key (spec, cursor, world)
+    # and cheap to send: a token plan's packed windows and a dealt plan's runs stay here. Bucket
+    # specs carry 8 bytes a sample, too many to send along; the torch order is one index into a
+    # cached randperm, nothing to move off this process (and the helper would import torch and
+    # build the randperm again).
+    return (plan.fixed_batches and plan.dealer is None and plan.spec.lengths is None
+            and plan.spec.permutation != "torch")
 
 
 def lease(plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
@@ -265,14 +268,14 @@ def lease(plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | Non
         The dataset indices of the batches end to end (int64), and the size of each batch:
         bit-identical to ``plan.lease``.
     """
-    if isinstance(plan, Plan) and eligible(plan):
+    if eligible(plan):
         h = _get()
         if h.usable:
-            batches, last = plan.share(rank, first, count)
-            if batches:
-                idx = h.lease(plan, rank, first, count, (batches - 1) * plan.spec.batch_size + last)
+            sizes = plan.grant(rank, first, count).sizes(plan.spec.batch_size)  # O(1): what the lease holds
+            if sizes:
+                idx = h.lease(plan, rank, first, count, sum(sizes))
                 if idx is not None:
-                    return idx, [plan.spec.batch_size] * (batches - 1) + [last]
+                    return idx, sizes
     return plan.lease(rank, first, count, grant)
 
 
@@ -346,7 +349,7 @@ def _read_exact_into(stream: IO[bytes], view: memoryview) -> None:
 
 def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
     """The helper's loop: answers requests until `inp` ends."""
-    plans: dict[int, Plan] = {}
+    plans: dict[int, EpochPlan] = {}
     where = pickle.dumps(_ORDER_FILE)
     out.write(_LEN.pack(len(where)) + where)
     out.flush()

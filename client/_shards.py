@@ -14,7 +14,7 @@ from croupier.core.checkpoint import from_state
 from croupier.core.checks import check_bool, check_int
 from croupier.core.cursor import bind, epoch_agrees, fresh, show
 from croupier.core.mixture import parts_of
-from croupier.core.plans import PlanKind, kind_for, plan_epoch
+from croupier.core.registry import PlanKind, kind_for, plan_epoch
 from croupier.core.spec import TOKEN_WINDOW, Spec
 
 

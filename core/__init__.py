@@ -6,10 +6,10 @@ Nothing here opens a socket or a file: ``import croupier.core`` loads neither gr
 
 from croupier.core.checkpoint import from_state, to_state
 from croupier.core.cursor import Cursor, fresh
-from croupier.core.order import Plan, order, plan
+from croupier.core.order import FixedPlan, fixed_plan, order
 from croupier.core.plan import EpochPlan, Grant
-from croupier.core.plans import KINDS, PlanKind, kind_of, plan_epoch
+from croupier.core.registry import KINDS, PlanKind, kind_of, plan_epoch
 from croupier.core.spec import ORDER_VERSION, Spec
 
-__all__ = ["KINDS", "ORDER_VERSION", "Cursor", "EpochPlan", "Grant", "Plan", "PlanKind", "Spec", "fresh", "from_state",
-           "kind_of", "order", "plan", "plan_epoch", "to_state"]
+__all__ = ["KINDS", "ORDER_VERSION", "Cursor", "EpochPlan", "FixedPlan", "Grant", "PlanKind", "Spec", "fixed_plan", "fresh",
+           "from_state", "kind_of", "order", "plan_epoch", "to_state"]

@@ -13,6 +13,9 @@ Vocabulary (``spec.dealing == "dynamic"``):
                     positions minus every rank's credited batches: small (the batches in flight
                     make a few intervals) and topology-free, so any world size resumes them.
 
+The coordinator records the deals and commits in its deal book (``croupier.core.deals``, the same
+for every plan it deals) and asks this plan, its own dealer, for the rest.
+
 Two meanings of a checkpoint, chosen by the rank that takes it:
     lockstep -- (data-parallel training) ranks step together, so at a checkpoint every rank has
                 trained on as many batches as the rank taking it: each is credited with that
@@ -32,123 +35,13 @@ import functools
 import numpy as np
 
 from croupier.core.cursor import Cursor, _merge, fresh, validate_cursor
-from croupier.core.order import Plan, plan
+from croupier.core.deals import EpochDeals
+from croupier.core.order import FixedPlan, fixed_plan
 from croupier.core.plan import Grant, Runs
 from croupier.core.spec import Spec
 
-#: Epochs of one generation whose deals the coordinator keeps (older ones are dropped once a
-#: later epoch's first batch is dealt; a rank still asking for one is refused).
-KEEP_EPOCHS = 2
 
-
-@dataclasses.dataclass
-class EpochDeals:
-    """What one epoch of one generation dealt: the next global batch, and each rank's sequence."""
-
-    next: int = 0
-    #: rank -> its sequence as runs (first global batch, count), in dealt order
-    runs: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
-    #: rank -> batches of its sequence it committed (``own`` checkpoints)
-    committed: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def dealt(self, rank: int) -> int:
-        """How many batches `rank` was dealt in this epoch."""
-        return sum(c for _, c in self.runs.get(rank, ()))
-
-    def sequence(self, rank: int, first: int, count: int) -> list[tuple[int, int]]:
-        """Batches first .. first + count - 1 of `rank`'s sequence (those it has), as runs of global batches."""
-        out: list[tuple[int, int]] = []
-        at = 0
-        for g, c in self.runs.get(rank, ()):
-            lo, hi = max(first, at), min(first + count, at + c)
-            if lo < hi:
-                out.append((g + lo - at, hi - lo))
-            at += c
-            if at >= first + count:
-                break
-        return out
-
-
-def one_rank_plan(spec: Spec, start: Cursor, epoch: int) -> Plan | None:
-    """The plan whose rank-0 batches are the global batches of `epoch` for a generation that
-    started at `start` (None for the epoch just before a fresh start: it is complete)."""
-    if epoch == start.epoch:
-        return plan(spec, start, 1)
-    if epoch > start.epoch:
-        return plan(spec, fresh(spec, epoch), 1)
-    return None
-
-
-def total(p: Plan) -> int:
-    """How many global batches the epoch has."""
-    return int(p.nb_r[0])
-
-
-def deal(book: EpochDeals, p: Plan, rank: int, first: int, count: int) -> tuple[list[tuple[int, int]], bool]:
-    """What a rank asking for batches first .. first + count - 1 of its sequence gets.
-
-    A rank asking again for batches it was dealt (its answer was lost) gets the same ones; a
-    rank asking past its sequence gets up to `count` global batches not yet dealt.
-
-    Returns:
-        The runs of global batches (first, count) answering it, and whether they are *new*
-        (to be journaled as a deal) rather than a repeat.
-
-    Raises:
-        ValueError: `first` is past the end of the rank's sequence (it skips batches).
-    """
-    have = book.dealt(rank)
-    if first < have:
-        return book.sequence(rank, first, count), False
-    if first > have:
-        raise ValueError(f"rank {rank} asks from batch {first} of its sequence, but was dealt {have} batches")
-    n = min(count, total(p) - book.next)
-    return ([(book.next, n)] if n > 0 else []), n > 0
-
-
-def apply_deal(book: EpochDeals, rank: int, first: int, count: int) -> None:
-    """Makes a deal of global batches first .. first + count - 1 to `rank` part of `book`."""
-    runs = book.runs.setdefault(rank, [])
-    if runs and runs[-1][0] + runs[-1][1] == first:
-        runs[-1] = (runs[-1][0], runs[-1][1] + count)
-    else:
-        runs.append((first, count))
-    book.next = max(book.next, first + count)
-
-
-def credits(book: EpochDeals, rank: int, batches: int, lockstep: bool) -> dict[int, int]:
-    """Each rank's credited batches at a checkpoint `rank` takes after `batches` batches of its sequence."""
-    if lockstep:
-        return {r: min(batches, book.dealt(r)) for r in book.runs}
-    out = dict(book.committed)
-    out[rank] = max(out.get(rank, 0), batches)
-    return out
-
-
-def cursor_after(p: Plan, book: EpochDeals, credited: dict[int, int]) -> Cursor:
-    """The plan's remaining positions minus the global batches each rank is credited with."""
-    b, left = p.spec.batch_size, p.left
-    taken: list[tuple[int, int]] = []
-    for r, k in credited.items():
-        for g, c in book.sequence(r, 0, k):
-            taken.append((g * b, min((g + c) * b, left)))
-    taken = _merge(taken)
-    gaps: list[tuple[int, int]] = []
-    at = 0
-    for a, e in taken:
-        if at < a:
-            gaps.append((at, a))
-        at = max(at, e)
-    if at < left:
-        gaps.append((at, left))
-    if not gaps:
-        return fresh(p.spec, p.cursor.epoch + 1)
-    out = dataclasses.replace(p.cursor, remaining=p._map(gaps))
-    validate_cursor(p.spec, out)
-    return out
-
-
-def lease(p: Plan, runs: list[tuple[int, int]]) -> tuple[np.ndarray, list[int]]:
+def _lease(p: FixedPlan, runs: Runs) -> tuple[np.ndarray, list[int]]:
     """The dataset indices of the global batches in `runs`, laid end to end, and each batch's size."""
     parts: list[np.ndarray] = []
     sizes: list[int] = []
@@ -164,9 +57,10 @@ class DynamicPlan:
     """An :class:`croupier.core.plan.EpochPlan` the coordinator deals: a rank's steps are the
     global batches dealt to it as it asks (see the module).
 
-    Its grants need the coordinator's deal, its leases the grant's runs, and its checkpoints are
-    computed by the coordinator from its deals (:func:`cursor_after`), never by :meth:`advance`.
-    ``steps`` and ``samples`` are estimates: a rank's even share of what is left.
+    It is its own :class:`croupier.core.plan.Dealer`. Its grants need the coordinator's deal, its
+    leases the grant's runs, and its checkpoints are computed from the coordinator's deals
+    (:meth:`checkpoint`), never by :meth:`advance`. ``steps`` and ``samples`` are estimates: a
+    rank's even share of what is left.
     """
 
     spec: Spec
@@ -176,9 +70,45 @@ class DynamicPlan:
     fixed_batches = True
 
     @property
-    def global_plan(self) -> Plan:
+    def global_plan(self) -> FixedPlan:
         """The one-rank plan whose batches are the epoch's global batches."""
         return _global_plan(self.spec, self.cursor)
+
+    @property
+    def dealer(self) -> DynamicPlan:
+        """Itself: the coordinator deals this plan."""
+        return self
+
+    # ---------------------------------------------------------------- the coordinator's side (Dealer)
+
+    @property
+    def batches(self) -> int:
+        """How many global batches the epoch has."""
+        return int(self.global_plan.nb_r[0])
+
+    def deal(self, book: EpochDeals, rank: int, first: int, count: int) -> tuple[Runs, bool]:
+        """The next global batches not dealt yet, in order (see :meth:`EpochDeals.answer`)."""
+        return book.answer(self.batches, rank, first, count)
+
+    def checkpoint(self, book: EpochDeals, credited: dict[int, int]) -> Cursor:
+        """The epoch's remaining positions minus the global batches each rank is credited with."""
+        b, left = self.spec.batch_size, self.left
+        taken = _merge([(g * b, min((g + c) * b, left)) for g, c in book.taken(credited)])
+        gaps: list[tuple[int, int]] = []
+        at = 0
+        for a, e in taken:
+            if at < a:
+                gaps.append((at, a))
+            at = max(at, e)
+        if at < left:
+            gaps.append((at, left))
+        if not gaps:
+            return fresh(self.spec, self.cursor.epoch + 1)
+        out = dataclasses.replace(self.cursor, remaining=self.global_plan._map(gaps))
+        validate_cursor(self.spec, out)
+        return out
+
+    # ---------------------------------------------------------------- the ranks' side (EpochPlan)
 
     @property
     def left(self) -> int:
@@ -198,7 +128,7 @@ class DynamicPlan:
         """The indices of the global batches `grant` names."""
         if grant is None:
             raise ValueError("a dynamic plan's batches are the coordinator's to deal: a lease needs its grant")
-        return lease(self.global_plan, list(grant.runs))
+        return _lease(self.global_plan, grant.runs)
 
     def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
         """The order positions of the global batches `grant` names."""
@@ -232,8 +162,8 @@ class DynamicPlan:
         return 0
 
     def advance(self, steps: int) -> Cursor:
-        """Not defined: which batches the ranks took is the coordinator's record (see :func:`cursor_after`)."""
-        raise ValueError("a dynamic plan's checkpoint is computed by the coordinator from its deals (cursor_after)")
+        """Not defined: which batches the ranks took is the coordinator's record (see :meth:`checkpoint`)."""
+        raise ValueError("a dynamic plan's checkpoint is computed by the coordinator from its deals (checkpoint)")
 
 
 def dynamic_plan(spec: Spec, cursor: Cursor, world: int) -> DynamicPlan:
@@ -244,5 +174,5 @@ def dynamic_plan(spec: Spec, cursor: Cursor, world: int) -> DynamicPlan:
 
 
 @functools.lru_cache(maxsize=256)
-def _global_plan(spec: Spec, cursor: Cursor) -> Plan:
-    return plan(spec, cursor, 1)
+def _global_plan(spec: Spec, cursor: Cursor) -> FixedPlan:
+    return fixed_plan(spec, cursor, 1)

@@ -23,7 +23,8 @@ from croupier.core.permute import KERNELS, mixture_order
 from croupier.core.plan import Grant, Runs
 from croupier.core.spec import Spec
 
-__all__ = ["Cursor", "Interval", "Plan", "bind", "epoch_agrees", "fresh", "is_fresh", "order", "plan", "show", "validate_cursor"]
+__all__ = ["Cursor", "FixedPlan", "Interval", "bind", "epoch_agrees", "fixed_plan", "fresh", "is_fresh", "order", "show",
+           "validate_cursor"]
 
 
 # --------------------------------------------------------------------------- the order
@@ -112,11 +113,12 @@ def batch_counts(spec: Spec, n_r: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class FixedPlan:
     """How one epoch's remainder is dealt to `world` ranks as fixed-size batches: an
     :class:`croupier.core.plan.EpochPlan`. Cheap to make: O(world)."""
 
     coordinator_deals = False
+    dealer = None
     fixed_batches = True
 
     spec: Spec
@@ -297,7 +299,7 @@ class Plan:
         return tuple(_merge(out))
 
 
-def plan(spec: Spec, cursor: Cursor, world: int) -> Plan:
+def fixed_plan(spec: Spec, cursor: Cursor, world: int) -> FixedPlan:
     """How `cursor`'s remainder is dealt to `world` ranks."""
     if world < 1:
         raise ValueError(f"world size must be >= 1 (got world={world})")
@@ -307,4 +309,4 @@ def plan(spec: Spec, cursor: Cursor, world: int) -> Plan:
     lengths = np.array([b - a for a, b in cursor.remaining], dtype=np.int64)
     cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     starts = np.array([a for a, _ in cursor.remaining], dtype=np.int64)
-    return Plan(spec, cursor, world, left, t, n_r, batch_counts(spec, n_r), cum, starts)
+    return FixedPlan(spec, cursor, world, left, t, n_r, batch_counts(spec, n_r), cum, starts)

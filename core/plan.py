@@ -3,8 +3,9 @@
 A *plan* is how the remainder of one epoch (a cursor) is dealt to the ranks of one generation
 (its world). croupier deals in several ways (fixed batches, token budgets, dynamic dealing); each
 is one module holding one class that satisfies :class:`EpochPlan`, registered in
-:mod:`croupier.core.plans`, which alone picks the plan of an epoch. The coordinator and the
-client speak to plans only through this interface.
+:mod:`croupier.core.registry`, which alone picks the plan of an epoch. The coordinator and the
+client speak to plans only through this interface, and the coordinator to a plan it deals
+through its :class:`Dealer`.
 
 Vocabulary:
     step   -- one batch of one rank: step s of rank r is the rank's s-th batch of the epoch in
@@ -19,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
+from croupier.core.deals import Runs
+
 if TYPE_CHECKING:
     import numpy as np
 
     from croupier.core.cursor import Cursor
+    from croupier.core.deals import EpochDeals
     from croupier.core.spec import Spec
 
-#: Runs of global batches (first, count) that the coordinator dealt to a rank, in the rank's order.
-Runs = tuple[tuple[int, int], ...]
+__all__ = ["Dealer", "EpochPlan", "Grant", "Runs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +65,9 @@ class EpochPlan(Protocol):
         * ``advance(j)`` is topology-free: any plan of the same spec, made from the cursor it
           returns with any world, deals exactly the positions no rank consumed.
         * A plan whose ``coordinator_deals`` is True is dealt by the coordinator as ranks ask
-          (``croupier.core.dynamic``): its grants need the coordinator's deal, its ranks wait for
-          the coordinator instead of computing, and its checkpoints are computed from the deals,
+          (as ``croupier.core.dynamic`` does): its :attr:`dealer` is not None (and None for every
+          other plan), its grants need the coordinator's deal, its ranks wait for the coordinator
+          instead of computing, and its checkpoints are computed from the deals by its dealer,
           so :meth:`advance` is not used for it.
     """
 
@@ -85,6 +89,11 @@ class EpochPlan(Protocol):
     @property
     def coordinator_deals(self) -> bool:
         """True when the coordinator decides each rank's batches as it asks (see the class docstring)."""
+        ...
+
+    @property
+    def dealer(self) -> Dealer | None:
+        """What the coordinator asks of this plan when it deals it (``coordinator_deals``), else None."""
         ...
 
     @property
@@ -143,4 +152,44 @@ class EpochPlan(Protocol):
     def advance(self, steps: int) -> Cursor:
         """The cursor once every rank took min(`steps`, its steps) steps (the next epoch's fresh
         cursor when that is all of them)."""
+        ...
+
+
+class Dealer(Protocol):
+    """The coordinator's side of a plan it deals (:attr:`EpochPlan.dealer`): one epoch's global batches.
+
+    The coordinator keeps one :class:`croupier.core.deals.EpochDeals` per epoch, journals what
+    :meth:`deal` answers as new before it answers (the ``BatchesDealt`` event), and asks
+    :meth:`checkpoint` for the cursor of a checkpoint. The grant of a deal is the plan's
+    (:meth:`EpochPlan.grant` with ``dealt``), and so is the lease of its runs.
+
+    Invariants every dealer MUST keep:
+        * It is a pure function of its plan's ``(spec, cursor, world)``, as the plan is: a
+          coordinator that restarts asks the same questions of a plan made anew.
+        * The epoch has :attr:`batches` global batches, 0 .. batches - 1; :meth:`deal` hands out
+          each of them once, to whichever rank asks, and never one that `book` shows dealt.
+        * :meth:`checkpoint` is topology-free: the plan of any world made from the cursor it
+          returns deals exactly the positions of the global batches not credited.
+    """
+
+    @property
+    def batches(self) -> int:
+        """How many global batches the epoch has."""
+        ...
+
+    def deal(self, book: EpochDeals, rank: int, first: int, count: int) -> tuple[Runs, bool]:
+        """What `rank` gets asking for batches first .. first + count - 1 of its sequence.
+
+        Returns:
+            The runs of global batches (first, count), and whether they are new (to be
+            journaled) rather than a repeat of a deal in `book`.
+
+        Raises:
+            ValueError: `first` is past the end of the rank's sequence (it skips batches).
+        """
+        ...
+
+    def checkpoint(self, book: EpochDeals, credited: dict[int, int]) -> Cursor:
+        """The cursor once each rank took the first ``credited[rank]`` batches of its sequence in `book`
+        (the next epoch's fresh cursor when that is every position)."""
         ...

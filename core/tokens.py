@@ -1,7 +1,7 @@
 """Token-budget batches: batches sized by their samples' lengths, dealt as a lazy plan.
 
 A spec with ``max_tokens`` set has batches of as many samples as fit in the budget, instead of
-``batch_size`` of them. :class:`TokenPlan` deals them to ranks as :class:`croupier.core.order.Plan`
+``batch_size`` of them. :class:`TokenPlan` deals them to ranks as :class:`croupier.core.order.FixedPlan`
 deals fixed batches. The contract (what a job gets, on every machine):
 
 Virtual positions
@@ -148,6 +148,7 @@ class TokenPlan:
     """
 
     coordinator_deals = False
+    dealer = None
     fixed_batches = False
 
     spec: Spec

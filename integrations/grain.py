@@ -66,7 +66,8 @@ from croupier.core.checkpoint import from_state, to_state
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, fresh
 from croupier.core.mixture import sample_seeds
-from croupier.core.order import Plan, order, plan
+from croupier.core.order import FixedPlan, order
+from croupier.core.registry import fixed_plan_epoch
 from croupier.core.spec import Spec
 
 __all__ = ["CroupierSampler", "DataLoader", "Iterator", "restore", "save"]
@@ -124,13 +125,13 @@ class CroupierSampler:
     def _layout(self) -> None:
         """Each dealt epoch's plan and where it begins in a process's records."""
         s = self._processes
-        plans: list[Plan] = []
-        cursors = list(self._start)
-        epoch = cursors[0].epoch
-        while epoch < self.num_epochs:
-            cursor = cursors.pop(0) if cursors else fresh(self.spec, epoch)
-            plans.append(plan(self.spec, cursor, s))
-            epoch += 1
+        plans: list[FixedPlan] = []
+        for epoch in range(self._start[0].epoch, self.num_epochs):
+            # the epoch rule, from the last cursor given at or before this epoch (a state may hold two)
+            start = [c for c in self._start if c.epoch <= epoch][-1]
+            p = fixed_plan_epoch(self.spec, start, s, epoch)
+            assert p is not None  # never an epoch before its start
+            plans.append(p)
         # Every process takes the same number of records of an epoch (tail pad, drop or pad_last).
         lengths = [int(p.n_r[0]) for p in plans]
         self._plans = plans

@@ -27,7 +27,7 @@ from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
 from croupier.core.plan import EpochPlan
-from croupier.core.plans import plan_epoch
+from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._commits import T, commits_for
 from croupier.server._events import Event, GenerationOpened, GenerationStarted, JobRegistered
@@ -233,8 +233,8 @@ class Coordinator:
 
     # ---------------------------------------------------------------- reads
 
-    def _plan(self, what: str, job: str, generation: int, rank: int, epoch: int, first: int,
-              count: int) -> tuple[Spec, EpochPlan | None]:
+    def _request_plan(self, what: str, job: str, generation: int, rank: int, epoch: int, first: int,
+                      count: int) -> tuple[Spec, EpochPlan | None]:
         """Checks a lease or grant request (fencing first) and returns the plan of its epoch."""
         check_int(f"{what} count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
@@ -267,7 +267,7 @@ class Coordinator:
 
         `progress` (epoch, batches) is the rank's report of how far its loop got (see :meth:`report`).
         """
-        spec, p = self._plan("lease", job, generation, rank, epoch, first, count)
+        spec, p = self._request_plan("lease", job, generation, rank, epoch, first, count)
         if progress is not None:
             self.report(job, generation, rank, *progress)
         if p is None:
@@ -292,7 +292,7 @@ class Coordinator:
         With dynamic dealing, `first` counts batches of the rank's own sequence, and the grant
         names the global batches dealt to it (see :meth:`deal`).
         """
-        spec, p = self._plan("grant", job, generation, rank, epoch, first, count)
+        spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count)
         if progress is not None:
             self.report(job, generation, rank, *progress)
         if p is None:

@@ -14,7 +14,7 @@ from typing import Any
 from croupier.core.amend import Amendment, minus
 from croupier.core.api import CheckpointRecord, JoinRequest
 from croupier.core.cursor import Cursor, epoch_agrees, show
-from croupier.core.dynamic import EpochDeals
+from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition
 from croupier.core.spec import Spec
 from croupier.server._events import (
@@ -147,7 +147,7 @@ class Job:
     progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
     checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
-    #: dynamic dealing: epoch -> what the current generation dealt in it
+    #: a plan the coordinator deals (dynamic dealing): epoch -> what the current generation dealt in it
     deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
     #: a mixture's amendments in the order recorded (``at`` None: each generation holds them from a position)
     amendments: list[Amendment] = dataclasses.field(default_factory=list)

@@ -11,10 +11,12 @@ the last snapshot therefore rebuilds the exact state. The events and their codec
 
 Serving a plan whose steps are fixed is not an event: batch j of rank r in epoch e of generation
 g is a pure function of the generation's resume point and world size (see
-``croupier.core.plans``), so a repeated request returns the same batch and a coordinator restart
-changes nothing a client sees. With dynamic dealing the coordinator decides what each rank gets,
-so every deal is an event (``BatchesDealt``): a repeated ask gets the deal on record, before and
-after a restart.
+``croupier.core.registry``), so a repeated request returns the same batch and a coordinator
+restart changes nothing a client sees. A plan the coordinator deals (dynamic dealing) has the
+coordinator decide what each rank gets, so every deal is an event (``BatchesDealt``): a repeated
+ask gets the deal on record, before and after a restart. What differs between such plans is
+asked of the epoch's plan (its ``dealer``, ``croupier.core.plan.Dealer``); what the deals and
+commits record is the deal book's (``croupier.core.deals``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from croupier.core import dynamic
 from croupier.core.amend import Amendment
 from croupier.core.api import (
     CHECKPOINT_HISTORY,
@@ -36,10 +37,10 @@ from croupier.core.api import (
 )
 from croupier.core.checks import check_int, check_name
 from croupier.core.cursor import Cursor, bind, fresh, show, validate_cursor
-from croupier.core.dynamic import EpochDeals
+from croupier.core.deals import KEEP_EPOCHS, EpochDeals, dealt, kept
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
-from croupier.core.plan import Runs
-from croupier.core.plans import kind_of
+from croupier.core.plan import Dealer, Runs
+from croupier.core.registry import kind_of, plan_epoch
 from croupier.core.spec import ORDER_VERSION, Spec
 from croupier.server import _amendments
 from croupier.server._events import (
@@ -161,7 +162,7 @@ class State:
         Args:
             checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None. For
                 a job with dynamic dealing the cursor is None: the coordinator computes it from
-                its deals (``croupier.core.dynamic``), `lockstep` choosing the checkpoint's meaning.
+                its deals (the epoch's ``Dealer``), `lockstep` choosing the checkpoint's meaning.
 
         Returns:
             The checkpoint's cursor (the one computed, for dynamic dealing; None without a
@@ -193,11 +194,11 @@ class State:
             if deals and cursor is not None and cursor.remaining == ((0, j.spec.n),):
                 self._reachable(job, self.generation(job, generation), cursor.epoch)  # its epoch before: all dealt
             if deals and cursor is not None and cursor.remaining != ((0, j.spec.n),):
-                raise InvalidArgument(f"job {job!r} deals dynamically: its checkpoints' cursors are the coordinator's "
+                raise InvalidArgument(f"job {job!r} is dealt by its coordinator: its checkpoints' cursors are the coordinator's "
                                       f"to compute (a rank may name only an epoch's start, got {show(cursor)}); report "
                                       "the rank's progress without one")
             if deals and cursor is None:
-                cursor, more = self._dynamic_checkpoint(job, generation, rank, epoch, batches, lockstep)
+                cursor, more = self._checkpoint_from_deals(job, generation, rank, epoch, batches, lockstep)
                 events += more
                 own = not lockstep
             elif cursor is None:
@@ -223,14 +224,14 @@ class State:
             return cursor, events
         return None, events
 
-    def _dynamic_checkpoint(self, job: str, generation: int, rank: int, epoch: int, batches: int,
+    def _checkpoint_from_deals(self, job: str, generation: int, rank: int, epoch: int, batches: int,
                             lockstep: bool) -> tuple[Cursor, list[Event]]:
         """The cursor of a checkpoint `rank` takes after `batches` batches of its sequence in `epoch`."""
         j = self.jobs[job]
         gen = self.generation(job, generation)
-        assert gen.start is not None
-        p = dynamic.one_rank_plan(j.dealing_spec, gen.start, epoch)
-        if p is None:  # the epoch just before the generation's fresh start: complete
+        d = self._dealer(job, gen, epoch)
+        if d is None:  # the epoch just before the generation's fresh start: complete
+            assert gen.start is not None
             return gen.start, []
         self._reachable(job, gen, epoch)
         book = self._deals(job, epoch)
@@ -247,12 +248,29 @@ class State:
             # committed (a slow worker), the job's record stays in that epoch: this commit is kept
             # (BatchesCommitted), but a relaunch redoes the later epoch's work; it never skips any.
             for e in sorted(j.deals):
-                earlier, pe = j.deals[e], dynamic.one_rank_plan(j.dealing_spec, gen.start, e)
-                if e >= epoch or pe is None:
+                earlier = j.deals[e]
+                de = self._dealer(job, gen, e) if e < epoch else None
+                if de is None:
                     break
-                if any(earlier.committed.get(r, 0) < earlier.dealt(r) for r in earlier.runs):
-                    return dynamic.cursor_after(pe, earlier, dict(earlier.committed)), events
-        return dynamic.cursor_after(p, book, dynamic.credits(book, rank, batches, lockstep)), events
+                if earlier.uncommitted():
+                    return de.checkpoint(earlier, dict(earlier.committed)), events
+        return d.checkpoint(book, book.credits(rank, batches, lockstep)), events
+
+    def _dealer(self, job: str, gen: Generation, epoch: int) -> Dealer | None:
+        """The dealer of `epoch`'s plan in `gen` (None for the epoch just before a fresh start: complete).
+
+        Raises:
+            OutOfRange: an epoch before the generation's resume point (``plan_epoch``).
+            FailedPrecondition: the job's plans are not the coordinator's to deal.
+        """
+        assert gen.start is not None
+        p = plan_epoch(self.jobs[job].dealing_spec, gen.start, gen.world, epoch)
+        if p is None:
+            return None
+        if p.dealer is None:
+            raise FailedPrecondition(f"job {job!r} is dealt when its generation starts ({kind_of(p.spec).name} plans): "
+                                     "the coordinator deals no batch of it")
+        return p.dealer
 
     def _reachable(self, job: str, gen: Generation, epoch: int) -> None:
         """Refuses an epoch a rank of `gen` cannot be in: before its start, or after an epoch whose
@@ -260,48 +278,48 @@ class State:
         assert gen.start is not None
         if epoch <= gen.start.epoch:
             return
-        spec = self.jobs[job].dealing_spec
         before = self.jobs[job].deals.get(epoch - 1)
-        p = dynamic.one_rank_plan(spec, gen.start, epoch - 1)
-        if p is not None and (before is None or before.next < dynamic.total(p)):
-            dealt = 0 if before is None else before.next
+        d = self._dealer(job, gen, epoch - 1)
+        if d is not None and (before is None or before.next < d.batches):
+            done = 0 if before is None else before.next
             raise FailedPrecondition(
-                f"epoch {epoch} of job {job!r} cannot begin: epoch {epoch - 1} has dealt {dealt} of its "
-                f"{dynamic.total(p)} batches (a rank reaches the next epoch once nothing is left to deal)"
+                f"epoch {epoch} of job {job!r} cannot begin: epoch {epoch - 1} has dealt {done} of its "
+                f"{d.batches} batches (a rank reaches the next epoch once nothing is left to deal)"
             )
 
     def _deals(self, job: str, epoch: int) -> EpochDeals:
         """The deals of `epoch` in the job's current generation (empty if none yet)."""
         deals = self.jobs[job].deals
-        if epoch not in deals and deals and epoch <= max(deals) - dynamic.KEEP_EPOCHS + 1:
+        if not kept(deals, epoch):
             raise FailedPrecondition(f"epoch {epoch} of job {job!r} is over: its deals were dropped once epoch "
-                                     f"{max(deals)} began (the coordinator keeps the last {dynamic.KEEP_EPOCHS})")
+                                     f"{max(deals)} began (the coordinator keeps the last {KEEP_EPOCHS})")
         return deals.get(epoch) or EpochDeals()
 
     def decide_deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
                     count: int) -> tuple[tuple[Runs, bool], list[Event]]:
-        """Dynamic dealing: what `rank` gets when it asks for batches first .. first + count - 1 of
-        its sequence in `epoch`: (the runs of global batches, whether the epoch has no batch after
-        them for anyone), and the events of a new deal (none for a repeated ask)."""
+        """A plan the coordinator deals: what `rank` gets when it asks for batches first .. first +
+        count - 1 of its sequence in `epoch`: (the runs of global batches, whether the epoch has no
+        batch after them for anyone), and the events of a new deal (none for a repeated ask).
+
+        Raises:
+            FailedPrecondition: the job's plans are not the coordinator's to deal, or the epoch
+                cannot be dealt yet (or any more).
+            OutOfRange: an epoch before the generation's resume point.
+        """
         gen = self.generation(job, generation)
-        assert gen.start is not None
-        spec = self.jobs[job].dealing_spec
-        if not kind_of(spec).coordinator_deals:
-            raise FailedPrecondition(f"job {job!r} deals statically (dealing={spec.dealing!r})")
         check_int("rank", rank, 0, gen.world, InvalidArgument)
         check_int("epoch", epoch, 0, MAX_COUNT, InvalidArgument)
-        p = dynamic.one_rank_plan(spec, gen.start, epoch)
-        if p is None:
+        d = self._dealer(job, gen, epoch)
+        if d is None:
             return ((), True), []
         self._reachable(job, gen, epoch)
         book = self._deals(job, epoch)
         try:
-            runs, new = dynamic.deal(book, p, rank, first, count)
+            runs, new = d.deal(book, rank, first, count)
         except ValueError as e:
             raise InvalidArgument(str(e)) from None
         events: list[Event] = [BatchesDealt(job, generation, rank, epoch, g, c) for g, c in runs] if new else []
-        end = not runs or (new and runs[-1][0] + runs[-1][1] >= dynamic.total(p))
-        return (tuple(runs), end), events
+        return (runs, book.ended(d.batches, runs, new)), events
 
     def checkpoint(self, job: str, step: int | None) -> CheckpointRecord:
         """The job's record of training step `step`, or its latest record for None.
@@ -353,13 +371,7 @@ class State:
                 ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms, job.held))
         elif isinstance(ev, BatchesDealt):
             self._generation(ev.job, ev.generation)
-            deals = self.jobs[ev.job].deals
-            dynamic.apply_deal(deals.setdefault(ev.epoch, EpochDeals()), ev.rank, ev.first, ev.count)
-            for old in [e for e in deals if e <= ev.epoch - dynamic.KEEP_EPOCHS]:
-                b = deals[old]
-                # an epoch with workers' commits (own) is kept while some of its batches are not committed
-                if not b.committed or all(b.committed.get(r, 0) >= b.dealt(r) for r in b.runs):
-                    del deals[old]
+            dealt(self.jobs[ev.job].deals, ev.epoch, ev.rank, ev.first, ev.count)
         elif isinstance(ev, AmendmentRecorded):
             self.jobs[ev.job].amendments.append(Amendment(ev.kind, ev.values))
         elif isinstance(ev, AmendmentsLoaded):
@@ -370,8 +382,7 @@ class State:
             self.jobs[ev.job].held = ev.amendments
         elif isinstance(ev, BatchesCommitted):
             self._generation(ev.job, ev.generation)
-            book = self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals())
-            book.committed[ev.rank] = max(book.committed.get(ev.rank, 0), ev.batches)
+            self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals()).commit(ev.rank, ev.batches)
         else:  # pragma: no cover - the Event union is closed
             raise TypeError(f"not an event: {ev!r}")
 

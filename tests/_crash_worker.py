@@ -16,7 +16,7 @@ import sys
 from croupier.client._rpc import CoordinatorClient
 from croupier.core.api import JoinRequest
 from croupier.core.checkpoint import from_state, to_state
-from croupier.core.plans import plan_epoch
+from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
 
 

@@ -12,15 +12,15 @@ import numpy as np
 
 from croupier.core.api import JoinRequest
 from croupier.core.checkpoint import from_state, to_state
-from croupier.core.order import Plan
-from croupier.core.plans import plan_epoch
+from croupier.core.order import FixedPlan
+from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._state import State
 
 JOB = "job"
 
 
-def batches_of(p: Plan, rank: int) -> list[list[int]]:
+def batches_of(p: FixedPlan, rank: int) -> list[list[int]]:
     """Every batch of `rank` in the plan, fetched one at a time until the engine says None."""
     out: list[list[int]] = []
     j = 0
@@ -120,7 +120,7 @@ class Checkpoint:
     epoch: int  # the training loop's epoch variable at the save
 
 
-def plan_of(state: State, generation: int, epoch: int, job: str = JOB) -> Plan | None:
+def plan_of(state: State, generation: int, epoch: int, job: str = JOB) -> FixedPlan | None:
     """The plan the coordinator leases `epoch` of a started `generation` from (None: already complete)."""
     gen = state.generation(job, generation)
     assert gen.start is not None

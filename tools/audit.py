@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from croupier.core.plans import kind_for
+from croupier.core.registry import kind_for
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from croupier.client import DistributedBatchSampler
-from croupier.core.order import Cursor, Plan, order
+from croupier.core.order import Cursor, FixedPlan, order
 from croupier.core.spec import Spec
 
 SEED = 11
@@ -153,7 +153,7 @@ class Segment:
             None: to the end of the epoch.
     """
 
-    plan: Plan
+    plan: FixedPlan
     steps: int | None
 
     def served_locals(self, rank: int) -> np.ndarray:
@@ -228,7 +228,7 @@ def audit_rule(spec: Spec, trained: Sequence[int], segments: Sequence[Segment]) 
     missing = n - len(seen)
     repeats = len(trained) - len(seen)
     # The rule, W the final world. drop_last and even_batches leave out exactly len(batch_drop)
-    # samples on purpose (real positions past a rank's last batch, from Plan.nb_r and n_r): they
+    # samples on purpose (real positions past a rank's last batch, from FixedPlan.nb_r and n_r): they
     # add to what may be missing and to nothing else.
     may_miss = (w - 1 if spec.tail == "drop" else 0) + len(batch_drop)
     if spec.tail not in ("pad", "pad_last"):
@@ -270,15 +270,15 @@ def audit_exact(spec: Spec, trained: Sequence[int], segments: Sequence[Segment])
                           f"{len(lacking)} they serve {lacking[:10]} (N={n})")
 
 
-def expected_cursor(p: Plan, k: int) -> tuple[int, set[int]]:
-    """Brute force, without Plan.advance: (epoch, positions left) once every rank of `p` took k steps."""
+def expected_cursor(p: FixedPlan, k: int) -> tuple[int, set[int]]:
+    """Brute force, without FixedPlan.advance: (epoch, positions left) once every rank of `p` took k steps."""
     if k >= int(p.nb_r.max()):
         return p.cursor.epoch + 1, set(range(p.spec.n))
     served, _ = Segment(p, k).served()
     return p.cursor.epoch, set(remaining_positions(p.cursor).tolist()) - set(served.tolist())
 
 
-def plan_batches(p: Plan, steps: int | None = None) -> Batches:
+def plan_batches(p: FixedPlan, steps: int | None = None) -> Batches:
     """Every rank's batches of plan `p` (the first `steps` of each; None: all), as the engine computes them."""
     out: Batches = []
     for r in range(p.world):

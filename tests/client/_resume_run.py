@@ -22,7 +22,7 @@ from _resume_cases import (
 )
 
 from croupier.core.checkpoint import from_state
-from croupier.core.order import Cursor, Plan, bind, fresh, plan
+from croupier.core.order import Cursor, FixedPlan, bind, fixed_plan, fresh
 from croupier.core.spec import Spec
 from croupier.server._service import Server
 
@@ -71,16 +71,16 @@ class Run:
     spec: Spec
     epoch: int
     k: int
-    plan1: Plan
+    plan1: FixedPlan
     w1_batches: Batches
     ended: list[bool]
     states: list[dict[str, Any]]
     cursor: Cursor
-    plan2: Plan
+    plan2: FixedPlan
     w2_batches: Batches
     lens_before: list[int | None]
     lens_joined: list[int]
-    whole_epochs: list[tuple[Plan, Batches, list[int]]]
+    whole_epochs: list[tuple[FixedPlan, Batches, list[int]]]
 
     def segments(self) -> list[Segment]:
         """The segments of the checkpoint's epoch (one when the checkpoint is at its end)."""
@@ -96,7 +96,7 @@ class Run:
         return got
 
 
-def steps_for(case: Case, p: Plan) -> int:
+def steps_for(case: Case, p: FixedPlan) -> int:
     """The k lockstep steps W1 takes in the checkpoint's epoch."""
     most = int(p.nb_r.max())
     if case.stop is not None:
@@ -111,7 +111,7 @@ def kill_and_resize(server: Server, case: Case) -> Run:
     """Runs the case's job: W1 to the checkpoint, the kill, W2 from the checkpoint to the next epoch's end."""
     job = f"{case.id[:60]}-{uuid.uuid4().hex[:8]}"
     spec = case.spec()
-    whole: list[tuple[Plan, Batches, list[int]]] = []
+    whole: list[tuple[FixedPlan, Batches, list[int]]] = []
 
     # ---- world W1, incarnation token "a"
     first = [case.sampler(server.address, job, f"{job}/a", case.w1, r) for r in range(case.w1)]
@@ -130,13 +130,13 @@ def kill_and_resize(server: Server, case: Case) -> Run:
             if e:
                 ranks.new_iterators()
                 lens = next_epoch(e)
-            whole.append((plan(spec, bind(spec, fresh(spec, e), case.w1), case.w1), drain(ranks), lens))
+            whole.append((fixed_plan(spec, bind(spec, fresh(spec, e), case.w1), case.w1), drain(ranks), lens))
         epoch = case.warmup_epochs
         if epoch:
             ranks.new_iterators()
             lens = next_epoch(epoch)
         lens1 = lens
-        p1 = plan(spec, bind(spec, fresh(spec, epoch), case.w1), case.w1)
+        p1 = fixed_plan(spec, bind(spec, fresh(spec, epoch), case.w1), case.w1)
         assert lens1 == p1.nb_r.tolist(), f"len() of the W1 ranks {lens1} != the plan's batch counts"
         k = steps_for(case, p1)
         w1: Batches = [[] for _ in range(case.w1)]
@@ -165,7 +165,7 @@ def kill_and_resize(server: Server, case: Case) -> Run:
         if case.set_epoch:
             s.set_epoch(cursor.epoch)
     lens_before: list[int | None] = [len(s) if load else None for s, load in zip(second, loads)]
-    p2 = plan(spec, bind(spec, cursor, case.w2), case.w2)
+    p2 = fixed_plan(spec, bind(spec, cursor, case.w2), case.w2)
     ranks = Ranks(second)
     try:
         lens_joined = [len(s) for s in second]
@@ -176,7 +176,7 @@ def kill_and_resize(server: Server, case: Case) -> Run:
             for s in second:
                 s.set_epoch(nxt)
         lens = [len(s) for s in second]
-        whole.append((plan(spec, bind(spec, fresh(spec, nxt), case.w2), case.w2), drain(ranks), lens))
+        whole.append((fixed_plan(spec, bind(spec, fresh(spec, nxt), case.w2), case.w2), drain(ranks), lens))
     finally:
         ranks.close()
     return Run(case, job, spec, epoch, k, p1, w1, ended, states, cursor, p2, w2, lens_before, lens_joined, whole)
@@ -210,9 +210,9 @@ def check_cursor(run: Run) -> None:
 
 
 def check_batches_follow_plans(run: Run) -> None:
-    """W1's first k steps and all of W2 are, batch for batch, what plan() computes for their starts."""
+    """W1's first k steps and all of W2 are, batch for batch, what fixed_plan() computes for their starts."""
     assert run.w1_batches == plan_batches(run.plan1, run.k), "W1's batches differ from its plan"
-    assert run.w2_batches == plan_batches(run.plan2), "the resumed world's batches differ from plan(spec, cursor, W2)"
+    assert run.w2_batches == plan_batches(run.plan2), "the resumed world's batches differ from fixed_plan(spec, cursor, W2)"
     for p, got, _ in run.whole_epochs:
         assert got == plan_batches(p), f"epoch {p.cursor.epoch} at world {p.world} differs from its plan"
 

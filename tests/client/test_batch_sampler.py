@@ -13,10 +13,10 @@ after it -- is then checked three ways:
 * exactly: the multiset received is every index once, minus what the final plan drops on
   purpose (``drop_last`` / ``even_batches`` and the ``drop`` tail), plus the padding the plans
   serve (see :func:`audit_epoch`);
-* batch for batch: each world gets what :func:`croupier.core.order.plan` computes for its start.
+* batch for batch: each world gets what :func:`croupier.core.order.fixed_plan` computes for its start.
 
 The checkpoint cursor itself is compared with a brute-force recomputation (the positions no rank
-has been served yet), which does not use :meth:`Plan.advance`, the function that makes it.
+has been served yet), which does not use :meth:`FixedPlan.advance`, the function that makes it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from _resume_run import (
 
 from croupier.client import DistributedBatchSampler
 from croupier.core.checkpoint import to_state
-from croupier.core.order import Cursor, Plan, fresh, order, plan
+from croupier.core.order import Cursor, FixedPlan, fixed_plan, fresh, order
 from croupier.core.spec import PARTITIONS, TAILS
 from croupier.server._service import Server
 
@@ -224,7 +224,7 @@ def test_a_state_of_another_spec_is_refused_and_changes_nothing(server: Server, 
         finally:
             ranks.close()
         start = own if preloaded else fresh(spec, 0)
-        assert got == plan_batches(plan(spec, start, w))
+        assert got == plan_batches(fixed_plan(spec, start, w))
     finally:
         other.stop(grace=0.5)
 
@@ -241,8 +241,8 @@ def test_a_state_of_another_spec_is_refused_and_changes_nothing(server: Server, 
 )
 def test_the_checks_catch_a_checkpoint_one_batch_off(server: Server, monkeypatch: pytest.MonkeyPatch, case: Case,
                                                      shift: int) -> None:
-    real = Plan.advance
-    monkeypatch.setattr(Plan, "advance", lambda self, j: real(self, j + shift))
+    real = FixedPlan.advance
+    monkeypatch.setattr(FixedPlan, "advance", lambda self, j: real(self, j + shift))
     run = kill_and_resize(server, case)
     trained, segments = run.trained(), run.segments()
     # Early: the last step before the kill is served again; late: the step after it is skipped.
@@ -264,10 +264,10 @@ def test_the_pack_check_catches_batches_across_packs() -> None:
     case = Case(60, 2, "pad", "strided", w1=3, w2=2, bucket=(36, 12))
     ids = pack_ids(lengths_for(60), 36, 12)
     spec = case.spec()
-    assert_within_packs(plan_batches(plan(spec, fresh(spec, 0), 3)), ids, True, "bucketed")
+    assert_within_packs(plan_batches(fixed_plan(spec, fresh(spec, 0), 3)), ids, True, "bucketed")
     shuffled = dataclasses.replace(case, bucket=None, permutation="feistel").spec()
     with pytest.raises(AssertionError, match="spans packs"):
-        assert_within_packs(plan_batches(plan(shuffled, fresh(shuffled, 0), 3)), ids, True, "not bucketed")
+        assert_within_packs(plan_batches(fixed_plan(shuffled, fresh(shuffled, 0), 3)), ids, True, "not bucketed")
 
 
 # --------------------------------------------------------------------------- len() before the join

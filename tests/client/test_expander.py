@@ -1,4 +1,4 @@
-"""The lease helper process: the same leases as ``Plan.lease``, bit for bit, and a fallback when it is gone."""
+"""The lease helper process: the same leases as ``FixedPlan.lease``, bit for bit, and a fallback when it is gone."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from croupier.client import _expander
-from croupier.core.order import Cursor, Plan, fresh
-from croupier.core.plans import plan_epoch
+from croupier.core.order import Cursor, FixedPlan, fresh
+from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
 
 COUNT = 3  # batches a lease: small, so the epochs below take several leases and end mid-lease
@@ -33,7 +33,7 @@ def _fresh_helper() -> Iterator[None]:
     _expander._reset_for_tests()
 
 
-def _resumed(spec: Spec, world: int, batches: int, new_world: int) -> Plan:
+def _resumed(spec: Spec, world: int, batches: int, new_world: int) -> FixedPlan:
     """The plan of a generation of `new_world` ranks resuming after `batches` batches of `world` ranks."""
     first = plan_epoch(spec, fresh(spec, 0), world, 0)
     assert first is not None
@@ -42,7 +42,7 @@ def _resumed(spec: Spec, world: int, batches: int, new_world: int) -> Plan:
     return p
 
 
-def _plans() -> list[Plan]:
+def _plans() -> list[FixedPlan]:
     plans = []
     for spec, world in [
         (Spec(n=1000, seed=3), 4),
@@ -61,13 +61,13 @@ def _plans() -> list[Plan]:
     return plans
 
 
-def _leases(p: Plan) -> Iterator[tuple[int, int]]:
+def _leases(p: FixedPlan) -> Iterator[tuple[int, int]]:
     """(rank, first batch) of every lease of every rank, one past the end included."""
     for rank in range(p.world):
         yield from ((rank, first) for first in range(0, int(p.nb_r[rank]) + 1, COUNT))
 
 
-def _wanted(plans: list[Plan]) -> dict[tuple[int, int, int], tuple[list[int], list[int]]]:
+def _wanted(plans: list[FixedPlan]) -> dict[tuple[int, int, int], tuple[list[int], list[int]]]:
     return {(i, rank, first): (idx.tolist(), sizes)
             for i, p in enumerate(plans) for rank, first in _leases(p)
             for idx, sizes in [p.lease(rank, first, COUNT)]}
@@ -75,10 +75,10 @@ def _wanted(plans: list[Plan]) -> dict[tuple[int, int, int], tuple[list[int], li
 
 def _local_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes computing a lease in this process fail, so a right answer can only come from the helper."""
-    def refuse(self: Plan, *a: Any) -> Any:
+    def refuse(self: FixedPlan, *a: Any) -> Any:
         raise AssertionError("computed in the training process, not by the helper")
 
-    monkeypatch.setattr(Plan, "lease", refuse)
+    monkeypatch.setattr(FixedPlan, "lease", refuse)
 
 
 def _same(got: tuple[np.ndarray, list[int]], want: tuple[list[int], list[int]]) -> None:
@@ -93,7 +93,7 @@ def test_the_helper_computes_the_same_leases_bit_for_bit(monkeypatch: pytest.Mon
     assert _expander.ready(60.0)
     _local_forbidden(monkeypatch)
     for (i, rank, first), w in want.items():
-        if w[1]:  # (a lease past a rank's end is empty, answered by Plan.lease here)
+        if w[1]:  # (a lease past a rank's end is empty, answered by FixedPlan.lease here)
             _same(_expander.lease(plans[i], rank, first, COUNT), w)
     # More plans than the helper keeps: the evicted ones are sent again.
     for (i, rank, first), w in want.items():
@@ -250,7 +250,7 @@ def test_a_malformed_answer_falls_back_with_one_warning(frame: bytes, caplog: py
     assert proc.returncode is not None  # killed and reaped
 
 
-def _lease_in_fork(p: Plan, out: Any) -> None:
+def _lease_in_fork(p: FixedPlan, out: Any) -> None:
     inherited = _expander._helper is not None  # the parent's, if the fork did not forget it
     got = _expander.lease(p, 1, 2, COUNT)[0].tolist()
     h = _expander._helper

@@ -10,9 +10,10 @@ import pytest
 from _ranks import Ranks
 
 from croupier.client import DistributedBatchSampler
-from croupier.core import dynamic
+from croupier.core.deals import EpochDeals
 from croupier.core.errors import InvalidArgument
 from croupier.core.order import fresh
+from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
 from croupier.server._service import Server
@@ -118,18 +119,18 @@ def test_a_repeated_ask_gets_the_same_batches_and_a_skip_is_refused(tmp_path: Pa
     core.close()
 
 
-def test_cursor_after_credits() -> None:
+def test_a_checkpoint_from_deals_credits_each_rank() -> None:
     spec = Spec(n=100, batch_size=10, tail="uneven", dealing="dynamic")
-    p = dynamic.one_rank_plan(spec, fresh(spec, 0), 0)
-    assert p is not None
-    book = dynamic.EpochDeals()
+    p = plan_epoch(spec, fresh(spec, 0), 2, 0)
+    assert p is not None and p.dealer is not None
+    book = EpochDeals()
     for rank, first, count in ((0, 0, 2), (1, 2, 2), (0, 4, 1)):
-        dynamic.apply_deal(book, rank, first, count)
-    c = dynamic.cursor_after(p, book, dynamic.credits(book, 0, 2, lockstep=True))
+        book.deal(rank, first, count)
+    c = p.dealer.checkpoint(book, book.credits(0, 2, lockstep=True))
     assert c.remaining == ((40, 100),)
-    c = dynamic.cursor_after(p, book, dynamic.credits(book, 0, 3, lockstep=True))
+    c = p.dealer.checkpoint(book, book.credits(0, 3, lockstep=True))
     assert c.remaining == ((50, 100),)  # rank 0's batches 0, 1, 4; rank 1 has only 2, 3
-    c = dynamic.cursor_after(p, book, dynamic.credits(book, 1, 1, lockstep=False))
+    c = p.dealer.checkpoint(book, book.credits(1, 1, lockstep=False))
     assert c.remaining == ((0, 20), (30, 100))
 
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from _sim import batches_of
 
-from croupier.core import ORDER_VERSION, plans
+from croupier.core import ORDER_VERSION, registry
 from croupier.core import feistel as _feistel
 from croupier.core import permute as _permute
-from croupier.core.order import Cursor, order, plan
+from croupier.core.order import Cursor, fixed_plan, order
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, SCOPES, TAILS, Spec
 
 GOLDEN = json.loads((pathlib.Path(__file__).resolve().parents[1] / "golden" / "orders.json").read_text())
@@ -27,7 +27,7 @@ _CACHES: tuple[Callable[[], None], ...] = (
     _permute._window_key.cache_clear,
     _permute._bucket_window.cache_clear,
     _permute._torch_randperm.cache_clear,
-    plans.cache_clear,
+    registry.cache_clear,
 )
 
 
@@ -68,7 +68,7 @@ def golden_mismatches(golden: dict[str, Any]) -> list[str]:
         cursor = Cursor(case["epoch"], tuple((a, b) for a, b in case["remaining"]), case["base_world"])
         out += _diff(f"{cid} order", order(spec, case["epoch"], np.arange(spec.n), case["base_world"]).tolist(),
                      case["order"])
-        p = plan(spec, cursor, case["world"])
+        p = fixed_plan(spec, cursor, case["world"])
         for r, want in enumerate(case["ranks"]):
             out += _diff(f"{cid} rank {r}", batches_of(p, r), want)
     for case in golden["samples"]:

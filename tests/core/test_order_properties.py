@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from croupier.core import feistel as _feistel
-from croupier.core.order import Cursor, Plan, bind, fresh, order, part_bounds, plan
+from croupier.core.order import Cursor, FixedPlan, bind, fixed_plan, fresh, order, part_bounds
 from croupier.core.spec import PARTITIONS, TAILS, Spec
 
 PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -180,7 +180,7 @@ def test_seeds_change_the_order() -> None:
 # --------------------------------------------------------------------------- partitions and tails
 
 
-def _serve(p: Plan, rank: int, upto: int | None = None) -> list[int]:
+def _serve(p: FixedPlan, rank: int, upto: int | None = None) -> list[int]:
     """Indices of rank's batches 0, 1, ... (all of them, or the first `upto`)."""
     out: list[int] = []
     j = 0
@@ -218,7 +218,7 @@ def test_partitions_cover_what_the_tail_says(
     n: int, world: int, batch_size: int, partition: str, tail: str, kind: str, epoch: int
 ) -> None:
     spec = _spec(kind, n, seed=5, buffer_size=7, partition=partition, tail=tail, batch_size=batch_size)
-    p = plan(spec, fresh(spec, epoch), world)
+    p = fixed_plan(spec, fresh(spec, epoch), world)
     per_rank = [_serve(p, r) for r in range(world)]
     for r, got in enumerate(per_rank):
         assert len(got) == p.samples(r), (r, len(got), p.samples(r))
@@ -239,14 +239,14 @@ def test_partitions_cover_what_the_tail_says(
 
 def test_strided_partition_is_round_robin() -> None:
     spec = Spec(n=10, permutation="none", tail="uneven")
-    p = plan(spec, fresh(spec, 0), 3)
+    p = fixed_plan(spec, fresh(spec, 0), 3)
     assert [_serve(p, r) for r in range(3)] == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
 
 
 # --------------------------------------------------------------------------- resize
 
 
-def _consumed(p: Plan, j: int) -> set[int]:
+def _consumed(p: FixedPlan, j: int) -> set[int]:
     """Real order positions (no padding) that the ranks of `p` consumed in their first j batches."""
     out: set[int] = set()
     b = p.spec.batch_size
@@ -257,7 +257,7 @@ def _consumed(p: Plan, j: int) -> set[int]:
     return out
 
 
-def _padding_served(p: Plan, j: int) -> int:
+def _padding_served(p: FixedPlan, j: int) -> int:
     b = p.spec.batch_size
     return sum(int((p.virtual(r, np.arange(min(j * b, p.samples(r)))) >= p.left).sum()) for r in range(p.world))
 
@@ -281,7 +281,7 @@ def test_advance_then_any_world_covers_exactly_what_is_left(
         partition = "contiguous"
     spec = _spec(kind, n, seed=9, buffer_size=5, partition=partition, tail=tail, batch_size=batch_size)
     cursor = bind(spec, fresh(spec, epoch), world)
-    p = plan(spec, cursor, world)
+    p = fixed_plan(spec, cursor, world)
     j = int(frac * int(p.nb_r.max(initial=0)))
     assume(not p.done(j))
     first = [i for r in range(world) for i in _serve(p, r, j)]
@@ -290,7 +290,7 @@ def test_advance_then_any_world_covers_exactly_what_is_left(
     left = {x for a, b in nxt.remaining for x in range(a, b)}
     assert left == set(range(n)) - _consumed(p, j)
     # Resize: deal what is left to any world size and serve it to the end.
-    q = plan(spec, nxt, new_world)
+    q = fixed_plan(spec, nxt, new_world)
     second = [i for r in range(new_world) for i in _serve(q, r)]
     _check_tail(tail, first + second, n, new_world, extra_repeats=_padding_served(p, j))
     if q.nb_r.max() > 0:  # (a plan with no batch at all, e.g. "drop" with n < world, has no end to reach)
@@ -313,13 +313,13 @@ def test_many_resizes_serve_every_index_once(
     cursor: Cursor = fresh(spec, 2)
     got: list[int] = []
     for world, j in zip(worlds, steps):
-        p = plan(spec, cursor, world)
+        p = fixed_plan(spec, cursor, world)
         if p.done(j):
             break
         got += [i for r in range(world) for i in _serve(p, r, j)]
         cursor = p.advance(j)
     else:
-        p = plan(spec, cursor, worlds[-1])
+        p = fixed_plan(spec, cursor, worlds[-1])
     if cursor.epoch == 2:
         got += [i for r in range(p.world) for i in _serve(p, r)]
     assert sorted(got) == list(range(n))

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from _sim import batches_of as _batches
 
-from croupier.core.order import bind, fresh, order, plan
+from croupier.core.order import bind, fixed_plan, fresh, order
 from croupier.core.spec import Spec
 
 
 def _ranks(spec: Spec, world: int, epoch: int = 0) -> list[list[int]]:
     """Every rank's indices of a fresh epoch, in order."""
-    p = plan(spec, bind(spec, fresh(spec, epoch), world), world)
+    p = fixed_plan(spec, bind(spec, fresh(spec, epoch), world), world)
     return [[i for b in _batches(p, r) for i in b] for r in range(world)]
 
 
@@ -160,7 +160,7 @@ def _dgl(drop_last: bool, drop_uneven_inputs: bool, shuffle: bool = False, seed:
 
 
 def _dgl_batches(spec: Spec, epoch: int = 0) -> list[list[list[int]]]:
-    p = plan(spec, bind(spec, fresh(spec, epoch), 4), 4)
+    p = fixed_plan(spec, bind(spec, fresh(spec, epoch), 4), 4)
     return [_batches(p, r) for r in range(4)]
 
 

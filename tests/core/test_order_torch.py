@@ -10,7 +10,7 @@ from _sim import batches_of as _batches
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from croupier.core.order import fresh, plan
+from croupier.core.order import fixed_plan, fresh
 from croupier.core.spec import Spec
 
 SIZES = [*range(1, 38), 1000, 1001]
@@ -51,7 +51,7 @@ def test_batch_size_one_matches_torch(n: int) -> None:
                 for epoch in EPOCHS if shuffle else (0,):
                     spec = _spec(n, seed, shuffle, drop_last)
                     for world in WORLDS:
-                        p = plan(spec, fresh(spec, epoch), world)
+                        p = fixed_plan(spec, fresh(spec, epoch), world)
                         for rank in range(world):
                             ref = _torch(n, world, rank, shuffle, drop_last, seed, epoch)
                             want = list(ref)
@@ -70,7 +70,7 @@ def test_batches_concatenate_to_torch(n: int, batch_size: int) -> None:
             for seed, epoch in ((0, 0), (7, 3)) if shuffle else ((0, 0),):
                 spec = _spec(n, seed, shuffle, drop_last, batch_size)
                 for world in WORLDS:
-                    p = plan(spec, fresh(spec, epoch), world)
+                    p = fixed_plan(spec, fresh(spec, epoch), world)
                     for rank in range(world):
                         ref = _torch(n, world, rank, shuffle, drop_last, seed, epoch)
                         got = _batches(p, rank)
@@ -86,7 +86,7 @@ def test_epochs_follow_set_epoch() -> None:
     spec = _spec(50, 3, True, False)
     orders = []
     for epoch in range(4):
-        got = [i for b in _batches(plan(spec, fresh(spec, epoch), 1), 0) for i in b]
+        got = [i for b in _batches(fixed_plan(spec, fresh(spec, epoch), 1), 0) for i in b]
         assert got == list(_torch(50, 1, 0, True, False, 3, epoch))
         orders.append(tuple(got))
     assert len(set(orders)) == 4
@@ -98,7 +98,7 @@ def test_len_before_iteration_matches_torch() -> None:
         for world in WORLDS:
             for drop_last in (True, False):
                 spec = _spec(n, 0, True, drop_last)
-                p = plan(spec, fresh(spec, 0), world)
+                p = fixed_plan(spec, fresh(spec, 0), world)
                 want = [len(_torch(n, world, r, True, drop_last, 0, 0)) for r in range(world)]
                 assert [p.samples(r) for r in range(world)] == want
                 assert np.array_equal(p.nb_r, want)

@@ -1,26 +1,36 @@
-"""The plan interface: every registered way of dealing keeps the EpochPlan contract, one registry picks
-the plan, and nothing outside the registry branches on the way of dealing."""
+"""The plan interface: every way of dealing (a toy one defined in a test too) keeps the EpochPlan contract,
+and a plan the coordinator deals its Dealer's; the registry picks the plan; the core has no import cycle."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
 import pickle
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _reverse_kind import reverse_registered
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from croupier.core import dynamic
 from croupier.core.cursor import Cursor, fresh
+from croupier.core.deals import EpochDeals
 from croupier.core.errors import OutOfRange
 from croupier.core.plan import EpochPlan
-from croupier.core.plans import KINDS, PlanKind, kind_for, kind_of, plan_epoch
+from croupier.core.registry import KINDS, PlanKind, kind_of, plan_epoch
 from croupier.core.spec import Spec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SOURCES = ("core", "server", "client", "tools", "integrations")
+#: Every way of dealing the contract runs on: the registered ones and the toy kind defined in a test
+#: (tests/_reverse_kind.py), registered for this module's tests.
+NAMES = ["dynamic", "fixed", "reverse", "tokens"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _toy_kind() -> Iterator[None]:
+    with reverse_registered():
+        yield
 
 
 def _spec(kind: str, n: int, batch: int, seed: int) -> Spec:
@@ -29,52 +39,54 @@ def _spec(kind: str, n: int, batch: int, seed: int) -> Spec:
         return Spec(n=n, seed=seed, batch_size=batch, tail="uneven")
     if kind == "tokens":
         return Spec.with_lengths(lengths, seed=seed, max_tokens=120, tail="uneven", token_window=64)
-    return Spec(n=n, seed=seed, batch_size=batch, tail="uneven", dealing="dynamic")
+    return Spec(n=n, seed=seed, batch_size=batch, tail="uneven", dealing=kind)
 
 
-def _lease_all(p: EpochPlan, rank: int, count: int, deal: dynamic.EpochDeals | None) -> list[int]:
+def _grant(p: EpochPlan, rank: int, first: int, count: int, book: EpochDeals) -> object:
+    """The grant the coordinator answers: for a plan it deals, after its dealer's deal is recorded in `book`."""
+    d = p.dealer
+    if d is None:
+        return p.grant(rank, first, count)
+    runs, new = d.deal(book, rank, first, count)
+    if new:
+        for g, c in runs:
+            book.deal(rank, g, c)
+    return p.grant(rank, first, count, (runs, book.ended(d.batches, runs, new)))
+
+
+def _lease_all(p: EpochPlan, rank: int, count: int, book: EpochDeals) -> list[int]:
     """Every index of `rank` in plan `p`, leased `count` steps at a time until the plan says it ends."""
     out: list[int] = []
     first = 0
     while True:
-        grant = None
-        if p.coordinator_deals:
-            assert deal is not None
-            runs, _ = dynamic.deal(deal, p.global_plan, rank, first, count)  # type: ignore[attr-defined]
-            for g, c in runs:
-                dynamic.apply_deal(deal, rank, g, c)
-            end = not runs or runs[-1][0] + runs[-1][1] >= dynamic.total(p.global_plan)  # type: ignore[attr-defined]
-            grant = p.grant(rank, first, count, (tuple(runs), end))
-        else:
-            grant = p.grant(rank, first, count)
-        idx, sizes = p.lease(rank, first, count, grant)
+        grant = _grant(p, rank, first, count, book)
+        idx, sizes = p.lease(rank, first, count, grant)  # type: ignore[arg-type]
         assert sum(sizes) == len(idx)
-        assert p.agrees(grant, sizes)
+        assert p.agrees(grant, sizes)  # type: ignore[arg-type]
         if p.fixed_batches:
             assert all(s == p.spec.batch_size for s in sizes[:-1])
+        assert len(p.lease_positions(rank, first, count, grant)) == len(idx)  # type: ignore[arg-type]
         out += idx.tolist()
-        if p.ends(rank, first, count, len(sizes), grant):
+        if p.ends(rank, first, count, len(sizes), grant):  # type: ignore[arg-type]
             return out
         first += len(sizes)
         assert sizes, "a lease that is not the end deals something"
 
 
-def test_every_kind_is_registered_once_and_picked_by_its_spec() -> None:
-    assert set(KINDS) == {"fixed", "tokens", "dynamic"}
-    for name in KINDS:
+def test_every_kind_is_picked_by_its_spec_and_agrees_with_its_entry() -> None:
+    assert sorted(KINDS) == NAMES
+    for name in NAMES:
         spec = _spec(name, 100, 4, 1)
         assert kind_of(spec) is KINDS[name]
         p = plan_epoch(spec, fresh(spec, 0), 3, 0)
         assert p is not None
-        assert p.coordinator_deals == KINDS[name].coordinator_deals
+        assert p.coordinator_deals == KINDS[name].coordinator_deals == (p.dealer is not None)
         assert p.fixed_batches == KINDS[name].fixed_batches
         assert (p.spec, p.cursor, p.world) == (spec, fresh(spec, 0), 3)
-    assert kind_for("static") is KINDS["fixed"] and kind_for("static", 5) is KINDS["tokens"]
-    assert kind_for("dynamic") is KINDS["dynamic"]
     assert all(pickle.loads(pickle.dumps(k)) is k for k in KINDS.values()), "a sampler's kind travels by name"
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", NAMES)
 def test_the_epoch_rule_is_the_same_for_every_kind(name: str) -> None:
     spec = _spec(name, 60, 4, 2)
     start = Cursor(epoch=3, remaining=((10, 60),))
@@ -87,7 +99,7 @@ def test_the_epoch_rule_is_the_same_for_every_kind(name: str) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(sorted(KINDS)), n=st.integers(1, 300), batch=st.integers(1, 9), world=st.integers(1, 6),
+@given(name=st.sampled_from(NAMES), n=st.integers(1, 300), batch=st.integers(1, 9), world=st.integers(1, 6),
        count=st.integers(1, 5), seed=st.integers(0, 2**20))
 def test_a_plan_deals_every_remaining_position_once(name: str, n: int, batch: int, world: int, count: int,
                                                     seed: int) -> None:
@@ -95,12 +107,14 @@ def test_a_plan_deals_every_remaining_position_once(name: str, n: int, batch: in
     spec = _spec(name, n, batch, seed)
     p = plan_epoch(spec, fresh(spec, 0), world, 0)
     assert p is not None
-    deal = dynamic.EpochDeals() if p.coordinator_deals else None
-    # NOTE: a dynamic plan deals to whoever asks: the ranks ask in turn, one lease each.
-    got = [i for r in range(world) for i in _lease_all(p, r, count, deal)]
+    book = EpochDeals()
+    # NOTE: a plan the coordinator deals deals to whoever asks: the ranks ask in turn, one lease each.
+    got = [i for r in range(world) for i in _lease_all(p, r, count, book)]
     assert sorted(got) == list(range(spec.n))
     if p.known_steps(0) is not None:
         assert p.known_steps(0) == p.steps(0)
+    if p.dealer is not None:
+        assert book.next == p.dealer.batches
 
 
 @settings(max_examples=40, deadline=None)
@@ -119,12 +133,45 @@ def test_advance_is_topology_free(name: str, n: int, batch: int, world: int, new
         return
     q = plan_epoch(spec, cursor, new_world, 0)
     assert q is not None
-    rest = [i for r in range(new_world) for i in _lease_all(q, r, 3, None)]
+    rest = [i for r in range(new_world) for i in _lease_all(q, r, 3, EpochDeals())]
     assert sorted(taken + rest) == list(range(spec.n))
 
 
-def test_a_plan_the_coordinator_deals_needs_its_deal() -> None:
-    spec = _spec("dynamic", 50, 4, 0)
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(["dynamic", "reverse"]), n=st.integers(1, 300), batch=st.integers(1, 9),
+       world=st.integers(1, 6), new_world=st.integers(1, 6), asks=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)),
+                                                                           max_size=30),
+       credit=st.integers(0, 12), lockstep=st.booleans(), seed=st.integers(0, 2**20))
+def test_a_dealers_checkpoint_is_topology_free(name: str, n: int, batch: int, world: int, new_world: int,
+                                               asks: list[tuple[int, int]], credit: int, lockstep: bool,
+                                               seed: int) -> None:
+    """Deals to ranks asking in any order, a checkpoint crediting some of them, and any new world dealt
+    the checkpoint's cursor: every index of the epoch once, the credited batches' before, the rest after."""
+    spec = _spec(name, n, batch, seed)
+    p = plan_epoch(spec, fresh(spec, 0), world, 0)
+    assert p is not None and p.dealer is not None
+    book = EpochDeals()
+    for rank, count in asks:
+        rank %= world
+        grant = _grant(p, rank, book.dealt(rank), count, book)
+        assert grant.runs == tuple(book.sequence(rank, book.dealt(rank) - grant.batches, grant.batches))  # type: ignore[attr-defined]
+    credited = book.credits(0, credit, lockstep)
+    taken = [i for r, k in credited.items()
+             for i in p.lease(r, 0, k, p.grant(r, 0, k, (tuple(book.sequence(r, 0, k)), False)))[0].tolist()]
+    cursor = p.dealer.checkpoint(book, credited)
+    if cursor.epoch == 1:
+        assert sorted(taken) == list(range(spec.n))
+        return
+    q = plan_epoch(spec, cursor, new_world, 0)
+    assert q is not None
+    fresh_book = EpochDeals()
+    rest = [i for r in range(new_world) for i in _lease_all(q, r, 3, fresh_book)]
+    assert sorted(taken + rest) == list(range(spec.n))
+
+
+@pytest.mark.parametrize("name", ["dynamic", "reverse"])
+def test_a_plan_the_coordinator_deals_needs_its_deal(name: str) -> None:
+    spec = _spec(name, 50, 4, 0)
     p = plan_epoch(spec, fresh(spec, 0), 2, 0)
     assert p is not None and p.coordinator_deals and p.known_steps(0) is None
     with pytest.raises(ValueError, match="dealt"):
@@ -135,54 +182,13 @@ def test_a_plan_the_coordinator_deals_needs_its_deal() -> None:
         p.advance(1)
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", NAMES)
 def test_sampler_defaults_come_from_the_registry(kind: str) -> None:
     k: PlanKind = KINDS[kind]
     assert k.tail(False, batches=True) == ("uneven" if k.coordinator_deals else "pad")
     assert k.tail(True, batches=False) == "drop"
     assert k.permutation(False, True) == "none"
     assert k.permutation(True, True) == ("bucket" if k.fixed_batches else "feistel")
-
-
-# ------------------------------------------------------------------ the registry is the one place
-
-
-#: Files allowed to read the settings that decide the way of dealing: the registry, the spec that
-#: validates them, the wire that carries them, and the token plan that reads its own budget.
-DEALING_READERS = {"core/plans.py", "core/spec.py", "core/wire.py", "core/tokens.py"}
-
-
-def dealing_branches(root: pathlib.Path = ROOT) -> list[str]:
-    """Every place outside the registry that reads ``.dealing`` or ``.max_tokens`` of a spec in a
-    comparison, or probes an object with hasattr/getattr for a plan's method."""
-    bad = []
-    for folder in SOURCES:
-        for path in sorted((root / folder).rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            tree = ast.parse(path.read_text(), rel)
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Compare) and rel not in DEALING_READERS:
-                    for side in (node.left, *node.comparators):
-                        if isinstance(side, ast.Attribute) and side.attr in ("dealing", "max_tokens"):
-                            bad.append(f"{rel}:{node.lineno}: compares .{side.attr}")
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
-                        and isinstance(node.args[1], ast.Constant)
-                        and node.args[1].value in ("known_steps", "steps", "advance", "lease", "grant", "nb_r")):
-                    bad.append(f"{rel}:{node.lineno}: probes a plan with {node.func.id}")
-    return bad
-
-
-def test_no_dealing_branches_outside_the_registry() -> None:
-    assert dealing_branches() == []
-
-
-def test_the_branch_check_can_fail(tmp_path: pathlib.Path) -> None:
-    for folder in SOURCES:
-        (tmp_path / folder).mkdir()
-    (tmp_path / "client" / "x.py").write_text(
-        "def f(spec, p):\n    if spec.dealing == 'dynamic':\n        return getattr(p, 'known_steps', None)\n")
-    assert dealing_branches(tmp_path) == ["client/x.py:2: compares .dealing", "client/x.py:3: probes a plan with getattr"]
 
 
 # ------------------------------------------------------------------ no import cycles

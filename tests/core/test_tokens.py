@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from croupier.core.errors import OutOfRange
 from croupier.core.order import Cursor, fresh, order, validate_cursor
-from croupier.core.plans import plan_epoch as token_plan_epoch
+from croupier.core.registry import plan_epoch as token_plan_epoch
 from croupier.core.spec import Spec
 from croupier.core.tokens import TokenPlan, token_plan
 
@@ -124,7 +124,7 @@ def test_leases_agree_however_they_are_cut(spec: Spec, world: int, cuts: list[in
 def test_done_and_advance_at_the_ends(spec: Spec, world: int) -> None:
     p = token_plan(spec, fresh(spec, 2), world)
     top = int(p.nb_r.max())
-    assert p.advance(0) == p.cursor  # as Plan.advance: nothing taken, nothing moves (even with no steps at all)
+    assert p.advance(0) == p.cursor  # as FixedPlan.advance: nothing taken, nothing moves (even with no steps at all)
     assert p.done(top) and p.advance(max(top, 1)) == fresh(spec, 3)
     for j in range(top):
         assert not p.done(j)

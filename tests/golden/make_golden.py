@@ -67,7 +67,7 @@ def _spec_kwargs(permutation: str, partition: str, tail: str, scope: str) -> dic
 
 def make_orders() -> dict[str, Any]:
     """The golden file's content, computed by this release's engine."""
-    from croupier.core.order import Cursor, bind, fresh, order, plan
+    from croupier.core.order import Cursor, bind, fixed_plan, fresh, order
     from croupier.core.spec import ORDER_VERSION, PARTITIONS, PERMUTATIONS, TAILS, Spec
 
     def spec_of(kw: dict[str, Any]) -> Spec:
@@ -89,7 +89,7 @@ def make_orders() -> dict[str, Any]:
                     for name, cursor in (("fresh", fresh(spec, EPOCH)),
                                          ("resumed", Cursor(EPOCH, tuple((a, b) for a, b in RESUMED)))):
                         cursor = bind(spec, cursor, WORLD)
-                        p = plan(spec, cursor, WORLD)
+                        p = fixed_plan(spec, cursor, WORLD)
                         ranks = []
                         for r in range(WORLD):
                             batches, j = [], 0

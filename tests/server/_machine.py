@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _machine_world import (
+    DEALT,
     EXAMPLES,
     JOB,
     MAX_WORLD,
@@ -181,12 +182,12 @@ class Elastic(RuleBasedStateMachine):
         states = [s.state_dict() for s in live.samplers]
         saved = states[0]
         done = self._done()
-        if self.setup.kind == "dynamic":
+        if self.setup.kind in DEALT:
             # NOTE: a rank that ran out (its loop waits, as under DDP's Join) counts fewer batches
             # than the step; the trainer saves the state of a rank still stepping (they agree).
             saved = states[max(range(live.world), key=lambda r: live.taken[r])]
         for r, state in enumerate(states):
-            if self.setup.kind == "dynamic" and done[r]:
+            if self.setup.kind in DEALT and done[r]:
                 continue
             if not done[r]:
                 assert _plain(state) == _plain(saved), (f"rank {r}'s state {state} differs from rank 0's {saved} "

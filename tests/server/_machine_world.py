@@ -118,8 +118,8 @@ class Setup:
         )
         if self.kind == "index":
             return DistributedSampler(self.n, **common)
-        if self.kind == "dynamic":
-            return DistributedBatchSampler(self.n, self.batch, dealing="dynamic", **common)
+        if self.kind in DEALT:
+            return DistributedBatchSampler(self.n, self.batch, dealing=self.kind, **common)
         if self.kind == "tokens":
             return DistributedBatchSampler(self.n, lengths=list(self.lengths), max_tokens=self.max_tokens,
                                            token_window=self.token_window, **common)
@@ -144,20 +144,24 @@ class Setup:
 
 
 #: The kinds of job the state machine draws: the index sampler, the batch sampler, and the batch
-#: sampler with dynamic dealing (ranks step together; a checkpoint is rank 0's), and with
+#: sampler with dynamic dealing (ranks step together; a checkpoint is rank 0's) or the toy way of dealing
+#: that a test registers (tests/_reverse_kind.py: the coordinator deals full batches from the back), and with
 #: token-budget batches (a step takes one batch of varying size); "mixture" makes a third of them (all, alone)
 #: deal a weighted mixture of sources whose weights change and whose sources may be capped.
-KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,tokens,mixture").split(",")
+KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,reverse,tokens,mixture").split(",")
+#: The kinds the coordinator deals, each its own spec's ``dealing`` ("reverse" while tests/_reverse_kind.py
+#: registers it).
+DEALT = ("dynamic", "reverse")
 
 
 @st.composite
 def setups(draw: st.DrawFn) -> Setup:
     """A job: either sampler class, any spec of up to 60 samples, and a few small leases kept ahead."""
     # "mixture" in KINDS: a third of the jobs (all of them when it is alone) deal a mixture of sources
-    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", "dynamic", "tokens"]))
+    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", *DEALT, "tokens"]))
     partition = draw(st.sampled_from(["strided", "chunked", "contiguous"]))
     tail = draw(st.sampled_from(["pad", "drop", "uneven", "pad_last"]))
-    if kind == "dynamic":  # no stripes, no padding: whoever asks gets the next batch
+    if kind in DEALT:  # no stripes, no padding: whoever asks gets the next batch
         partition, tail = "strided", "uneven"
     token: dict[str, Any] = {}
     if kind == "tokens":  # whole batches dealt round-robin; a tail re-cuts the last round

@@ -7,7 +7,7 @@ import itertools
 import pytest
 from _sim import Job, audit_epoch
 
-from croupier.core.order import Cursor, fresh, plan
+from croupier.core.order import Cursor, fixed_plan, fresh
 from croupier.core.spec import Spec
 
 pytestmark = pytest.mark.exhaustive
@@ -24,7 +24,7 @@ def _run(spec: Spec, worlds: tuple[int, ...], restart_after: int) -> tuple[list[
     trained: list[int] = []
     for g in itertools.count():
         w = worlds[g % len(worlds)]
-        p = plan(spec, cursor, w)
+        p = fixed_plan(spec, cursor, w)
         for j in range(restart_after):
             if p.done(j):
                 return trained, w
@@ -72,13 +72,13 @@ def test_two_worlds_restart_at_each_boundary(tail: str) -> None:
     for n in (1, 2, 7, 16, 23, 40):
         spec = Spec(n=n, permutation="torch", partition="strided", tail=tail, seed=3, batch_size=2)
         for w1, w2 in itertools.product(range(1, 6), repeat=2):
-            first = plan(spec, fresh(spec, 0), w1)
+            first = fixed_plan(spec, fresh(spec, 0), w1)
             for s in range(int(first.nb_r.max()) + 1):
                 trained = [i for j in range(s) for r in range(w1) if (b := first.batch_indices(r, j)) is not None for i in b.tolist()]
                 cur = first.advance(s)
                 final = w1
                 if cur.epoch == 0:
-                    second = plan(spec, cur, w2)
+                    second = fixed_plan(spec, cur, w2)
                     final = w2
                     trained += [i for j in range(int(second.nb_r.max())) for r in range(w2)
                                 if (b := second.batch_indices(r, j)) is not None for i in b.tolist()]

@@ -17,7 +17,7 @@ import pytest
 
 from croupier.core.api import JoinRequest
 from croupier.core.errors import Aborted
-from croupier.core.order import Cursor, fresh, plan
+from croupier.core.order import Cursor, fixed_plan, fresh
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
 from croupier.server._events import (
@@ -100,7 +100,7 @@ def test_a_coordinator_recovers_the_v2_journal(journal_v2: str) -> None:
         result = core.join(JoinRequest("alpha", alpha, "alpha-2", 3, 2, resume, 1))
         assert (result.generation, result.start) == (2, resume)
         first = core.lease("alpha", 2, 0, 1, 0, 1)
-        assert first.indices.tolist() == plan(alpha, resume, 3).batch_indices(0, 0).tolist()  # type: ignore[union-attr]
+        assert first.indices.tolist() == fixed_plan(alpha, resume, 3).batch_indices(0, 0).tolist()  # type: ignore[union-attr]
         rest = [i for r in range(3) for i in core.lease("alpha", 2, r, 1, 0, 100).indices.tolist()]
         assert len(rest) == len(set(rest)) == 60  # what is left of epoch 1, each index once
     finally:

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from croupier.client._rpc import CoordinatorClient
 from croupier.core import errors as E
 from croupier.core.api import JoinRequest
-from croupier.core.order import Cursor, fresh, plan
+from croupier.core.order import Cursor, fixed_plan, fresh
 from croupier.core.spec import Spec
 from croupier.core.wire import SERVICE
 from croupier.server._service import Server
@@ -60,7 +60,7 @@ def test_generated_code_is_up_to_date(tmp_path: pathlib.Path) -> None:
 
 def test_join_and_lease_end_to_end(client: CoordinatorClient) -> None:
     gen = start_job(client, world=3)
-    p = plan(SPEC, fresh(SPEC, 0), 3)
+    p = fixed_plan(SPEC, fresh(SPEC, 0), 3)
     seen = []
     for r in range(3):
         first = 0
@@ -213,7 +213,7 @@ def test_a_grant_names_the_batches_a_lease_serves(client: CoordinatorClient) -> 
 
 
 def _plan_of(client: CoordinatorClient, spec: Any) -> Any:
-    from croupier.core.plans import plan_epoch
+    from croupier.core.registry import plan_epoch
     _, r = client.get_job("j")
     return plan_epoch(spec, r.start, r.world, r.start.epoch)
 

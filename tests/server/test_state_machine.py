@@ -11,6 +11,7 @@ finished epoch, with the allowances of ``_sim.allowance``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import _machine_world
@@ -18,16 +19,24 @@ import hypothesis.errors
 import pytest
 from _machine import SETTINGS, Elastic
 from _machine_world import EXAMPLES, STEPS, TOTALS
+from _reverse_kind import ReversePlan, reverse_registered
 from hypothesis import Phase, settings
 from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
 from croupier.client import _sampler
-from croupier.core import dynamic
+from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition, InvalidArgument
-from croupier.core.order import Plan
+from croupier.core.order import FixedPlan
 from croupier.core.tokens import TokenPlan
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _toy_kind() -> Iterator[None]:
+    """The toy way of dealing of tests/_reverse_kind.py, which the machine draws beside the registered ones."""
+    with reverse_registered():
+        yield
 
 
 def _report(title: str) -> None:
@@ -67,7 +76,7 @@ CAUGHT = (AssertionError, hypothesis.errors.Flaky, InvalidArgument, FailedPrecon
 PLANTED = settings(SETTINGS, max_examples=200, database=None, phases=[Phase.generate], report_multiple_bugs=False)
 
 
-def _forget_one_rank(self: Plan, consumed):  # type: ignore[no-untyped-def]
+def _forget_one_rank(self: FixedPlan, consumed):  # type: ignore[no-untyped-def]
     # A broken re-striping: the last rank's unconsumed remainder is forgotten.
     out = _real_virtual_left(self, consumed)
     if self.spec.partition != "strided" and self.world > 1 and out:
@@ -78,12 +87,12 @@ def _forget_one_rank(self: Plan, consumed):  # type: ignore[no-untyped-def]
     return out
 
 
-_real_virtual_left = Plan._virtual_left
+_real_virtual_left = FixedPlan._virtual_left
 
 
 def test_broken_restriping_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state machine can fail: a re-striping (behind the samplers' state_dict) that drops a rank's remainder is found."""
-    monkeypatch.setattr(Plan, "_virtual_left", _forget_one_rank)
+    monkeypatch.setattr(FixedPlan, "_virtual_left", _forget_one_rank)
     monkeypatch.setattr(_machine_world, "KINDS", ["index", "batch"])  # the plans it breaks
     with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
@@ -91,16 +100,26 @@ def test_broken_restriping_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_rank_dropped_from_a_dynamic_checkpoint_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state machine can fail: dynamic dealing's checkpoint without the last rank's consumed batches."""
-    real = dynamic.credits
+    real = EpochDeals.credits
 
-    def credits(book: dynamic.EpochDeals, rank: int, batches: int, lockstep: bool) -> dict[int, int]:
+    def credits(book: EpochDeals, rank: int, batches: int, lockstep: bool) -> dict[int, int]:
         out = real(book, rank, batches, lockstep)
         if len(out) > 1:
             del out[max(out)]
         return out
 
-    monkeypatch.setattr(dynamic, "credits", credits)
+    monkeypatch.setattr(EpochDeals, "credits", credits)
     monkeypatch.setattr(_machine_world, "KINDS", ["dynamic"])
+    with pytest.raises(CAUGHT):
+        run_state_machine_as_test(Elastic, settings=PLANTED)
+
+
+def test_a_toy_checkpoint_one_batch_ahead_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state machine can fail on the toy way of dealing too: its dealer credits each rank a batch more."""
+    real = ReversePlan.checkpoint
+    monkeypatch.setattr(ReversePlan, "checkpoint",
+                        lambda self, book, credited: real(self, book, {r: k + 1 for r, k in credited.items()}))
+    monkeypatch.setattr(_machine_world, "KINDS", ["reverse"])
     with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
 

@@ -1,21 +1,26 @@
-"""The registry of plans: every way of dealing an epoch, and the one function that picks an epoch's plan.
+"""The registry of plans: every way of dealing an epoch, and the one epoch rule (:func:`plan_epoch`).
 
 A way of dealing is a module with a class satisfying :class:`croupier.core.plan.EpochPlan` and
 one :class:`PlanKind` entry in :data:`KINDS`. Everything that depends on the way of dealing
 (which plan a spec gets, the defaults of the samplers' arguments) is read here; the
-coordinator and the client ask the plan itself for everything else.
+coordinator and the client ask the plan itself for everything else (a plan the coordinator
+deals answers through its ``dealer``). A way of dealing defined in a test is registered for the
+test's duration with :func:`registered`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+from croupier.core import spec as _spec
+from croupier.core.checks import check_choice
 from croupier.core.cursor import Cursor, bind, fresh, is_fresh, show
 from croupier.core.dynamic import dynamic_plan
 from croupier.core.errors import OutOfRange
-from croupier.core.order import plan as fixed_plan
+from croupier.core.order import FixedPlan, fixed_plan
 from croupier.core.plan import EpochPlan
 from croupier.core.spec import Spec
 from croupier.core.tokens import token_plan
@@ -26,9 +31,11 @@ class PlanKind:
     """One way of dealing an epoch.
 
     Attributes:
-        name: The kind's name (in docs, logs and the audit log).
+        name: The kind's name (in docs, logs and the audit log); a spec's ``dealing`` names it,
+            except ``"static"``, which is ``"fixed"``, or ``"tokens"`` with ``max_tokens``.
         make: Builds the plan of a cursor's remainder for a world; MUST be pure (and may cache).
-        coordinator_deals: The plans' ``coordinator_deals`` (the coordinator decides each batch).
+        coordinator_deals: The plans' ``coordinator_deals`` (the coordinator decides each batch,
+            asking the plan's ``dealer``).
         fixed_batches: The plans' ``fixed_batches`` (batches of ``spec.batch_size``).
         lease_indices: The index sampler's default lease, in batches of one index.
         lease_batches: The batch sampler's default lease, in batches.
@@ -61,9 +68,11 @@ class PlanKind:
         return "drop" if drop_last and not batches else "pad"
 
 
+
 # NOTE: fixed plans are O(world) to make and are asked for on every grant: a large cache. Token
 # plans keep the windows they packed (up to a few MB each): a smaller one.
-FIXED = PlanKind("fixed", functools.lru_cache(maxsize=256)(fixed_plan), False, True, 65536, 256)
+_fixed = functools.lru_cache(maxsize=256)(fixed_plan)
+FIXED = PlanKind("fixed", _fixed, False, True, 65536, 256)
 TOKENS = PlanKind("tokens", functools.lru_cache(maxsize=64)(token_plan), False, False, 65536, 16)
 DYNAMIC = PlanKind("dynamic", functools.lru_cache(maxsize=256)(dynamic_plan), True, True, 1024, 2)
 #: Every way of dealing, by name.
@@ -79,15 +88,34 @@ def kind_named(name: str) -> PlanKind:
 
 
 def kind_for(dealing: str, max_tokens: int | None = None) -> PlanKind:
-    """The way of dealing of a spec's ``dealing`` and ``max_tokens`` settings (the one rule)."""
-    if dealing == "dynamic":
-        return DYNAMIC
-    return TOKENS if max_tokens is not None else FIXED
+    """The way of dealing of a spec's ``dealing`` and ``max_tokens`` settings (the one rule).
+
+    Raises:
+        ValueError: `dealing` names no registered way of dealing.
+    """
+    check_choice("dealing", dealing, _spec.DEALINGS)
+    if dealing == "static":
+        return TOKENS if max_tokens is not None else FIXED
+    return KINDS[dealing]
 
 
 def kind_of(spec: Spec) -> PlanKind:
     """The way of dealing of `spec`."""
     return kind_for(spec.dealing, spec.max_tokens)
+
+
+def _epoch_cursor(spec: Spec, start: Cursor, world: int, epoch: int) -> Cursor | None:
+    """The cursor of `epoch` for a generation that resumed at `start`: the one epoch rule (see :func:`plan_epoch`)."""
+    if epoch == start.epoch:
+        return start
+    if epoch > start.epoch:
+        return bind(spec, fresh(spec, epoch), world)
+    if epoch == start.epoch - 1 and is_fresh(spec, start):
+        return None
+    raise OutOfRange(
+        f"epoch {epoch} is before this generation's resume point {show(start)}; "
+        "set_epoch must not go back before the checkpoint the job resumed from"
+    )
 
 
 def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> EpochPlan | None:
@@ -101,18 +129,47 @@ def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> EpochPlan |
     Raises:
         OutOfRange: `epoch` is before the generation's resume point.
     """
-    if epoch == start.epoch:
-        cursor = start
-    elif epoch > start.epoch:
-        cursor = bind(spec, fresh(spec, epoch), world)
-    elif epoch == start.epoch - 1 and is_fresh(spec, start):
-        return None
-    else:
-        raise OutOfRange(
-            f"epoch {epoch} is before this generation's resume point {show(start)}; "
-            "set_epoch must not go back before the checkpoint the job resumed from"
-        )
-    return kind_of(spec).make(spec, cursor, world)
+    cursor = _epoch_cursor(spec, start, world, epoch)
+    return None if cursor is None else kind_of(spec).make(spec, cursor, world)
+
+
+def fixed_plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> FixedPlan | None:
+    """:func:`plan_epoch` for a spec dealt by fixed plans, typed as one: for the integrations that
+    compute every rank's share themselves with no coordinator (Grain), from the plan's layout.
+
+    Raises:
+        ValueError: `spec` is dealt by other plans.
+        OutOfRange: as :func:`plan_epoch`.
+    """
+    kind = kind_of(spec)
+    if kind is not FIXED:
+        raise ValueError(f"the spec ({spec.describe()}) is dealt by {kind.name!r} plans, not fixed ones")
+    cursor = _epoch_cursor(spec, start, world, epoch)
+    return None if cursor is None else _fixed(spec, cursor, world)
+
+
+@contextlib.contextmanager
+def registered(kind: PlanKind) -> Iterator[PlanKind]:
+    """Registers `kind` while the ``with`` block runs: a way of dealing defined in a test.
+
+    Specs whose ``dealing`` is ``kind.name`` are valid and get its plans until the block ends;
+    then the kind and its name are gone again. Its ``make`` needs a ``cache_clear`` (wrap it in
+    ``functools.lru_cache``).
+
+    Raises:
+        ValueError: `kind`'s name is taken (a registered kind's, or ``"static"``).
+    """
+    if kind.name in KINDS or kind.name in _spec.DEALINGS:
+        raise ValueError(f"a way of dealing called {kind.name!r} is registered already (known: {sorted(KINDS)})")
+    # NOTE: the spec validates its ``dealing`` against DEALINGS when it is made; the name joins
+    # them here, with the kind, and leaves with it.
+    KINDS[kind.name] = kind
+    _spec.DEALINGS = (*_spec.DEALINGS, kind.name)  # type: ignore[assignment]
+    try:
+        yield kind
+    finally:
+        del KINDS[kind.name]
+        _spec.DEALINGS = tuple(d for d in _spec.DEALINGS if d != kind.name)  # type: ignore[assignment]
 
 
 def cache_clear() -> None:

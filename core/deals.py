@@ -1,0 +1,126 @@
+"""The deal book: what the coordinator dealt, and what was committed, in one epoch of a plan it deals.
+
+A plan the coordinator deals (its ``dealer`` is not None, see :class:`croupier.core.plan.Dealer`)
+numbers the epoch's *global batches* 0 .. ``dealer.batches`` - 1 and hands them out as ranks ask.
+The coordinator records each deal (the ``BatchesDealt`` event) and each ``own`` commit (the
+``BatchesCommitted`` event) in one :class:`EpochDeals` per epoch; this module is what those
+events do to it, the same for every way of dealing, so a new one adds no event and no field.
+
+Vocabulary:
+    deal     -- the global batches a rank got at one ask, as runs (first, count).
+    sequence -- a rank's global batches in the order it was dealt them; a rank asks by positions
+                of its sequence.
+    credit   -- how many batches of its sequence a rank has trained on, as a checkpoint counts
+                them (``lockstep``: every rank as many as the rank taking it; ``own``: the
+                committing rank its count, every other its last commit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: Runs of global batches (first, count) that the coordinator dealt to a rank, in the rank's order.
+Runs = tuple[tuple[int, int], ...]
+
+#: Epochs of one generation whose deals the coordinator keeps (older ones are dropped once a
+#: later epoch's first batch is dealt; a rank still asking for one is refused).
+KEEP_EPOCHS = 2
+
+
+@dataclasses.dataclass
+class EpochDeals:
+    """What one epoch of one generation dealt: the next global batch, and each rank's sequence."""
+
+    next: int = 0
+    #: rank -> its sequence as runs (first global batch, count), in dealt order
+    runs: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    #: rank -> batches of its sequence it committed (``own`` checkpoints)
+    committed: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def dealt(self, rank: int) -> int:
+        """How many batches `rank` was dealt in this epoch."""
+        return sum(c for _, c in self.runs.get(rank, ()))
+
+    def sequence(self, rank: int, first: int, count: int) -> list[tuple[int, int]]:
+        """Batches first .. first + count - 1 of `rank`'s sequence (those it has), as runs of global batches."""
+        out: list[tuple[int, int]] = []
+        at = 0
+        for g, c in self.runs.get(rank, ()):
+            lo, hi = max(first, at), min(first + count, at + c)
+            if lo < hi:
+                out.append((g + lo - at, hi - lo))
+            at += c
+            if at >= first + count:
+                break
+        return out
+
+    def answer(self, batches: int, rank: int, first: int, count: int) -> tuple[Runs, bool]:
+        """What a rank asking for batches first .. first + count - 1 of its sequence gets, when the
+        epoch has `batches` global batches dealt in order (the next one not dealt to anyone first).
+
+        A rank asking again for batches it was dealt (its answer was lost) gets the same ones; a
+        rank asking past its sequence gets up to `count` global batches not yet dealt.
+
+        Returns:
+            The runs of global batches (first, count) answering it, and whether they are *new*
+            (to be journaled as a deal) rather than a repeat.
+
+        Raises:
+            ValueError: `first` is past the end of the rank's sequence (it skips batches).
+        """
+        have = self.dealt(rank)
+        if first < have:
+            return tuple(self.sequence(rank, first, count)), False
+        if first > have:
+            raise ValueError(f"rank {rank} asks from batch {first} of its sequence, but was dealt {have} batches")
+        n = min(count, batches - self.next)
+        return ((self.next, n),) if n > 0 else (), n > 0
+
+    def ended(self, batches: int, runs: Runs, new: bool) -> bool:
+        """Whether a rank answered `runs` (`new`: just dealt) has nothing after them, in an epoch of `batches`."""
+        return not runs or (new and runs[-1][0] + runs[-1][1] >= batches)
+
+    def deal(self, rank: int, first: int, count: int) -> None:
+        """Records a deal of global batches first .. first + count - 1 to `rank` (a ``BatchesDealt`` event)."""
+        runs = self.runs.setdefault(rank, [])
+        if runs and runs[-1][0] + runs[-1][1] == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + count)
+        else:
+            runs.append((first, count))
+        self.next = max(self.next, first + count)
+
+    def commit(self, rank: int, batches: int) -> None:
+        """Records that `rank` committed the first `batches` batches of its sequence (a ``BatchesCommitted`` event)."""
+        self.committed[rank] = max(self.committed.get(rank, 0), batches)
+
+    def uncommitted(self) -> bool:
+        """Whether a rank was dealt batches it has not committed."""
+        return any(self.committed.get(r, 0) < self.dealt(r) for r in self.runs)
+
+    def credits(self, rank: int, batches: int, lockstep: bool) -> dict[int, int]:
+        """Each rank's credited batches at a checkpoint `rank` takes after `batches` batches of its sequence."""
+        if lockstep:
+            return {r: min(batches, self.dealt(r)) for r in self.runs}
+        out = dict(self.committed)
+        out[rank] = max(out.get(rank, 0), batches)
+        return out
+
+    def taken(self, credited: dict[int, int]) -> list[tuple[int, int]]:
+        """The global batches the ranks are credited with, as runs (first, count), unsorted."""
+        return [run for r, k in credited.items() for run in self.sequence(r, 0, k)]
+
+
+def dealt(deals: dict[int, EpochDeals], epoch: int, rank: int, first: int, count: int) -> None:
+    """Records a deal in `epoch` (a ``BatchesDealt`` event) in a generation's `deals`, dropping the
+    epochs it leaves behind (:data:`KEEP_EPOCHS`) unless an ``own`` commit still waits in them."""
+    deals.setdefault(epoch, EpochDeals()).deal(rank, first, count)
+    for old in [e for e in deals if e <= epoch - KEEP_EPOCHS]:
+        b = deals[old]
+        # an epoch with workers' commits (own) is kept while some of its batches are not committed
+        if not b.committed or not b.uncommitted():
+            del deals[old]
+
+
+def kept(deals: dict[int, EpochDeals], epoch: int) -> bool:
+    """Whether a generation's `deals` can still answer for `epoch` (it was not dropped as left behind)."""
+    return epoch in deals or not deals or epoch > max(deals) - KEEP_EPOCHS + 1

@@ -1,0 +1,152 @@
+"""A toy fourth way of dealing, defined here only: the coordinator deals the epoch's full batches from the back.
+
+It proves docs/architecture.md's "A new way of dealing touches" list for a plan the coordinator
+deals: this module (the plan, its dealer, its registry entry) and :func:`registered` are all it
+needs; the coordinator, its events, its snapshots and the samplers serve it unchanged. The plan
+contract tests (tests/core/test_plans.py) and the state machine (tests/server) run it.
+
+Global batches are those of dynamic dealing (the one-rank plan's batches of the epoch's remainder,
+the last one shorter); the coordinator hands out *units* 0, 1, ... in order, as its deal book
+records them, and unit u is global batch ``batches - 2 - u`` for every unit but the last, which
+is the short batch (so every batch a rank gets is full but the epoch's last). A checkpoint is the
+epoch's remaining positions minus those of the credited units' batches, computed from positions
+alone: nothing of the fixed plan's internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+
+from croupier.core.cursor import Cursor, _runs, fresh, validate_cursor
+from croupier.core.deals import EpochDeals
+from croupier.core.order import FixedPlan, fixed_plan
+from croupier.core.plan import Grant, Runs
+from croupier.core.registry import PlanKind, registered
+from croupier.core.spec import Spec
+
+#: The kind's name, and the spec's ``dealing`` that selects it.
+NAME = "reverse"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReversePlan:
+    """An EpochPlan the coordinator deals, and its own Dealer: full batches from the back, the short one last."""
+
+    spec: Spec
+    cursor: Cursor
+    world: int
+    coordinator_deals = True
+    fixed_batches = True
+
+    @property
+    def dealer(self) -> ReversePlan:
+        return self
+
+    @property
+    def left(self) -> int:
+        return self.cursor.left
+
+    @property
+    def _global(self) -> FixedPlan:
+        return fixed_plan(self.spec, self.cursor, 1)
+
+    def _batch(self, unit: int) -> int:
+        """The global batch of `unit`."""
+        return unit if unit == self.batches - 1 else self.batches - 2 - unit
+
+    def _units(self, runs: Runs) -> list[int]:
+        return [u for first, count in runs for u in range(first, first + count)]
+
+    # ---------------------------------------------------------------- Dealer
+
+    @property
+    def batches(self) -> int:
+        return int(self._global.nb_r[0])
+
+    def deal(self, book: EpochDeals, rank: int, first: int, count: int) -> tuple[Runs, bool]:
+        return book.answer(self.batches, rank, first, count)
+
+    def checkpoint(self, book: EpochDeals, credited: dict[int, int]) -> Cursor:
+        g = self._global
+        every = g.lease_positions(0, 0, self.batches)
+        taken = [g.lease_positions(0, self._batch(u), 1) for u in self._units(tuple(book.taken(credited)))]
+        rest = np.setdiff1d(every, np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64))
+        if rest.size == 0:
+            return fresh(self.spec, self.cursor.epoch + 1)
+        out = dataclasses.replace(self.cursor, remaining=tuple(_runs(rest)))
+        validate_cursor(self.spec, out)
+        return out
+
+    # ---------------------------------------------------------------- EpochPlan
+
+    def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
+        if dealt is None:
+            raise ValueError("a reverse plan grants what the coordinator dealt: pass dealt=(runs, end)")
+        runs, end = dealt
+        units = self._units(runs)
+        if not units:
+            return Grant(0, 0, end, 0)
+        return Grant(len(units), self._global.share(0, self._batch(units[-1]), 1)[1], end, 0, tuple(runs))
+
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
+        if grant is None:
+            raise ValueError("a reverse plan's batches are the coordinator's to deal: a lease needs its grant")
+        parts, sizes = [np.zeros(0, dtype=np.int64)], []
+        for u in self._units(grant.runs):
+            idx, s = self._global.lease(0, self._batch(u), 1)
+            parts.append(idx)
+            sizes += s
+        return np.concatenate(parts), sizes
+
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        if grant is None:
+            raise ValueError("a reverse plan's batches are the coordinator's to deal: a lease needs its grant")
+        parts = [self._global.lease_positions(0, self._batch(u), 1) for u in self._units(grant.runs)]
+        return np.concatenate([np.zeros(0, dtype=np.int64), *parts])
+
+    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
+        return True
+
+    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
+        return grant is None or grant.end_of_epoch or got == 0
+
+    def known_steps(self, rank: int) -> int | None:
+        return None
+
+    def steps(self, rank: int) -> int:
+        return -(-self.left // (self.world * self.spec.batch_size))
+
+    def samples(self, rank: int) -> int:
+        return -(-self.left // self.world)
+
+    def known_samples(self, rank: int) -> int:
+        return 0
+
+    def advance(self, steps: int) -> Cursor:
+        raise ValueError("a reverse plan's checkpoint is computed by the coordinator from its deals")
+
+
+@functools.lru_cache(maxsize=64)
+def reverse_plan(spec: Spec, cursor: Cursor, world: int) -> ReversePlan:
+    if world < 1:
+        raise ValueError(f"world size must be >= 1 (got world={world})")
+    if spec.tail != "uneven" or spec.even_batches or spec.drop_last_batch:
+        raise ValueError(f"dealing={NAME!r} deals every position to whoever asks: it needs tail='uneven', "
+                         f"even_batches=False, drop_last_batch=False (got {spec.describe()})")
+    return ReversePlan(spec, cursor, world)
+
+
+#: Its registry entry: the coordinator deals it; batches of ``batch_size``; small leases, as dynamic dealing's.
+REVERSE = PlanKind(NAME, reverse_plan, coordinator_deals=True, fixed_batches=True, lease_indices=1024, lease_batches=2)
+
+
+@contextlib.contextmanager
+def reverse_registered() -> Iterator[PlanKind]:
+    """The toy kind, registered while the block runs."""
+    with registered(REVERSE) as kind:
+        yield kind
