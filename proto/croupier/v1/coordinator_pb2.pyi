@@ -905,8 +905,9 @@ class AmendRequest(_message.Message):
     job: _builtins.str
     kind: _builtins.str
     """"weights": `values` are each source's parts of 2**24 (they add up to it); "grow": (source,
-    new size); "skip": dataset indices, numbered as a ConcatDataset of the sources numbers them
-    once every amendment recorded before took effect.
+    new size); "skip": dataset indices as the job's ranks hand them out, numbered as a
+    ConcatDataset of the sources numbers them under the grows the current generation holds (a
+    grow still pending renumbers nothing).
     """
     @_builtins.property
     def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
