@@ -263,3 +263,88 @@ class Checkpointer:
                 f"{what} must come before the first batch: this sampler already serves generation "
                 f"{at.generation} of job {self._s.job!r}; make a new sampler in the restarted process"
             )
+
+
+class Checkpointing:
+    """The samplers' checkpointing methods, each handed to their :class:`Checkpointer`."""
+
+    _checkpointer: Checkpointer
+    _job_named: bool  # the job was named (job= or CROUPIER_JOB): a loaded state's job is not taken
+
+    def state_dict(self, consumed: int | None = None, *, step: int | None = None) -> dict[str, Any]:
+        """The checkpoint state: a small, topology-free dict naming where the job is in its data.
+
+        Save it with the model; loading it into a sampler of any world size resumes there. Once
+        the sampler has joined, the state is also recorded at the coordinator (durably, before
+        this returns), with `step` if given: :meth:`resume_from_step` finds it there, for a
+        trainer that keeps only its step. When the coordinator does not answer, a warning says
+        so and the state is returned all the same (it alone suffices to resume).
+
+        Args:
+            consumed: With a loader that reads the sampler ahead (a plain ``DataLoader`` with
+                ``num_workers > 0``, Accelerate's), pass how many items (indices, or batches for
+                the batch sampler) this rank's loop has taken in the current epoch, counted from
+                the epoch's start as ``len()`` counts them (a trainer's batch index + 1, times the
+                batch size for the index sampler). ``StatefulDataLoader`` and ``num_workers=0``
+                need nothing: the sampler has handed out exactly what the loop took.
+                With dynamic dealing, count from this generation's start (its resume) instead:
+                a rank's batches there are its own, not a share of the epoch.
+            step: The trainer's global step at this checkpoint (the number of optimizer steps
+                taken since the job's start, as the HF Trainer's ``global_step``, Lightning's
+                ``global_step`` or torchtitan's ``step`` count it), naming the coordinator's record.
+        """
+        return self._checkpointer.state_dict(consumed, step=step)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resumes from a checkpoint state (any world size); an empty dict means "from the start".
+
+        A sampler whose job was not named (no ``job=``, no ``CROUPIER_JOB``) takes the job named
+        in the state: resuming a checkpoint continues its job, whatever the new launch is called.
+
+        Raises:
+            ValueError: the state is malformed, or from another job or spec (both are shown).
+            RuntimeError: this sampler has already started serving a generation.
+        """
+        self._checkpointer.load(state_dict, self._job_named)
+
+    def resume_latest(self) -> bool:
+        """Resumes from the latest checkpoint the job recorded at the coordinator, if any.
+
+        For workers that keep no state of their own (dynamic dealing's ``lockstep=False``: the
+        latest record is the union of every rank's commits). Call it on every rank of the new
+        launch, before the first batch, once the previous launch's processes are gone (a record
+        made between two ranks' calls would make them disagree, and the join refuses that).
+
+        Returns:
+            True when a record was loaded; False when the job has none (it starts from the beginning).
+        """
+        return self._checkpointer.resume(None, "resume_latest")
+
+    def resume_from_step(self, step: int) -> None:
+        """Resumes from the checkpoint the job recorded at training step `step` (any world size).
+
+        For a trainer that keeps its global step but not the sampler's state: every rank's
+        ``state_dict(step=s)`` recorded the state at the coordinator, and this loads it, exactly
+        as ``load_state_dict`` would load the saved dict. Call it on every rank, where
+        ``load_state_dict`` would go: after ``init_process_group`` and before the first batch.
+
+        The job must be found again: name it (``job=`` or ``CROUPIER_JOB``) or keep the launch's
+        run id (torchrun ``--rdzv-id``, the same Slurm job), and keep the coordinator (an address,
+        or the embedded one's store under ``CROUPIER_STATE_DIR`` on global rank 0's host; a job of
+        one process keeps no records across restarts).
+
+        Rolling back past several checkpoints is allowed: the records of later steps stay until
+        the job records a checkpoint at or before their step again, which replaces them.
+
+        Raises:
+            LookupError: the coordinator has no record of `step` for this job (the message lists
+                the steps it has).
+            ValueError: the record is of another spec; a malformed step.
+            RuntimeError: this sampler has already started serving a generation.
+        """
+        self._checkpointer.resume(step, "resume_from_step")
+
+    def commit(self, consumed: int | None = None) -> dict[str, Any]:
+        """Dynamic dealing with independent workers: records this rank's progress as done and returns
+        the job's state (``state_dict()`` with ``lockstep=False``; the same call for lockstep ranks)."""
+        return self.state_dict(consumed)

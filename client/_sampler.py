@@ -44,9 +44,12 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         address: HOST:PORT of a coordinator; default CROUPIER_ADDRESS, else an embedded one.
         job: The job's name. Default: ``CROUPIER_JOB``; else a name made of the launcher's run
             (``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``, else ``local``) and the spec's fingerprint,
-            with ``.2``, ``.3``, ... for further samplers of the same spec in one process, so
-            that train, val and test samplers, and successive experiments, never collide. A
-            sampler whose job was not named takes the job of the state it loads.
+            with ``.2``, ``.3``, ... for further samplers of the same spec in use together in one
+            process, so that train, val and test samplers, and successive experiments, never
+            collide; a sampler made once the earlier one of its spec finished its epoch (or was
+            closed) goes on with that one's job, so a sampler rebuilt every epoch is one job
+            (docs/samplers.md, "Job names"). A sampler whose job was not named takes the job of
+            the state it loads.
         permutation: ``"torch"`` for torch's exact order (``randperm`` per epoch), ``"feistel"``
             (default when shuffling: O(1) memory, instant start at any size), ``"window"``,
             ``"bucket"`` (with ``lengths``), ``"none"``.
@@ -298,5 +301,18 @@ class DistributedBatchSampler(_Base, BatchSampler):
         return known is not None and yielded + 1 >= known
 
     def _indices_in(self, epoch: int) -> int:
+        """This rank's indices in `epoch` (what ``len(self.sampler)`` says), those taken before a resume included.
+
+        NOTE: token-budget batches (``max_tokens``) vary in size, so the batches taken before a
+        resumed checkpoint do not say how many indices they held: those count as an even share of
+        the positions consumed before it.
+        """
         p = self._epoch_plan(epoch)
-        return 0 if p is None else p.samples(self.rank) + self._items_before(epoch) * self.batch_size
+        if p is None:
+            return 0
+        before = self._items_before(epoch)
+        if before and self.batch_size is None:
+            start = self._start if self._start is not None else self._progress.resume
+            assert start is not None  # items before: a resumed epoch
+            return p.samples(self.rank) + (self.spec.n - start.left) // self.num_replicas
+        return p.samples(self.rank) + before * (self.batch_size or 1)

@@ -85,13 +85,7 @@ def _save(state: dict[str, object], path: pathlib.Path) -> None:
 
 def _record_join(work: pathlib.Path, sampler: DistributedSampler | DistributedBatchSampler, rank: int, world: int) -> None:
     """Appends the join this rank's sampler got acknowledged to WORKDIR/joins.jsonl: one line, one write."""
-    # NOTE: the sampler keeps its generation and token private (there is no public accessor, and
-    # the client is not the demo's to change); the state's origin ("token/epoch/items") still
-    # names the token if those attributes go away, without the generation (that state_dict() also
-    # records a checkpoint, in the audit log and at the coordinator, that nobody resumes from).
-    token = getattr(sampler, "_token_used", None) or str(sampler.state_dict().get("origin", "")).split("/")[0]
-    generation = getattr(sampler, "_generation", None)
-    line = json.dumps({"token": token, "generation": generation, "rank": rank, "world": world,
+    line = json.dumps({"token": sampler.incarnation, "generation": sampler.generation, "rank": rank, "world": world,
                        "pid": os.getpid(), "t": time.time()}) + "\n"
     # One O_APPEND write of a short line: the ranks' lines never interleave.
     fd = os.open(work / "joins.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
