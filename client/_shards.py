@@ -15,16 +15,12 @@ from croupier.core.checks import check_bool, check_int
 from croupier.core.cursor import bind, epoch_agrees, fresh, show
 from croupier.core.mixture import parts_of
 from croupier.core.registry import PlanKind, kind_for, plan_epoch
-from croupier.core.spec import TOKEN_WINDOW, Spec
+from croupier.core.spec import MAX_N, TOKEN_WINDOW, Spec
 
 
 def _dataset_size(dataset: Sized | int) -> int:
-    if isinstance(dataset, bool):
-        raise TypeError(f"dataset must be a sized object or an int (got {dataset!r})")
-    if isinstance(dataset, (int, np.integer)):
-        if dataset < 0:
-            raise ValueError(f"dataset size must be >= 0 (got {int(dataset)})")
-        return int(dataset)
+    if isinstance(dataset, (int, np.integer)):  # a bool is refused here, as not an int
+        return check_int("dataset size", dataset, 0)
     if isinstance(dataset, Sampler):
         # NOTE: frameworks that re-shard a loader rebuild its batch sampler around their own
         # sampler; read as a dataset, a sampler's len() is its shard, and training would
@@ -59,7 +55,7 @@ def mixture_fields(dataset: Any, weights: Any, sources: Sequence[int] | None,
             raise ValueError(f"weights= needs each source's size: pass sources=[size, ...], or a ConcatDataset of the "
                              f"sources (got a {type(dataset).__name__})")
         sources = [int(b - a) for a, b in zip([0, *sizes[:-1]], sizes)]
-    sources = [int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) else x for x in sources]
+    sources = [check_int(f"sources[{i}]", x, 1, MAX_N + 1) for i, x in enumerate(sources)]
     try:
         schedule = [(0, list(weights))] if all(not isinstance(w, (tuple, list)) for w in weights) else [
             (c[0], list(c[1])) for c in weights]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from croupier.core.checks import check_int
+
 #: The first CPython whose forked child cannot inherit the interpreter's thread-state lock held by
 #: another thread of its parent (CPython issue gh-112275).
 FIXED_IN = (3, 12)
@@ -26,12 +28,15 @@ def worker_options(num_workers: int) -> dict[str, Any]:
     start, which imports the training script again, is paid once. The script needs the
     ``if __name__ == "__main__":`` guard and the dataset must pickle, as for any spawned worker.
 
+    Raises:
+        TypeError: `num_workers` is not an int.
+        ValueError: `num_workers` is below 0.
+
     Example::
 
         loader = DataLoader(dataset, batch_size=32, sampler=sampler, **worker_options(4))
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    num_workers = check_int("num_workers", num_workers, 0)
     if num_workers == 0 or sys.version_info >= FIXED_IN:
         return {"num_workers": num_workers}
     return {"num_workers": num_workers, "multiprocessing_context": "spawn", "persistent_workers": True}

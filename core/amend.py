@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from croupier.core.checks import check_count, check_int, is_int
+
 KINDS = ("weights", "grow", "skip")
 #: Most samples one ``skip`` may name, and most a job may have skipped in all (each costs every
 #: batch of its source a few numpy operations).
@@ -70,10 +72,10 @@ class Amendment:
         kind, values, at = v
         if kind not in KINDS:
             raise ValueError(f"amendment kind must be one of {', '.join(map(repr, KINDS))} (got {kind!r})")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        if not all(is_int(x) for x in values):
             raise ValueError(f"a {kind} amendment's values must be ints (got {list(values)!r})")
-        if at is not None and (isinstance(at, bool) or not isinstance(at, int) or at < 0):
-            raise ValueError(f"an amendment's position must be an int >= 0 or None (got at={at!r})")
+        if at is not None:
+            check_int("amendment position", at, 0, type_error=ValueError)
         return cls(kind, tuple(values), at)
 
     def describe(self) -> str:
@@ -149,8 +151,7 @@ def skip_of(indices: Sequence[int], sizes: Sequence[int], before: Sequence[Amend
     done = skipped(before)
     pairs: set[tuple[int, int]] = set()
     for i in indices:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise ValueError(f"skip takes dataset indices as ints (got {i!r})")
+        check_int("index", i, None, type_error=ValueError)
         if not 0 <= int(i) < int(offsets[-1]):
             raise ValueError(f"index {i} is not in the dataset: indices are in [0, {int(offsets[-1])}) "
                              f"(sources of {', '.join(map(str, numbered))} samples)")
@@ -185,7 +186,8 @@ def check(sizes: Sequence[int], before: Sequence[Amendment], new: Amendment, par
     now = sizes_after(sizes, before)
     v = new.values
     if new.kind == "weights":
-        if len(v) != len(sizes) or any(p < 0 for p in v) or sum(v) != parts:
+        check_count("weights", v, len(sizes), "sources")  # one part per weight given: the count is the user's
+        if any(p < 0 for p in v) or sum(v) != parts:
             raise ValueError(f"new weights must be {len(sizes)} parts >= 0 adding up to {parts} (got {list(v)})")
     elif new.kind == "grow":
         if len(v) != 3 or not 0 <= v[0] < len(sizes):

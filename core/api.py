@@ -7,6 +7,7 @@ coordinator validates and decides on it. Nothing here does I/O.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from croupier.core.spec import Spec
 __all__ = [
     "CHECKPOINT_HISTORY", "MAX_COUNT", "MAX_JOIN_WAIT_S", "MAX_LEASE_BATCHES", "MAX_LEASE_INDICES", "MAX_MESSAGE_BYTES",
     "MAX_NAME", "MAX_WORLD", "CheckpointRecord", "Grant", "JobStatus", "JoinRequest", "JoinResult", "Lease", "RankCursor",
-    "validate_join",
+    "now_ms", "validate_join",
 ]
 
 #: The largest world a generation may have.
@@ -36,6 +37,11 @@ MAX_JOIN_WAIT_S = 30.0
 MAX_COUNT = 2**62
 #: The largest message either end sends or receives (a join carries the spec's lengths: 8 bytes a sample).
 MAX_MESSAGE_BYTES = 256 << 20
+
+
+def now_ms() -> int:
+    """Unix time in milliseconds: the clock of the times reports and checkpoints carry, and of their ages."""
+    return int(time.time() * 1000)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from croupier.core.amend import Amendment
+from croupier.core.checks import check_int, is_int
 from croupier.core.cursor import Cursor, validate_cursor
 from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.spec import ORDER_VERSION, Spec
@@ -70,7 +71,7 @@ def spec_of(spec: Spec, state: Mapping[str, Any]) -> Spec:
     saved = state.get("sources") if isinstance(state, Mapping) else None
     if spec.sources is None or not isinstance(saved, list) or tuple(saved) == spec.sources:
         return spec
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in saved) or len(saved) != len(spec.sources):
+    if not all(is_int(x) for x in saved) or len(saved) != len(spec.sources):
         return spec
     ns = (spec.n, sum(saved)) if spec.n == sum(spec.sources) else (spec.n,)
     for n in ns:
@@ -124,8 +125,7 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
     if missing or unknown:
         raise InvalidArgument(f"checkpoint state has missing keys {missing} and unknown keys {unknown} (got {dict(state)!r})")
     order_version = state["order"]
-    if isinstance(order_version, bool) or not isinstance(order_version, int):
-        raise InvalidArgument(f"checkpoint state's order version must be an int (got order={order_version!r})")
+    check_int("checkpoint state's order version", order_version, None, None, InvalidArgument)
     if order_version != ORDER_VERSION:
         raise FailedPrecondition(
             f"checkpoint state has order version {order_version} (format {VERSION}): the positions it names "
@@ -142,15 +142,12 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
     try:
         remaining = tuple(tuple(iv) for iv in state["remaining"])
         cursor = Cursor(epoch=state["epoch"], remaining=remaining, base_world=state["base_world"])
-        if not isinstance(cursor.base_world, int) or isinstance(cursor.base_world, bool):
-            raise ValueError(f"base_world must be an int (got {cursor.base_world!r})")
         validate_cursor(spec, cursor)
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"checkpoint state is malformed: {e}") from None
     if "items" in state:
         items = state["items"]
-        if isinstance(items, bool) or not isinstance(items, int) or items < 0:
-            raise InvalidArgument(f"checkpoint state's items must be an int >= 0 (got items={items!r})")
+        check_int("checkpoint state's items", items, 0, None, InvalidArgument)
     return cursor
 
 
@@ -197,7 +194,7 @@ def _origin_items(origin: Any, epoch: int) -> int | None:
 def _remedy(state: Mapping[str, Any]) -> str:
     """What to do with a state this release cannot read: start its epoch over, or go back."""
     epoch = state.get("epoch")
-    if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+    if is_int(epoch) and epoch >= 0:
         again = f"restart epoch {epoch} (load an empty state and call set_epoch({epoch}))"
     else:
         again = "restart the epoch (load an empty state and call set_epoch)"
@@ -208,11 +205,11 @@ def _other_format(state: Mapping[str, Any]) -> str:
     """Why a state of another format version is refused, naming its versions and this release's."""
     version = state["version"]
     ours = f"this release reads format {VERSION} with order version {ORDER_VERSION}"
-    if isinstance(version, int) and not isinstance(version, bool) and version in PAST_FORMATS:
+    if is_int(version) and version in PAST_FORMATS:
         release, order_version = PAST_FORMATS[version]
         return (f"checkpoint state format version {version} ({release}, order version {order_version}) "
                 f"is from an earlier release; {ours}; {_remedy(state)}")
-    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+    if is_int(version) and version > VERSION:
         return (f"checkpoint state format version {version} (order version {state.get('order', 'unknown')}) "
                 f"is newer than this release; {ours}; use the release that wrote it")
     return f"checkpoint state format version {version!r} is not a known format; {ours}"

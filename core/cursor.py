@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from croupier.core.checks import check_int, is_int
 from croupier.core.spec import Spec
 
 Interval = tuple[int, int]
@@ -68,11 +69,11 @@ def bind(spec: Spec, cursor: Cursor, world: int) -> Cursor:
 
 def validate_cursor(spec: Spec, cursor: Cursor) -> None:
     """Raises ValueError, naming the value, if `cursor` cannot belong to a job with `spec`."""
-    if isinstance(cursor.epoch, bool) or not isinstance(cursor.epoch, int) or cursor.epoch < 0:
-        raise ValueError(f"cursor epoch must be an int >= 0 (got epoch={cursor.epoch!r})")
+    check_int("cursor epoch", cursor.epoch, 0, type_error=ValueError)
+    check_int("base_world", cursor.base_world, 0, type_error=ValueError)
     prev = 0
     for iv in cursor.remaining:
-        if len(iv) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in iv):
+        if len(iv) != 2 or not all(is_int(x) for x in iv):
             raise ValueError(f"cursor intervals must be pairs of ints (got {iv!r})")
         a, b = iv
         if not (prev <= a < b <= spec.n):
@@ -85,8 +86,6 @@ def validate_cursor(spec: Spec, cursor: Cursor) -> None:
         raise ValueError("cursor has no remaining positions; a finished epoch is the next epoch's fresh cursor")
     if spec.scope == "global" and cursor.base_world != 0:
         raise ValueError(f"base_world must be 0 for scope='global' (got base_world={cursor.base_world})")
-    if cursor.base_world < 0:
-        raise ValueError(f"base_world must be >= 0 (got base_world={cursor.base_world})")
 
 
 def _runs(v: np.ndarray) -> list[Interval]:

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from croupier.core import feistel
+from croupier.core.checks import check_int
 
 PARTS = 1 << 24
 MAX_POSITION = (1 << 63) // PARTS - 1
@@ -127,8 +128,7 @@ class Mixture:
         if len(self.sizes) != len(self.parts):
             raise ValueError(f"{len(self.sizes)} sizes for {len(self.parts)} weights")
         for i, n in enumerate(self.sizes):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"size {n!r} of source {i} must be an int >= 1")
+            check_int(f"sizes[{i}]", n, 1, type_error=ValueError)
         if sum(self.parts) != PARTS or any(p < 0 for p in self.parts):
             raise ValueError(f"parts {self.parts!r} must be >= 0 and add up to {PARTS} (see parts_of)")
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from croupier.core import feistel, mixture
 from croupier.core.amend import Amendment, Timeline, check
+from croupier.core.checks import check_int
 from croupier.core.mixture import PARTS, Mixture, _base_key, _pairs, _round_keys, indices_of, parts_of
 
 
@@ -76,8 +77,7 @@ class Stream:
         if self.max_epochs and len(self.max_epochs) != len(self.sizes):
             raise ValueError(f"max_epochs names {len(self.max_epochs)} sources; there are {len(self.sizes)}")
         for i, m in enumerate(self.max_epochs):
-            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-                raise ValueError(f"max_epochs {m!r} of source {i} must be an int >= 0 (0: no cap)")
+            check_int(f"max_epochs[{i}]", m, 0, type_error=ValueError)
         prev = 0
         for i, am in enumerate(self.amendments):
             if am.at is None or am.at < prev:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trained_log:
         pathlib.Path(args.trained_log).mkdir(parents=True, exist_ok=True)
         run = "resume" if args.resume else "first"
-        log_file = open(pathlib.Path(args.trained_log) / f"{run}-w{world}-rank{rank}.jsonl", "a")  # noqa: SIM115
+        log_file = open(pathlib.Path(args.trained_log) / f"{run}-w{world}-rank{rank}.jsonl", "a")
 
     loss_fn = nn.MSELoss()
     try:

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trained_log:
         pathlib.Path(args.trained_log).mkdir(parents=True, exist_ok=True)
         run = "resume" if args.resume else "first"
-        out = open(pathlib.Path(args.trained_log) / f"{run}-w{world}-rank{rank}.jsonl", "a")  # noqa: SIM115
+        out = open(pathlib.Path(args.trained_log) / f"{run}-w{world}-rank{rank}.jsonl", "a")
     recorder = Recorder(out)
     torch.manual_seed(0)
     model = Regressor(recorder)

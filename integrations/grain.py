@@ -63,7 +63,7 @@ from grain._src.python.data_loader import DataLoader as _GrainDataLoader
 from grain._src.python.record import RecordMetadata
 
 from croupier.core.checkpoint import from_state, to_state
-from croupier.core.checks import check_int
+from croupier.core.checks import check_choice, check_int
 from croupier.core.cursor import Cursor, fresh
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import FixedPlan, order
@@ -99,9 +99,7 @@ class CroupierSampler:
         check_int("num_epochs", num_epochs, 1, None, ValueError)
         if not isinstance(shard_options, grain_sharding.ShardOptions):
             raise TypeError(f"shard_options must be a grain.sharding.ShardOptions (got {shard_options!r})")
-        if tail not in ("pad", "drop", "pad_last"):
-            raise ValueError(f"tail must be 'pad', 'drop' or 'pad_last' (got tail={tail!r}): every process "
-                             "takes the same number of records")
+        check_choice("tail", tail, ("pad", "drop", "pad_last"), "every process takes the same number of records")
         self.spec = Spec(n=num_records, seed=seed, permutation="feistel" if shuffle else "none", tail=tail)
         self.job = job
         self.num_epochs = num_epochs

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from croupier.core.api import now_ms
 from croupier.core.errors import CroupierError, Unavailable
 from croupier.server._events import Event
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
@@ -206,9 +207,8 @@ class WriterCommits:
             # (a quota statvfs does not show would otherwise reload the state for every batch).
             self._outages += 1
             wait = min(0.1 * 2 ** (self._outages - 1), 5.0)
-            has_room: Callable[[], bool] = getattr(c.store, "has_room", lambda: True)
             c._cond.wait(wait)
-            while not c._closing and not has_room():
+            while not c._closing and not c.store.has_room():
                 c._cond.wait(wait)
                 wait = min(wait * 2, 5.0)
             c._outage = None
@@ -303,7 +303,7 @@ class SharedCommits:
         c._state.decide_report(job, generation, rank, epoch, batches, 0)  # raises for a bad report
         key = (job, generation, rank)
         if self._reports.get(key, (-1, -1, 0))[:2] < (epoch, batches):
-            self._reports[key] = (epoch, batches, _now_ms())
+            self._reports[key] = (epoch, batches, now_ms())
             c._cond.notify_all()
         return True
 
@@ -333,7 +333,3 @@ class SharedCommits:
                     log.debug("progress reports not journaled: %s", e)
                 if not c._closing:
                     c._cond.wait(SHARED_POLL_S)  # the next reports gather meanwhile
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

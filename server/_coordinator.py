@@ -22,6 +22,7 @@ from croupier.core.api import (
     JoinResult,
     Lease,
     RankCursor,
+    now_ms,
 )
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
@@ -171,7 +172,7 @@ class Coordinator:
             if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches):
                 return None
             return self._commit(
-                lambda: self._state.decide_report(job, generation, rank, epoch, batches, _now_ms(), checkpoint, lockstep),
+                lambda: self._state.decide_report(job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep),
                 durable=checkpoint is not None)
 
     def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
@@ -364,7 +365,3 @@ def _log_join(req: JoinRequest, events: list[Event]) -> None:
         elif isinstance(ev, GenerationStarted):
             log.info("generation %d of job %r started: all %d ranks joined, epoch %d", ev.generation, ev.job, req.world,
                      ev.start.epoch, extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from croupier.core.amend import Amendment
+from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
 from croupier.core.spec import ORDER_VERSION, Spec
 
@@ -166,9 +167,7 @@ class FormatError(ValueError):
 
 def check_version(what: str, d: Mapping[str, Any]) -> None:
     """Refuses a record or snapshot `d` (which has a ``"version"``) of a format or order version this croupier does not read."""
-    v = d["version"]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise FormatError(f"{what} format version must be an int (got {show(v)})")
+    v = check_int(f"{what} format version", d["version"], None, None, FormatError)
     if v not in READS:
         newer = "; a newer croupier wrote it" if v > FORMAT_VERSION else ""
         raise FormatError(
@@ -200,9 +199,7 @@ def as_str(what: str, v: Any) -> str:
 
 
 def as_int(what: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise FormatError(f"{what} must be an int (got {what}={show(v)})")
-    return v
+    return check_int(what, v, None, None, FormatError)
 
 
 def as_list(what: str, v: Any, length: int | None = None) -> list[Any]:

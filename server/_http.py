@@ -8,13 +8,13 @@ import json
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from croupier.core import api
 from croupier.server._standing import JobView, view_json
 
 log = logging.getLogger("croupier.server")
@@ -83,7 +83,7 @@ def _handler(metrics: Callable[[], bytes], views: Views,
     class Handler(BaseHTTPRequestHandler):
         server_version = "croupier"
 
-        def do_GET(self) -> None:  # noqa: N802 (the http.server protocol)
+        def do_GET(self) -> None:  # the name the http.server protocol calls
             try:
                 url = urlsplit(self.path)
                 self._get(url.path, parse_qs(url.query))
@@ -102,7 +102,7 @@ def _handler(metrics: Callable[[], bytes], views: Views,
                 except ValueError as e:
                     self._send(HTTPStatus.BAD_REQUEST, TEXT, f"{e}\n".encode())
                     return
-                now_ms = int(time.time() * 1000)
+                now_ms = api.now_ms()
                 why = failed()
                 body: dict[str, Any] = {"now_unix_ms": now_ms, "coordinator_failed": why, "jobs": [], "total": 0,
                                         "next_after": None}

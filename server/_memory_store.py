@@ -103,6 +103,10 @@ class MemoryStore:
                 return Recovered(self._snapshot, self._snapshot_seq, list(self._records))
             return Recovered(None, seq, [(s, p) for s, p in self._records if s > seq])
 
+    def has_room(self) -> bool:
+        """See :meth:`Store.has_room`: always (this store's writes never find a file system full)."""
+        return True
+
     def close(self) -> None:
         """See :meth:`Store.close`."""
         with self._lock:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from croupier.core.api import MAX_WORLD
+from croupier.core.checks import check_choice, check_int
+
+#: The forms of the server's log lines.
+LOG_FORMATS = ("text", "json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +65,10 @@ class ServerOptions:
             raise ValueError(f"tls_cert and tls_key go together (got tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"tls_client_ca={self.tls_client_ca!r} needs tls_cert and tls_key (mutual TLS is TLS first)")
-        for name in ("max_jobs", "max_world", "max_request_bytes", "max_concurrent_joins", "snapshot_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int (got {name}={value!r})")
-        m = self.max_staleness_ms
-        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= 60_000:
-            raise ValueError(f"max_staleness_ms must be an int in [0, 60000] (got max_staleness_ms={m!r})")
-        if self.max_world > MAX_WORLD:
-            raise ValueError(f"max_world must be at most {MAX_WORLD} (got max_world={self.max_world})")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65536) (got metrics_port={self.metrics_port})")
-        if self.log_format not in ("text", "json"):
-            raise ValueError(f"log_format must be 'text' or 'json' (got log_format={self.log_format!r})")
+        for name in ("max_jobs", "max_request_bytes", "max_concurrent_joins", "snapshot_every"):
+            check_int(name, getattr(self, name), 1)
+        check_int("max_world", self.max_world, 1, MAX_WORLD + 1)
+        check_int("max_staleness_ms", self.max_staleness_ms, 0, 60_001)
+        if self.metrics_port is not None:
+            check_int("metrics_port", self.metrics_port, 0, 65536)
+        check_choice("log_format", self.log_format, LOG_FORMATS)

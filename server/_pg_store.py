@@ -13,6 +13,7 @@ import psycopg.errors
 import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from croupier.core.checks import check_int, check_seconds, is_int
 from croupier.server._pg_watch import JournalWatch
 from croupier.server._store import (
     Recovered,
@@ -205,16 +206,8 @@ class PostgresStore:
             StoreVersionError: If the database has a newer croupier schema.
         """
         self.url = redact_url(url)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a number of seconds (got {type(timeout).__name__})")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds (got {timeout=})")
-        if isinstance(prune_margin, bool) or not isinstance(prune_margin, int):
-            raise TypeError(f"prune_margin must be an int (got {type(prune_margin).__name__})")
-        if prune_margin < 0:
-            raise ValueError(f"prune_margin must be >= 0 (got {prune_margin=})")
-        self.timeout = float(timeout)
-        self.prune_margin = prune_margin
+        self.timeout = check_seconds("timeout", timeout)
+        self.prune_margin = check_int("prune_margin", prune_margin, 0)
         self._closed = False
         self._close_lock = threading.Lock()
         self._secrets = _secrets_in(url)
@@ -342,7 +335,7 @@ class PostgresStore:
     # -- reading ------------------------------------------------------------------------------
 
     def _verified(self, what: str, seq: object, crc: object, payload: object) -> tuple[int, bytes]:
-        if not isinstance(seq, int) or not isinstance(payload, bytes):
+        if not is_int(seq) or not isinstance(payload, bytes):
             raise self._corrupt(f"{what} {seq!r} has a seq or payload of the wrong type")
         if crc != record_crc(seq, payload):
             raise self._corrupt(
@@ -385,8 +378,6 @@ class PostgresStore:
     def read_since(self, seq: int) -> Recovered:
         """See :meth:`Store.read_since`: the records after ``seq`` while the journal still holds them."""
         seq = check_seq(seq)
-        if seq < 0:
-            raise ValueError(f"seq must be >= 0 (got {seq=})")
         with self._connection("cannot read") as conn:
             rows = conn.execute(_READ_SINCE, {"x": seq}, binary=True).fetchall()
         rec, last = self._recovered(rows, seq)
@@ -411,8 +402,6 @@ class PostgresStore:
         """See :meth:`Store.append_at`: one statement, one transaction, one commit."""
         expected_last = check_seq(expected_last, "expected_last")
         payloads = check_records(records)
-        if expected_last < 0:
-            raise ValueError(f"expected_last must be >= 0 (got {expected_last=})")
         seqs = list(range(expected_last + 1, expected_last + 1 + len(payloads)))
         params = {
             "seqs": seqs,
@@ -452,8 +441,6 @@ class PostgresStore:
         """See :meth:`Store.write_snapshot`: replaces an older snapshot, ignores one not newer; prunes with a margin."""
         seq = check_seq(seq)
         data = as_bytes(payload, "payload")
-        if seq < 0:
-            raise ValueError(f"snapshot seq must be >= 0 (got {seq=})")
         with self._connection("cannot write a snapshot") as conn, conn.transaction():
             row = conn.execute(f"SELECT {_LAST}").fetchone()
             last = int(row[0]) if row is not None else 0
@@ -461,6 +448,11 @@ class PostgresStore:
                 raise ValueError(f"snapshot seq must be <= the last acknowledged record {last} (got {seq=})")
             conn.execute(_UPSERT_SNAPSHOT, {"seq": seq, "crc": record_crc(seq, data), "payload": data})
             conn.execute(_PRUNE, {"margin": self.prune_margin})
+
+    def has_room(self) -> bool:
+        """See :meth:`Store.has_room`: always; the database server keeps its own disk (a full one there
+        is :class:`StoreUnavailable`, retried like any outage of the database)."""
+        return True
 
     def close(self) -> None:
         """See :meth:`Store.close`: closes the pool."""

@@ -22,6 +22,8 @@ from typing import Any
 
 import psycopg
 
+from croupier.core.checks import check_seconds
+
 log = logging.getLogger("croupier.server")
 
 #: The channel appends notify.
@@ -42,8 +44,7 @@ class JournalWatch:
     """A thread that keeps the journal's last seq known and confirmed (see the module)."""
 
     def __init__(self, conninfo: str, last_query: str, heartbeat_s: float, url: str) -> None:
-        if not heartbeat_s > 0:
-            raise ValueError(f"heartbeat_s must be > 0 (got {heartbeat_s=})")
+        heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
         self._conninfo, self._last_query, self.heartbeat_s, self._url = conninfo, last_query, heartbeat_s, url
         self._lock = threading.Lock()
         self._known = 0

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from croupier.core.checks import is_int
 from croupier.server._store import (
     Recovered,
     StoreCorrupt,
@@ -160,8 +161,8 @@ class SqliteStore:
                          "takes writes again once there is room")
 
     def has_room(self) -> bool:
-        """Whether the file system of the store has room again after a :class:`StoreFull` (always, before one):
-        1 MiB free, or twice the write that found it full if more."""
+        """See :meth:`Store.has_room`: whether the file system of the store has room again after a
+        :class:`StoreFull` (always, before one): 1 MiB free, or twice the write that found it full if more."""
         try:
             st = os.statvfs(self.path.parent)
         except OSError:
@@ -235,7 +236,7 @@ class SqliteStore:
             versions = conn.execute("SELECT version FROM croupier_schema").fetchall()
         except sqlite3.Error as exc:
             raise self._translate("cannot read the schema version", exc) from exc
-        if len(versions) != 1 or isinstance(versions[0][0], bool) or not isinstance(versions[0][0], int):
+        if len(versions) != 1 or not is_int(versions[0][0]):
             raise self._corrupt(f"croupier_schema must hold one integer version (holds {versions!r})")
         version = versions[0][0]
         if version > SCHEMA_VERSION:
@@ -281,11 +282,11 @@ class SqliteStore:
         return Recovered(snapshot, snapshot_seq, records)
 
     def _verified(self, what: str, seq: object, crc: object, payload: object) -> tuple[int, bytes]:
-        if isinstance(seq, bool) or not isinstance(seq, int):
+        if not is_int(seq):
             raise self._corrupt(f"{what} has a non-integer seq {seq!r}")
         if not isinstance(payload, bytes):
             raise self._corrupt(f"{what} {seq} has a payload of type {type(payload).__name__}, not a blob")
-        if not isinstance(crc, int) or crc != record_crc(seq, payload):
+        if not is_int(crc) or crc != record_crc(seq, payload):
             raise self._corrupt(
                 f"{what} {seq} fails its checksum (stored {crc!r}, computed {record_crc(seq, payload)}, "
                 f"{len(payload)} bytes)"

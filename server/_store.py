@@ -17,6 +17,8 @@ import zlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from croupier.core.checks import check_int
+
 __all__ = [
     "SCHEMES",
     "Recovered",
@@ -67,7 +69,7 @@ class StoreFull(StoreUnavailable):
 
     Unlike other write failures of a sqlite store, this one does not poison it: the write failed
     before anything reached the disk for good (SQLite rolls the transaction back), so the store
-    takes writes again once there is room (see ``has_room``).
+    takes writes again once there is room (see :meth:`Store.has_room`).
     """
 
 
@@ -268,6 +270,17 @@ class Store(Protocol):
         """
         ...
 
+    def has_room(self) -> bool:
+        """Whether the store takes writes again after a write raised :class:`StoreFull`.
+
+        True before any :class:`StoreFull`. After one, True once the room the failed write
+        wants is free again. A backend whose writes never raise :class:`StoreFull` MUST
+        return True. It MUST NOT raise (a store that cannot tell answers False, and is asked
+        again later), and MUST answer on a closed store too. The coordinator asks it, with a
+        backoff, before it takes writes again after a :class:`StoreFull`.
+        """
+        ...
+
     def close(self) -> None:
         """Releases the store; later calls raise, close is idempotent."""
         ...
@@ -321,7 +334,7 @@ def check_records(records: Sequence[bytes]) -> list[bytes]:
 
 
 def check_seq(seq: object, what: str = "seq") -> int:
-    """A sequence-number argument, checked to be an int (not a bool).
+    """A sequence-number argument, checked to be an int (not a bool) >= 0.
 
     Args:
         seq: The value to check.
@@ -331,11 +344,10 @@ def check_seq(seq: object, what: str = "seq") -> int:
         ``seq``.
 
     Raises:
-        TypeError: If it is not.
+        TypeError: If it is not an int.
+        ValueError: If it is negative.
     """
-    if isinstance(seq, bool) or not isinstance(seq, int):
-        raise TypeError(f"{what} must be an int (got {type(seq).__name__})")
-    return seq
+    return check_int(what, seq, 0)
 
 
 def check_expected_last(expected_last: int, last_seq: int, url: str) -> None:
@@ -347,11 +359,9 @@ def check_expected_last(expected_last: int, last_seq: int, url: str) -> None:
         url: The store's (redacted) URL, for the error.
 
     Raises:
-        ValueError: If ``expected_last`` is negative or beyond ``last_seq`` (a gap).
+        ValueError: If ``expected_last`` is beyond ``last_seq`` (a gap).
         StoreConflict: If ``expected_last < last_seq``: another writer got there first.
     """
-    if expected_last < 0:
-        raise ValueError(f"expected_last must be >= 0 (got {expected_last=})")
     if expected_last > last_seq:
         raise ValueError(
             f"store {url}: expected_last {expected_last} is beyond the journal's last record {last_seq}; "
@@ -376,15 +386,13 @@ def check_snapshot_seq(seq: int, snapshot_seq: int, last_seq: int) -> None:
     """Refuses a snapshot beyond the journal or older than the current one.
 
     Args:
-        seq: The new snapshot's seq.
+        seq: The new snapshot's seq (an int >= 0, checked by :func:`check_seq`).
         snapshot_seq: The current snapshot's seq (0 if none).
         last_seq: The last acknowledged record's seq.
 
     Raises:
-        ValueError: If ``seq`` is negative, ``seq > last_seq`` or ``seq < snapshot_seq``.
+        ValueError: If ``seq > last_seq`` or ``seq < snapshot_seq``.
     """
-    if seq < 0:
-        raise ValueError(f"snapshot seq must be >= 0 (got {seq=})")
     if seq > last_seq:
         raise ValueError(f"snapshot seq must be <= the last acknowledged record {last_seq} (got {seq=})")
     if seq < snapshot_seq:

@@ -176,9 +176,9 @@ class StoreContract:
             store.append_at(0, [])
         with pytest.raises(TypeError, match="not a single bytes"):
             store.append_at(0, b"abc")  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match=r"expected_last must be an int \(got bool\)"):
+        with pytest.raises(TypeError, match=r"expected_last must be an int \(got expected_last=False\)"):
             store.append_at(False, [b"x"])
-        with pytest.raises(TypeError, match=r"expected_last must be an int \(got str\)"):
+        with pytest.raises(TypeError, match=r"expected_last must be an int \(got expected_last='0'\)"):
             store.append_at("0", [b"x"])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"expected_last must be >= 0 \(got expected_last=-1\)"):
             store.append_at(-1, [b"x"])
@@ -231,10 +231,21 @@ class StoreContract:
             store.read_since(-1)
         with pytest.raises(ValueError, match=r"seq must be in \[0, 2\], the journal's last record \(got seq=3\)"):
             store.read_since(3)
-        with pytest.raises(TypeError, match=r"seq must be an int \(got bool\)"):
+        with pytest.raises(TypeError, match=r"seq must be an int \(got seq=True\)"):
             store.read_since(True)
-        with pytest.raises(TypeError, match=r"seq must be an int \(got float\)"):
+        with pytest.raises(TypeError, match=r"seq must be an int \(got seq=1.0\)"):
             store.read_since(1.0)  # type: ignore[arg-type]
+
+    def test_has_room_before_any_full_write_and_once_closed(self, tmp_path: Path) -> None:
+        """Every backend keeps the whole protocol, has_room included: True until a write found no room."""
+        store = self.open(tmp_path)
+        assert isinstance(store, Store)
+        assert store.has_room() is True
+        store.append([b"x"])
+        store.write_snapshot(1, b"s")
+        assert store.has_room() is True
+        store.close()
+        assert store.has_room() is True  # answers, and does not raise, on a closed store
 
     def test_closed_store_refuses(self, tmp_path: Path) -> None:
         store = self.open(tmp_path)

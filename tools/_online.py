@@ -90,7 +90,7 @@ class OnlineFaults:
         mode = history.DATABASE_MODES[sum(modes.values()) % len(history.DATABASE_MODES)]
         try:
             took = self._restart(lambda: database.restart(mode))
-        except Exception as e:  # noqa: BLE001 - the control's own failure is not one of croupier's
+        except Exception as e:  # the control's own failure is not one of croupier's
             raise ChaosError(f"the database did not restart (shutdown mode {mode}): {type(e).__name__}: {e}") from e
         modes[mode] += 1
         self.servers.check()  # every replica outlives the outage

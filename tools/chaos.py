@@ -453,7 +453,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
                                     stale_s=STALENESS_S if store is not None else 0.0)
             if not calls.ok:
                 raise ChaosError(f"the ranks' calls are not linearizable: {calls.why}")
-        except Exception as e:  # noqa: BLE001 - anything unexpected fails the run, with its cause
+        except Exception as e:  # anything unexpected fails the run, with its cause
             print(f"\nchaos: FAILED after {run.tally.faults} faults, {time.perf_counter() - t0:.0f} s "
                   f"(seed {seed}): {type(e).__name__}: {e}", flush=True)
             return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -11,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from croupier.core import settings
-from croupier.core.order import fresh, plan
+from croupier.core.order import fixed_plan, fresh
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
-from croupier.server import StoreError
+from croupier.server import ServerOptions, StoreError
 from croupier.tools.status import DEFAULT_WATCH_S, watch_seconds
 
 
@@ -26,7 +27,7 @@ def _order_cmd(args: argparse.Namespace) -> int:
         tail=args.tail,
         batch_size=args.batch_size,
     )
-    p = plan(spec, fresh(spec, args.epoch), args.world)
+    p = fixed_plan(spec, fresh(spec, args.epoch), args.world)
     np.set_printoptions(threshold=64, linewidth=120)
     print(f"spec {spec.fingerprint}: {spec.describe()}")
     print(f"epoch {args.epoch}, world {args.world}: rank {args.rank} gets {p.samples(args.rank)} indices")
@@ -40,21 +41,14 @@ def _order_cmd(args: argparse.Namespace) -> int:
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
-    from croupier.server import ServerOptions, configure_logging, serve
-
-    configure_logging(args.log_format, logging.INFO if args.verbose else logging.WARNING)
+    from croupier.server import configure_logging, serve
 
     try:
-        options = ServerOptions(
-            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, auth_file=args.auth_file,
-            max_jobs=args.max_jobs, max_world=args.max_world, max_request_bytes=args.max_request_bytes,
-            max_concurrent_joins=args.max_concurrent_joins, metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host, log_format=args.log_format, snapshot_every=args.snapshot_every,
-            max_staleness_ms=args.max_staleness_ms,
-        )
+        options = ServerOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)})
     except ValueError as e:
         print(f"croupier serve: error: {e}", file=sys.stderr)
         return 2
+    configure_logging(options.log_format, logging.INFO if args.verbose else logging.WARNING)
     return serve(args.host, args.port, args.store, grace=args.grace, options=options)
 
 
@@ -156,28 +150,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default $CROUPIER_STORE, else sqlite:///croupier.db)")
     s.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM (default 5)")
     s.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
-    s.add_argument("--log-format", choices=("text", "json"), default="text",
-                   help="stderr log lines as text or as JSON objects carrying job, generation and rank (default text)")
-    s.add_argument("--tls-cert", help="PEM certificate chain: serve TLS only (with --tls-key)")
-    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    s.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
-    s.add_argument("--auth-file", help="credentials file: every call needs a credential for its job and role "
-                                       "(reloaded on SIGHUP and on change)")
-    s.add_argument("--max-jobs", type=int, default=10_000, help="jobs held at most (default 10000)")
-    s.add_argument("--max-world", type=int, default=1 << 20, help="largest world size a join may name (default 2**20)")
-    s.add_argument("--max-request-bytes", type=int, default=64 << 20, help="largest request accepted (default 64 MiB)")
-    s.add_argument("--max-concurrent-joins", type=int, default=96,
-                   help="joins in progress at once (default 96, of the 128 serving threads)")
-    s.add_argument("--metrics-port", type=int, default=None,
+    # NOTE: every default below is ServerOptions' own (`opt`), so that it is written once.
+    opt = ServerOptions()
+    s.add_argument("--log-format", default=opt.log_format, metavar="{text,json}",
+                   help=f"stderr log lines as text or as JSON objects carrying job, generation and rank "
+                        f"(default {opt.log_format})")
+    s.add_argument("--tls-cert", default=opt.tls_cert, help="PEM certificate chain: serve TLS only (with --tls-key)")
+    s.add_argument("--tls-key", default=opt.tls_key, help="PEM private key of --tls-cert")
+    s.add_argument("--tls-client-ca", default=opt.tls_client_ca,
+                   help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    s.add_argument("--auth-file", default=opt.auth_file,
+                   help="credentials file: every call needs a credential for its job and role (reloaded on SIGHUP "
+                        "and on change)")
+    s.add_argument("--max-jobs", type=int, default=opt.max_jobs, help=f"jobs held at most (default {opt.max_jobs})")
+    s.add_argument("--max-world", type=int, default=opt.max_world,
+                   help=f"largest world size a join may name (default {opt.max_world})")
+    s.add_argument("--max-request-bytes", type=int, default=opt.max_request_bytes,
+                   help=f"largest request accepted, in bytes (default {opt.max_request_bytes})")
+    s.add_argument("--max-concurrent-joins", type=int, default=opt.max_concurrent_joins,
+                   help=f"joins in progress at once (default {opt.max_concurrent_joins}, of the 128 serving threads)")
+    s.add_argument("--metrics-port", type=int, default=opt.metrics_port,
                    help="serve /metrics (Prometheus) and the status page over HTTP on this port (default: off)")
-    s.add_argument("--metrics-host", default="127.0.0.1", help="interface of the metrics port (default 127.0.0.1)")
-    s.add_argument("--snapshot-every", type=int, default=1000,
+    s.add_argument("--metrics-host", default=opt.metrics_host,
+                   help=f"interface of the metrics port (default {opt.metrics_host})")
+    s.add_argument("--snapshot-every", type=int, default=opt.snapshot_every,
                    help="journal records between two snapshots of the state: recovery replays at most this many "
-                        "(default 1000)")
-    s.add_argument("--max-staleness-ms", type=int, default=100,
+                        f"(default {opt.snapshot_every})")
+    s.add_argument("--max-staleness-ms", type=int, default=opt.max_staleness_ms,
                    help="replicas on PostgreSQL: answer grants from what the replica knows while it confirmed the "
                         "journal's end within this many ms (it listens for appends); 0 asks the database on every "
-                        "grant (default 100)")
+                        f"grant (default {opt.max_staleness_ms})")
     s.set_defaults(func=_serve_cmd)
 
     h = sub.add_parser("health", help="check a coordinator's health service (for probes); TLS settings from "

@@ -11,13 +11,12 @@ import dataclasses
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from croupier.core import settings
 from croupier.core.amend import sizes_after
-from croupier.core.api import JobStatus
+from croupier.core.api import JobStatus, now_ms
 from croupier.core.errors import CroupierError, NotFound, Unavailable
 
 if TYPE_CHECKING:
@@ -217,10 +216,6 @@ def watch_seconds(text: str) -> float:
     return s
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 class _UnknownJob(Exception):
     pass
 
@@ -235,7 +230,7 @@ def _render(client: CoordinatorClient, job: str | None, limit: int = DEFAULT_LIM
                 statuses.append((name, client.status(name)))
             except NotFound:  # gone between the two calls
                 continue
-        lines = jobs_lines(statuses, _now_ms())
+        lines = jobs_lines(statuses, now_ms())
         if nxt or after:
             lines.append(f"{len(names)} of {total} jobs{f' after {after!r}' if after else ''}"
                          + (f"; the next ones: croupier status --after {nxt}" if nxt else ""))
@@ -245,7 +240,7 @@ def _render(client: CoordinatorClient, job: str | None, limit: int = DEFAULT_LIM
     except NotFound:
         known = client.jobs()
         raise _UnknownJob(f"no job {job!r} at {client.address} (jobs: {', '.join(known) or 'none'})") from None
-    return job_lines(job, st, _now_ms())
+    return job_lines(job, st, now_ms())
 
 
 def main(address: str | None, job: str | None = None, watch: float | None = None, out: TextIO | None = None,

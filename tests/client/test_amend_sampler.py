@@ -188,6 +188,7 @@ def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_pos
 @pytest.mark.parametrize("job, kind, values, error, words", [
     ("nope", "skip", [1], NotFound, "not known"),
     ("j", "weights", [1, 2], InvalidArgument, "adding up to"),
+    ("j", "weights", list(parts_of([1, 2, 3])), InvalidArgument, "the job has 2 sources; 3 weights given$"),
     ("j", "grow", [0, 20], InvalidArgument, "only grows"),
     ("j", "grow", [2, 200], InvalidArgument, "source 2 is not one"),
     ("j", "skip", [100], InvalidArgument, "index 100 is not in the dataset"),
@@ -351,3 +352,13 @@ def test_ranks_resuming_with_other_amendments_are_refused_whichever_joins_first(
             st.apply(ev)
         with pytest.raises(FailedPrecondition, match="every rank must load the same checkpoint"):
             st.decide_join(JoinRequest("j", MIX, "t2", 2, 1, Cursor(0, ((60, 100),)), amendments=second))
+
+
+def test_weights_for_another_number_of_sources_are_counted_before_they_become_parts() -> None:
+    s = DistributedSampler(100, weights=[1, 1], sources=[30, 70], num_replicas=1, rank=0, job="x",
+                           address="127.0.0.1:1")
+    try:
+        with pytest.raises(ValueError, match=r"^the job has 2 sources; 3 weights given$"):
+            s.set_weights([1, 2, 3])  # refused before any call: the sampler knows its sources
+    finally:
+        s.close()

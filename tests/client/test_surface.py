@@ -78,6 +78,8 @@ def test_worker_options_start_workers_safely_for_this_python() -> None:
     expected = {"num_workers": 2} if sys.version_info >= FIXED_IN else {
         "num_workers": 2, "multiprocessing_context": "spawn", "persistent_workers": True}
     assert worker_options(2) == expected
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=f"num_workers must be an int >= 0, got {bad!r}"):
+    with pytest.raises(ValueError, match=r"num_workers must be >= 0 \(got num_workers=-1\)"):
+        worker_options(-1)
+    for bad in (1.5, True):
+        with pytest.raises(TypeError, match=f"num_workers must be an int \\(got num_workers={bad!r}\\)"):
             worker_options(bad)  # type: ignore[arg-type]

@@ -188,3 +188,9 @@ def test_an_amendment_round_trips_and_bad_lists_are_refused() -> None:
                      (["grow", [1], -1], "position")]:
         with pytest.raises(ValueError, match=why):
             Amendment.from_list(bad)
+
+
+def test_weights_for_another_number_of_sources_name_both_counts() -> None:
+    for weights in ([1, 2, 3], [5]):
+        with pytest.raises(ValueError, match=rf"^the job has 2 sources; {len(weights)} weights given$"):
+            check([10, 20], [], Amendment("weights", parts_of(weights), None), PARTS)

@@ -129,7 +129,7 @@ def test_bad_weights_are_refused_by_name(ws: list[float], why: str) -> None:
 
 
 def test_bad_sizes_and_positions_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="size 0 of source 1"):
+    with pytest.raises(ValueError, match=r"sizes\[1\] must be >= 1 \(got sizes\[1\]=0\)"):
         Mixture.of([3, 0], [1, 1])
     with pytest.raises(ValueError, match="positions must be in"):
         Mixture.of([3], [1]).locate(np.array([MAX_POSITION + 1]))

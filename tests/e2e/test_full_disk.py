@@ -113,9 +113,9 @@ def test_a_full_disk_does_not_poison_the_sqlite_store(small_fs: pathlib.Path) ->
         with pytest.raises(StoreFull, match="no room"):
             for _ in range(5000):
                 last = store.append([os.urandom(4000)])
-        assert not store.has_room()  # type: ignore[attr-defined]
+        assert not store.has_room()
         filler.unlink()
-        assert store.has_room()  # type: ignore[attr-defined]
+        assert store.has_room()
         assert store.append([b"y"]) == last + 1
         assert store.load().last_seq == last + 1
     finally:

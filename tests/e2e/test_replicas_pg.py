@@ -80,7 +80,7 @@ def test_a_replica_killed_mid_commit_loses_no_acknowledged_join(postgres_url: st
                 token = f"t{k}"
                 try:
                     r = c.join(JoinRequest("mid", spec, token, 1, 0), wait_s=0.0)
-                except Exception as e:  # noqa: BLE001 - the replica dies under it
+                except Exception as e:  # the replica dies under it
                     failures.append(e)
                     return
                 acked.append((r.generation, token))

@@ -94,11 +94,11 @@ def test_snapshot_every_sets_how_much_journal_a_recovery_replays(tmp_path: pathl
     from croupier.server._service import Server
     from croupier.server._stores import open_store
 
-    with pytest.raises(ValueError, match=r"snapshot_every must be a positive int \(got snapshot_every=0\)"):
+    with pytest.raises(ValueError, match=r"snapshot_every must be >= 1 \(got snapshot_every=0\)"):
         ServerOptions(snapshot_every=0)
     bad = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store", "memory://",
                           "--snapshot-every", "0"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "snapshot_every must be a positive int" in bad.stderr
+    assert bad.returncode == 2 and "snapshot_every must be >= 1 (got snapshot_every=0)" in bad.stderr
     url = f"sqlite:///{tmp_path}/c.db"
     for every, snapshotted in [(3, True), (1000, False)]:
         (tmp_path / "c.db").unlink(missing_ok=True)

@@ -128,7 +128,7 @@ def test_refusals() -> None:
     shard = grain.sharding.ShardOptions(0, 1)
     with pytest.raises(ValueError, match=r"num_records must be >= 1 \(got num_records=0\)"):
         cg.CroupierSampler(0, shard_options=shard)
-    with pytest.raises(ValueError, match="tail must be 'pad', 'drop' or 'pad_last'"):
+    with pytest.raises(ValueError, match=r"tail must be one of \['pad', 'drop', 'pad_last'\] \(got tail='uneven'\): every process takes"):
         cg.CroupierSampler(10, shard_options=shard, tail="uneven")
     with pytest.raises(TypeError, match="shard_options must be a grain.sharding.ShardOptions"):
         cg.CroupierSampler(10, shard_options=(0, 1))  # type: ignore[arg-type]

@@ -248,7 +248,7 @@ def _mutated(ev: Any, **changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("d", "why"),
     [
-        (_mutated(EVENTS[1], version=True), r"event format version must be an int \(got True\)"),
+        (_mutated(EVENTS[1], version=True), r"event format version must be an int \(got event format version=True\)"),
         (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5\)$"),
         (_without(encode_event(EVENTS[1]), "type"), r"unknown event type None"),
         (_mutated(EVENTS[1], type=["RankJoined"]), r"unknown event type \['RankJoined'\]"),
@@ -297,7 +297,7 @@ def test_a_snapshot_round_trips_with_its_version() -> None:
     ("snap", "why"),
     [
         ([], r"a snapshot must be a map \(got list\)"),
-        (_snapshot(snap__version="1"), r"snapshot format version must be an int \(got '1'\)"),
+        (_snapshot(snap__version="1"), r"snapshot format version must be an int \(got snapshot format version='1'\)"),
         (_snapshot(snap__jobs={}), r"snapshot jobs must be a list"),
         (_snapshot(job__tokens="tok"), r"snapshot job 0 tokens must be a list"),
         (_snapshot(job__tokens=["tok", 3]), r"snapshot job 0 token 1 must be a str"),

@@ -449,7 +449,7 @@ def test_a_server_restart_loses_nothing_acknowledged(postgres: Postgres, postgre
                     errors.append(e)
                 except StoreConflict:  # it was committed after all: catch up
                     pos = a.last_seq()
-                except BaseException as e:  # noqa: BLE001 - reported below
+                except BaseException as e:  # reported below
                     errors.append(e)
                     return
 
