@@ -308,7 +308,7 @@ def test_a_samplers_first_batch_packs_one_window_not_the_epoch(server) -> None: 
                                 lengths=lengths, max_tokens=400, token_window=256, lease_ahead=4)
     try:
         next(iter(s))
-        p = s._plan(s._epoch)
+        p = s._epoch_plan(s._progress.epoch)
         assert p is not None and p._packs <= 2, p._packs  # type: ignore[attr-defined]
     finally:
         s.close()
