@@ -8,7 +8,6 @@ from typing import Protocol
 from croupier.client._rpc import CoordinatorClient
 from croupier.core.amend import Amendment
 from croupier.core.checks import check_count
-from croupier.core.checks import check_count
 from croupier.core.errors import CroupierError
 from croupier.core.mixture import parts_of
 from croupier.core.spec import Spec
@@ -35,9 +34,6 @@ class Amender:
         self._s = sampler
 
     def set_weights(self, weights: Sequence[float]) -> Amendment:
-        weights = list(weights)
-        if self._s.spec.sources is not None:  # counted before they become parts: the count is the user's
-            check_count("weights", weights, len(self._s.spec.sources), "sources")
         """New weights, one per source (see the sampler's ``set_weights``)."""
         weights = list(weights)
         if self._s.spec.sources is not None:  # counted before they become parts: the count is the user's
