@@ -105,11 +105,16 @@ class Amending:
         """Takes samples out of the job for good (found corrupt): no rank of the job's next generation,
         or of any later one, deals them; ``croupier audit`` counts them as skipped, not missing.
 
-        `indices` are dataset indices as this sampler hands them out. They hold from the first sample
+        `indices` are dataset indices as this sampler hands them out (a grow recorded since its
+        generation started renumbers nothing until the next one). They hold from the first sample
         the next generation deals, in the source epoch in progress too; with ``tail="pad_last"`` a job
         resumed inside an epoch holds them from the next epoch (a pad copies the epoch's last position,
         which may have been dealt already), so a corrupt sample found mid-epoch there must also be
         passed over by the dataset until that epoch ends.
+
+        Returns:
+            The amendment as the coordinator recorded it: its ``pairs`` are the (source, sample)
+            pairs taken out, each sample as numbered within its source.
 
         Raises:
             ValueError: an index out of range or skipped already, a skip that would leave a source
