@@ -19,11 +19,11 @@ import tempfile
 import threading
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Protocol
 
 from croupier.core import settings
-from croupier.core.api import MAX_NAME, MAX_WORLD
-from croupier.core.checks import check_int, check_name
+from croupier.core.api import MAX_WORLD
+from croupier.core.checks import check_int
 
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
@@ -124,29 +124,88 @@ def dist_ready() -> bool:
     return _dist() is not None
 
 
-#: How many samplers of each default job name this process has made (train, val and test
-#: samplers of one spec get distinct names, in the order the program makes them).
-_defaults: dict[str, int] = {}
+class JobHolder(Protocol):
+    """A sampler as job resolution sees it: whether it is done with its derived job."""
+
+    job: str
+
+    def _done_with_job(self) -> bool:
+        """It joined and its epoch is finished: a later sampler of its spec may go on with its job."""
+        ...
 
 
-def resolve_job(job: str | None, spec: Any) -> tuple[str, bool]:
+#: Each derived job name's slots in this process: base -> the sampler holding each slot, weakly
+#: (slot 0 is named BASE, slot i >= 1 BASE.(i+1)).
+_slots: dict[str, list[weakref.ref[JobHolder]]] = {}
+#: Samplers closed (their slot is free) and samplers whose job a later one went on with (-> that job).
+_released: weakref.WeakSet[JobHolder] = weakref.WeakSet()
+_taken_over: weakref.WeakKeyDictionary[JobHolder, str] = weakref.WeakKeyDictionary()
+_slots_lock = threading.Lock()
+
+
+def resolve_job(job: str | None, spec: Any, holder: JobHolder) -> tuple[str, bool]:
     """The job's name, and whether it was named (``job=`` or ``CROUPIER_JOB``) rather than derived.
 
     A derived name is ``RUN.FINGERPRINT``: RUN is the launcher's run (``TORCHELASTIC_RUN_ID``,
     else ``SLURM_JOB_ID``, else ``local``) and FINGERPRINT the first 12 characters of the spec's
-    fingerprint; the k-th sampler of one spec in a process (k >= 2) appends ``.k``. Samplers of
-    different data or settings, and different launches, never share a job; every rank derives
-    the same name, since it runs the same program.
+    fingerprint. Samplers of different data or settings, and different launches, never share a
+    job; every rank derives the same name, since it runs the same program.
+
+    Samplers of one spec in one process: `holder` takes the first name (``RUN.FINGERPRINT``, then
+    ``.2``, ``.3``, ...) that no earlier sampler still holds. A sampler holds its name until it is
+    closed or garbage-collected, or it has joined and finished its epoch: so train, val and test
+    samplers made before they are iterated get names of their own, and a loop that makes a new
+    sampler every epoch goes on with one job (each new sampler joins it as the next
+    generation). An earlier sampler whose job a later one went on with is refused if it is
+    iterated again (:func:`check_holds`).
     """
     if job is None:
         job = settings.get("CROUPIER_JOB")
     if job is not None:
-        return check_name("job", job, MAX_NAME), True
+        if not isinstance(job, str) or not job or len(job) > 256:
+            raise ValueError(f"job must be a non-empty string of at most 256 characters (got job={job!r})")
+        return job, True
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
     base = f"{run[:200]}.{spec.fingerprint[:12]}"
-    with _embedded_lock:
-        k = _defaults[base] = _defaults.get(base, 0) + 1
-    return (base if k == 1 else f"{base}.{k}"), False
+    with _slots_lock:
+        slots = _slots.setdefault(base, [])
+        i = next((i for i, ref in enumerate(slots) if _free(ref())), len(slots))
+        name = base if i == 0 else f"{base}.{i + 1}"
+        if i < len(slots):
+            earlier = slots[i]()
+            if earlier is not None and earlier not in _released:
+                _taken_over[earlier] = name
+            slots[i] = weakref.ref(holder)
+        else:
+            slots.append(weakref.ref(holder))
+    return name, False
+
+
+def _free(holder: JobHolder | None) -> bool:
+    """Whether the slot of `holder` may be taken (the caller holds ``_slots_lock``)."""
+    return holder is None or holder in _released or holder._done_with_job()
+
+
+def release(holder: JobHolder) -> None:
+    """`holder` is closed: its derived job's name is free for the next sampler of its spec."""
+    with _slots_lock:
+        _released.add(holder)
+
+
+def check_holds(holder: JobHolder) -> None:
+    """Raises RuntimeError if a later sampler of `holder`'s spec went on with its derived job.
+
+    NOTE: the later sampler's join opened a new generation of the job, which fences this one;
+    without this check its next lease would be refused as a zombie's, which it is not.
+    """
+    with _slots_lock:
+        name = _taken_over.get(holder)
+    if name is not None and name == holder.job:
+        raise RuntimeError(
+            f"job {name!r} was taken over by a sampler of the same spec made in this process after this one "
+            "finished its epoch (a loop that makes a new sampler every epoch goes on with one job): to use "
+            "both, pass job= to each, or make both before iterating either"
+        )
 
 
 def _store_dir() -> pathlib.Path:
