@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from croupier.core import settings
+from croupier.core.checks import check_int
 from croupier.core.order import fixed_plan, fresh
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
 from croupier.server import ServerOptions, StoreError
@@ -94,9 +95,7 @@ def _infer_demo_cmd(args: argparse.Namespace) -> int:
 def _status_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.status import main as status
 
-    if args.limit < 1:
-        raise ValueError(f"--limit must be at least 1 (got {args.limit})")
-    return status(args.address, args.job, args.watch, limit=args.limit, after=args.after)
+    return status(args.address, args.job, args.watch, limit=check_int("--limit", args.limit, 1), after=args.after)
 
 
 def _amend_cmd(args: argparse.Namespace) -> int:

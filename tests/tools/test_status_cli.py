@@ -239,3 +239,10 @@ def test_the_status_page_the_metrics_and_croupier_status_count_alike(tmp_path: p
     assert metrics[("croupier_job_epoch_progress", (("job", "j"),))] == pytest.approx(done / total)
     assert [metrics[("croupier_rank_lag_batches", (("job", "j"), ("rank", str(r))))] for r in range(3)] == \
         [r["lag"] for r in page["ranks"]] == [0, TAKEN[0] - TAKEN[1], TAKEN[0] - TAKEN[2]]
+
+
+def test_a_limit_below_one_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from croupier.tools.cli import main
+
+    assert main(["status", "--limit", "0", "--address", "127.0.0.1:1"]) == 2
+    assert "--limit must be >= 1 (got --limit=0)" in capsys.readouterr().err
