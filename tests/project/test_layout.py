@@ -79,6 +79,41 @@ def test_import_contract_catches_a_breach(tmp_path: pathlib.Path) -> None:
     assert len(found) == 3, found
 
 
+def private_reads(root: pathlib.Path = ROOT) -> list[str]:
+    """Every read in tools/ of another object's private attribute (``x._name``, ``getattr(x, "_name")``),
+    as 'file:line: name': a tool reads the server's and the client's objects through their public
+    names (a stored state through ``croupier.server.generation_deals``, a sampler through its
+    properties), so their internals stay free to change."""
+    out: list[str] = []
+    for path in sorted((root / "tools").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = None
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    name = node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_")
+                  and not str(node.args[1].value).startswith("__")):
+                name = str(node.args[1].value)
+            if name is not None:
+                out.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return out
+
+
+def test_tools_read_no_private_attribute() -> None:
+    assert private_reads() == []
+
+
+def test_the_private_read_check_can_fail(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "bad.py").write_text(
+        "def f(state, sampler, self):\n"
+        "    self._mine = 1\n"  # its own: allowed
+        "    return state._jobs, getattr(sampler, '_token', None), hasattr(sampler, '__len__')\n")
+    assert private_reads(tmp_path) == ["tools/bad.py:3: _jobs", "tools/bad.py:3: _token"]
+
+
 @pytest.mark.parametrize(
     ("module", "absent"),
     [
