@@ -302,7 +302,8 @@ class Server:
         # NOTE: gRPC's own size check refuses with a message that names no option, before any of
         # croupier's code (the metrics included) sees the call. So gRPC lets through up to twice the
         # limit, and the handler refuses what is over it by name, counted as RESOURCE_EXHAUSTED; a
-        # request past twice the limit is still refused by gRPC itself, unread.
+        # request past twice the limit is still refused by gRPC itself, unread (the metrics count
+        # it apart: croupier_rpc_refused_unread_total).
         grpc_options = [kv for kv in SERVER_OPTIONS if kv[0] != "grpc.max_receive_message_length"]
         grpc_options.append(("grpc.max_receive_message_length", _grpc_receive_limit(o.max_request_bytes)))
         self._grpc = grpc.server(self._pool, options=grpc_options, interceptors=interceptors)
