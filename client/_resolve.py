@@ -22,8 +22,8 @@ import weakref
 from typing import Any, Protocol
 
 from croupier.core import settings
-from croupier.core.api import MAX_WORLD
-from croupier.core.checks import check_int
+from croupier.core.api import MAX_NAME, MAX_WORLD
+from croupier.core.checks import check_int, check_name
 
 _embedded: dict[str, Any] = {}
 _embedded_lock = threading.Lock()
@@ -162,9 +162,7 @@ def resolve_job(job: str | None, spec: Any, holder: JobHolder) -> tuple[str, boo
     if job is None:
         job = settings.get("CROUPIER_JOB")
     if job is not None:
-        if not isinstance(job, str) or not job or len(job) > 256:
-            raise ValueError(f"job must be a non-empty string of at most 256 characters (got job={job!r})")
-        return job, True
+        return check_name("job", job, MAX_NAME), True
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
     base = f"{run[:200]}.{spec.fingerprint[:12]}"
     with _slots_lock:

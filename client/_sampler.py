@@ -301,5 +301,18 @@ class DistributedBatchSampler(_Base, BatchSampler):
         return known is not None and yielded + 1 >= known
 
     def _indices_in(self, epoch: int) -> int:
+        """This rank's indices in `epoch` (what ``len(self.sampler)`` says), those taken before a resume included.
+
+        NOTE: token-budget batches (``max_tokens``) vary in size, so the batches taken before a
+        resumed checkpoint do not say how many indices they held: those count as an even share of
+        the positions consumed before it.
+        """
         p = self._epoch_plan(epoch)
-        return 0 if p is None else p.samples(self.rank) + self._items_before(epoch) * self.batch_size
+        if p is None:
+            return 0
+        before = self._items_before(epoch)
+        if before and self.batch_size is None:
+            start = self._start if self._start is not None else self._progress.resume
+            assert start is not None  # items before: a resumed epoch
+            return p.samples(self.rank) + (self.spec.n - start.left) // self.num_replicas
+        return p.samples(self.rank) + before * (self.batch_size or 1)
