@@ -139,7 +139,7 @@ def test_state_dict_off_by_one_is_caught(monkeypatch: pytest.MonkeyPatch, off: i
     real = _sampler._Base.state_dict
 
     def state_dict(self: Any, consumed: int | None = None) -> dict[str, Any]:
-        if consumed is None and self._start is not None and not self._complete:
+        if consumed is None and self._start is not None and not self._progress.over:
             consumed = max(0, self.items_done + off)
         return real(self, consumed)
 
