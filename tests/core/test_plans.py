@@ -1,9 +1,8 @@
 """The plan interface: every way of dealing (a toy one defined in a test too) keeps the EpochPlan contract,
-and a plan the coordinator deals its Dealer's; the registry picks the plan; the core has no import cycle."""
+and a plan the coordinator deals its Dealer's; the registry picks the plan."""
 
 from __future__ import annotations
 
-import ast
 import pathlib
 import pickle
 from collections.abc import Iterator
@@ -189,59 +188,3 @@ def test_sampler_defaults_come_from_the_registry(kind: str) -> None:
     assert k.tail(True, batches=False) == "drop"
     assert k.permutation(False, True) == "none"
     assert k.permutation(True, True) == ("bucket" if k.fixed_batches else "feistel")
-
-
-# ------------------------------------------------------------------ no import cycles
-
-
-def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
-    """croupier module -> the croupier modules it imports (at any level of the file)."""
-    packages = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client",
-                "tools": "croupier.tools", "integrations": "croupier.integrations"}
-    graph: dict[str, set[str]] = {}
-    for folder, pkg in packages.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
-            deps = graph.setdefault(name, set())
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("croupier"):
-                    deps.add(node.module)
-                    deps.update(f"{node.module}.{a.name}" for a in node.names)
-                elif isinstance(node, ast.Import):
-                    deps.update(a.name for a in node.names if a.name.startswith("croupier"))
-    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
-
-
-def cycles(graph: dict[str, set[str]], within: tuple[str, ...]) -> list[list[str]]:
-    """The import cycles among the modules whose names start with one of `within` (package
-    ``__init__`` modules excluded: a package re-exporting its modules is no cycle)."""
-    nodes = {m for m in graph if m.startswith(within) and m.count(".") >= 2}
-    found: list[list[str]] = []
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for d in sorted(graph[m] & nodes):
-            if state.get(d) == 1:
-                found.append(path[path.index(d):] + [d])
-            elif d not in state:
-                visit(d, path + [d])
-        state[m] = 2
-
-    for m in sorted(nodes):
-        if m not in state:
-            visit(m, [m])
-    return found
-
-
-def test_no_import_cycles() -> None:
-    g = import_graph()
-    assert cycles(g, ("croupier.core.",)) == []
-    assert cycles(g, ("croupier.server._store", "croupier.server._sqlite_store", "croupier.server._pg_store",
-                      "croupier.server._memory_store")) == []
-    assert cycles(g, ("croupier.tools.",)) == []
-
-
-def test_the_cycle_check_can_fail() -> None:
-    g = {"croupier.core.a": {"croupier.core.b"}, "croupier.core.b": {"croupier.core.a"}}
-    assert cycles(g, ("croupier.core.",)) == [["croupier.core.a", "croupier.core.b", "croupier.core.a"]]
