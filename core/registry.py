@@ -164,12 +164,12 @@ def registered(kind: PlanKind) -> Iterator[PlanKind]:
     # NOTE: the spec validates its ``dealing`` against DEALINGS when it is made; the name joins
     # them here, with the kind, and leaves with it.
     KINDS[kind.name] = kind
-    _spec.DEALINGS = (*_spec.DEALINGS, kind.name)  # type: ignore[assignment]
+    _spec.DEALINGS = (*_spec.DEALINGS, kind.name)
     try:
         yield kind
     finally:
         del KINDS[kind.name]
-        _spec.DEALINGS = tuple(d for d in _spec.DEALINGS if d != kind.name)  # type: ignore[assignment]
+        _spec.DEALINGS = tuple(d for d in _spec.DEALINGS if d != kind.name)
 
 
 def cache_clear() -> None:

@@ -23,7 +23,7 @@ PARTITIONS = ("strided", "chunked", "contiguous")
 TAILS = ("pad", "drop", "uneven", "pad_last")
 SCOPES = ("global", "rank")
 COSTS = ("sum", "padded")
-DEALINGS = ("static", "dynamic")
+DEALINGS: tuple[str, ...] = ("static", "dynamic")
 #: The default window of token-budget batching, in positions of the epoch's order.
 TOKEN_WINDOW = 4096
 #: Fields added after the first release, with their defaults: a spec that leaves them at their
