@@ -52,7 +52,8 @@ class Metrics:
                                 "since the last one, made durable together.", buckets=COMMIT_BUCKETS, registry=self.registry)
         self.records = Counter("croupier_journal_records_total", "Events the journal made durable.", registry=self.registry)
         self.unread = Counter("croupier_rpc_refused_unread_total", "Calls that ended before their request was read: a "
-                              "request over gRPC's receive limit (twice --max-request-bytes), which gRPC refuses with "
+                              "request over gRPC's receive limit (twice --max-request-bytes, at least 1 MiB more), "
+                              "which gRPC refuses with "
                               "RESOURCE_EXHAUSTED unread, or a client that gave up before sending it (or sent none); by method.",
                               ["method"], registry=self.registry)
         for m in rpcs:
@@ -125,7 +126,6 @@ class _Interceptor(grpc.ServerInterceptor):
         calls, latency, unread = self.calls, self.latency, self.unread
 
         def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            t0 = time.perf_counter()
             try:
                 request = next(requests)
             except grpc.RpcError:  # the call was cancelled before its request arrived
@@ -134,6 +134,8 @@ class _Interceptor(grpc.ServerInterceptor):
             except StopIteration:  # no request arrived (or none was sent): what gRPC answers a unary handler
                 unread.labels(method).inc()
                 context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{details.method!r} requires exactly one request message")
+            # NOTE: timed from the request read, as the handler sees it: a large join's upload is not its latency.
+            t0 = time.perf_counter()
             code = grpc.StatusCode.UNKNOWN
             try:
                 response = inner(request, context)

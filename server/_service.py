@@ -297,7 +297,8 @@ class Server:
         # Every call passes these in order: the first sees it first (and its outcome last).
         interceptors: list[grpc.ServerInterceptor] = []
         self.metrics = Metrics(self.core, RPCS, o.metrics_host, o.metrics_port) if o.metrics_port is not None else None
-        if self.metrics is not None:  # first: it times and counts every call, however it ends
+        # first: it times and counts every call whose request it reads, and counts those it never could read
+        if self.metrics is not None:
             interceptors.append(self.metrics.interceptor)
         # NOTE: gRPC's own size check refuses with a message that names no option, before any of
         # croupier's code (the metrics included) sees the call. So gRPC lets through up to twice the
