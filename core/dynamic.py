@@ -34,6 +34,7 @@ import functools
 
 import numpy as np
 
+from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, _merge, fresh, validate_cursor
 from croupier.core.deals import EpochDeals
 from croupier.core.order import FixedPlan, fixed_plan
@@ -168,8 +169,7 @@ class DynamicPlan:
 
 def dynamic_plan(spec: Spec, cursor: Cursor, world: int) -> DynamicPlan:
     """The dynamic plan of `cursor`'s remainder for a generation of `world` ranks."""
-    if world < 1:
-        raise ValueError(f"world size must be >= 1 (got world={world})")
+    check_int("world", world, 1)
     return DynamicPlan(spec, cursor, world)
 
 

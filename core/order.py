@@ -18,6 +18,7 @@ import dataclasses
 
 import numpy as np
 
+from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, Interval, _merge, _runs, bind, epoch_agrees, fresh, is_fresh, show, validate_cursor
 from croupier.core.permute import KERNELS, mixture_order
 from croupier.core.plan import Grant, Runs
@@ -301,8 +302,7 @@ class FixedPlan:
 
 def fixed_plan(spec: Spec, cursor: Cursor, world: int) -> FixedPlan:
     """How `cursor`'s remainder is dealt to `world` ranks."""
-    if world < 1:
-        raise ValueError(f"world size must be >= 1 (got world={world})")
+    check_int("world", world, 1)
     left = cursor.left
     t = total(spec, left, world)
     n_r = counts(spec, t, world)

@@ -65,6 +65,7 @@ import threading
 import numpy as np
 
 from croupier.core import feistel as _feistel
+from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, Interval, _merge, _runs, fresh
 from croupier.core.order import order
 from croupier.core.plan import Grant, Runs
@@ -161,8 +162,7 @@ class TokenPlan:
     def __post_init__(self) -> None:
         if self.spec.max_tokens is None:
             raise ValueError("a TokenPlan needs a spec with max_tokens set")
-        if self.world < 1:
-            raise ValueError(f"world size must be >= 1 (got world={self.world})")
+        check_int("world", self.world, 1)
         self._budget = int(self.spec.max_tokens)
         self._window_size = int(self.spec.token_window)
         self._keys = self.spec.sort_keys
@@ -333,10 +333,8 @@ class TokenPlan:
         return None
 
     def _check(self, rank: int, first: int) -> None:
-        if not 0 <= rank < self.world:
-            raise ValueError(f"rank must be in [0, {self.world}) (got rank={rank})")
-        if first < 0:
-            raise ValueError(f"first step must be >= 0 (got first={first})")
+        check_int("rank", rank, 0, self.world)
+        check_int("first", first, 0)
 
     # ------------------------------------------------------------------ dealing
 

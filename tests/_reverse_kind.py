@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, _runs, fresh, validate_cursor
 from croupier.core.deals import EpochDeals
 from croupier.core.order import FixedPlan, fixed_plan
@@ -133,8 +134,7 @@ class ReversePlan:
 
 @functools.lru_cache(maxsize=64)
 def reverse_plan(spec: Spec, cursor: Cursor, world: int) -> ReversePlan:
-    if world < 1:
-        raise ValueError(f"world size must be >= 1 (got world={world})")
+    check_int("world", world, 1)
     if spec.tail != "uneven" or spec.even_batches or spec.drop_last_batch:
         raise ValueError(f"dealing={NAME!r} deals every position to whoever asks: it needs tail='uneven', "
                          f"even_batches=False, drop_last_batch=False (got {spec.describe()})")
