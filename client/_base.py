@@ -15,7 +15,7 @@ from croupier.client._epoch import EpochProgress
 from croupier.client._guard import check_callers
 from croupier.client._link import Link
 from croupier.client._prefetch import _Prefetcher
-from croupier.client._resolve import check_holds, release, resolve_job, track
+from croupier.client._resolve import JobSlot, check_holds, release, resolve_job, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Security
 from croupier.client._world import World, _data_parallel_group, _first_of_its_rank
 from croupier.core import settings
@@ -45,6 +45,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
     _tag = False  # hand out Samples (index, source, source epoch, seed) instead of ints
     _unit: int  # positions per item this sampler yields: 1 for indices, batch_size for batches
     _per_batch: bool  # yields batches (lists) rather than indices
+    _job_slot: JobSlot | None = None  # the derived job name this sampler holds (None: its job was given)
 
     def __init__(self, spec: Spec, empty: bool, num_replicas: int | None, rank: int | None, address: str | None,
                  job: str | None, token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
@@ -56,10 +57,8 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._empty = empty  # N = 0: nothing to deal, no coordinator needed
         self._world = World(num_replicas, rank, _data_parallel_group(process_group, device_mesh, mesh_dim))
         self._start: Cursor | None = None  # the generation's resume point, once joined
-        self.job, self._job_named = resolve_job(job, spec, self)
-        self._link = Link(address, token, security)
-        if lease_ahead < 1 or prefetch < 1:
-            raise ValueError(f"lease_ahead and prefetch must be >= 1 (got lease_ahead={lease_ahead}, prefetch={prefetch})")
+        check_int("lease_ahead", lease_ahead, 1)
+        check_int("prefetch", prefetch, 1)
         if lease_ahead > MAX_LEASE_BATCHES or lease_ahead * spec.batch_size > MAX_LEASE_INDICES:
             raise ValueError(
                 f"lease_ahead={lease_ahead} batches of {spec.batch_size} is more than one lease serves "
@@ -72,6 +71,10 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._join_timeout = join_timeout
         self._lease_ahead = lease_ahead
         self._prefetch = prefetch
+        # NOTE: the job's name is resolved once every argument is checked: a sampler refused holds no name.
+        fixed = token is not None or settings.get("CROUPIER_TOKEN") is not None
+        self.job, self._job_named, self._job_slot = resolve_job(job, spec, self, fixed)
+        self._link = Link(address, token, security)
         self._amendments: tuple[Amendment, ...] = ()  # a mixture's: the loaded state's, then the generation's
         self._generation = 0
         self._progress = EpochProgress()  # where this sampler is in its epochs; replaced by its transitions
@@ -426,9 +429,14 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         """It joined and finished its epoch: a later sampler of its spec may go on with its derived job."""
         return self._start is not None and self._finished()
 
+    def __del__(self) -> None:
+        slot = self._job_slot
+        if slot is not None and not slot.released:
+            slot.collected(self._done_with_job())
+
     def close(self) -> None:
         """Stops background leasing and closes the connection."""
-        release(self)
+        release(self._job_slot)
         if self._start is not None and self._finished() and not self._progress.over:
             self._log_end()
         if self._prefetcher is not None:

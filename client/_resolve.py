@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
+import dataclasses
 import ipaddress
 import os
 import pathlib
@@ -134,16 +135,33 @@ class JobHolder(Protocol):
         ...
 
 
-#: Each derived job name's slots in this process: base -> the sampler holding each slot, weakly
-#: (slot 0 is named BASE, slot i >= 1 BASE.(i+1)).
-_slots: dict[str, list[weakref.ref[JobHolder]]] = {}
-#: Samplers closed (their slot is free) and samplers whose job a later one went on with (-> that job).
-_released: weakref.WeakSet[JobHolder] = weakref.WeakSet()
+@dataclasses.dataclass
+class JobSlot:
+    """One derived job name of this process and the sampler holding it (weakly)."""
+
+    holder: weakref.ref[JobHolder]
+    #: the holder joins as an incarnation it was given (``token=`` or ``CROUPIER_TOKEN``): a later
+    #: sampler joining the same job as the same incarnation would be refused, so the name is its own
+    fixed: bool
+    #: the holder was closed
+    released: bool = False
+    #: set when the holder is collected: whether it was done with its job then
+    done_when_collected: bool = False
+
+    def collected(self, done: bool) -> None:
+        """The holder is being collected: `done` says whether it was done with its job."""
+        self.done_when_collected = done
+
+
+#: Each derived job name's slots in this process: base -> its slots (slot 0 is named BASE,
+#: slot i >= 1 BASE.(i+1)).
+_slots: dict[str, list[JobSlot]] = {}
+#: Samplers whose job a later one went on with (-> that job).
 _taken_over: weakref.WeakKeyDictionary[JobHolder, str] = weakref.WeakKeyDictionary()
 _slots_lock = threading.Lock()
 
 
-def resolve_job(job: str | None, spec: Any, holder: JobHolder) -> tuple[str, bool]:
+def resolve_job(job: str | None, spec: Any, holder: JobHolder, fixed: bool) -> tuple[str, bool, JobSlot | None]:
     """The job's name, and whether it was named (``job=`` or ``CROUPIER_JOB``) rather than derived.
 
     A derived name is ``RUN.FINGERPRINT``: RUN is the launcher's run (``TORCHELASTIC_RUN_ID``,
@@ -162,32 +180,45 @@ def resolve_job(job: str | None, spec: Any, holder: JobHolder) -> tuple[str, boo
     if job is None:
         job = settings.get("CROUPIER_JOB")
     if job is not None:
-        return check_name("job", job, MAX_NAME), True
+        return check_name("job", job, MAX_NAME), True, None
     run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "local"
     base = f"{run[:200]}.{spec.fingerprint[:12]}"
+    slot = JobSlot(weakref.ref(holder), fixed)
     with _slots_lock:
         slots = _slots.setdefault(base, [])
-        i = next((i for i, ref in enumerate(slots) if _free(ref())), len(slots))
+        i = len(slots) if fixed else next((i for i, s in enumerate(slots) if _free(s)), len(slots))
         name = base if i == 0 else f"{base}.{i + 1}"
         if i < len(slots):
-            earlier = slots[i]()
-            if earlier is not None and earlier not in _released:
+            earlier = slots[i].holder()
+            if earlier is not None and not slots[i].released:
                 _taken_over[earlier] = name
-            slots[i] = weakref.ref(holder)
+            slots[i] = slot
         else:
-            slots.append(weakref.ref(holder))
-    return name, False
+            slots.append(slot)
+    return name, False, slot
 
 
-def _free(holder: JobHolder | None) -> bool:
-    """Whether the slot of `holder` may be taken (the caller holds ``_slots_lock``)."""
-    return holder is None or holder in _released or holder._done_with_job()
+def _free(slot: JobSlot) -> bool:
+    """Whether `slot` may be taken (the caller holds ``_slots_lock``).
+
+    NOTE: what decides is what the program did (closed its sampler, finished its epoch), never
+    when the garbage collector ran: a holder collected says what it was when it went
+    (:meth:`JobSlot.collected`), which is what it would say alive, since nothing used it since.
+    Every rank of a job runs the same program, so every rank derives the same names.
+    """
+    if slot.fixed:
+        return False
+    if slot.released:
+        return True
+    holder = slot.holder()
+    return slot.done_when_collected if holder is None else holder._done_with_job()
 
 
-def release(holder: JobHolder) -> None:
-    """`holder` is closed: its derived job's name is free for the next sampler of its spec."""
-    with _slots_lock:
-        _released.add(holder)
+def release(slot: JobSlot | None) -> None:
+    """The sampler holding `slot` is closed: its derived job's name is free for the next sampler of its spec."""
+    if slot is not None:
+        with _slots_lock:
+            slot.released = True
 
 
 def check_holds(holder: JobHolder) -> None:

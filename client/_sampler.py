@@ -48,7 +48,8 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             process, so that train, val and test samplers, and successive experiments, never
             collide; a sampler made once the earlier one of its spec finished its epoch (or was
             closed) goes on with that one's job, so a sampler rebuilt every epoch is one job
-            (docs/samplers.md, "Job names"). A sampler whose job was not named takes the job of
+            (unless its incarnation is given: then each has its own; docs/samplers.md, "Job
+            names"). A sampler whose job was not named takes the job of
             the state it loads.
         permutation: ``"torch"`` for torch's exact order (``randperm`` per epoch), ``"feistel"``
             (default when shuffling: O(1) memory, instant start at any size), ``"window"``,

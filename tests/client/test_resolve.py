@@ -73,3 +73,43 @@ def test_a_sampler_whose_job_a_later_one_took_over_is_refused(server: Server) ->
     assert sorted(late) == list(range(N))  # the later one goes on
     late.close()
     early.close()
+
+
+def test_samplers_given_one_incarnation_keep_names_of_their_own(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the incarnation fixed (CROUPIER_TOKEN, or token=), a rebuilt sampler would join its
+    predecessor's job as the same incarnation, which the coordinator refuses: each takes a name of its
+    own, and every epoch trains."""
+    monkeypatch.setenv("CROUPIER_TOKEN", "fixed-incarnation")
+    jobs = []
+    for epoch in range(3):
+        s = DistributedSampler(N, seed=104, shuffle=False, address=server.address)
+        s.set_epoch(epoch)
+        assert list(s) == list(range(N))
+        jobs.append(s.job)
+    assert jobs == [jobs[0], f"{jobs[0]}.2", f"{jobs[0]}.3"]
+    s.close()
+
+
+@pytest.mark.parametrize("collect", [False, True], ids=["kept", "collected"])
+def test_the_names_do_not_depend_on_the_garbage_collector(server: Server, collect: bool) -> None:
+    """Samplers rebuilt each epoch and left mid-epoch (a loop that stops after its steps): whether the
+    collector ran in between or not, each rank of the job derives the same names (the earlier samplers
+    still hold theirs: they never finished their epoch)."""
+    import gc
+
+    jobs = []
+    kept = []
+    gc.disable()
+    try:
+        for _ in range(3):
+            s = DistributedSampler(N, seed=105 + collect, address=server.address)
+            next(iter(s))
+            jobs.append(s.job)
+            if collect:
+                del s
+                gc.collect()
+            else:
+                kept.append(s)
+    finally:
+        gc.enable()
+    assert jobs == [jobs[0], f"{jobs[0]}.2", f"{jobs[0]}.3"]
