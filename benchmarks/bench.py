@@ -115,14 +115,14 @@ def _pass_through(batch: Any) -> Any:
     return batch
 
 
-def _join_others(address: str, job: str, spec: Any, token: str, resume: Any = None) -> None:
+def _join_others(address: str, job: str, spec: Any, incarnation: str, resume: Any = None) -> None:
     """Joins ranks 1 .. WORLD-1 of a generation without waiting, as the job's other ranks do."""
     from croupier.client._rpc import CoordinatorClient
     from croupier.core.api import JoinRequest
 
     with CoordinatorClient(address) as c:
         for r in range(1, WORLD):
-            c.join(JoinRequest(job, spec, token, WORLD, r, resume), wait_s=0)
+            c.join(JoinRequest(job, spec, incarnation, WORLD, r, resume), wait_s=0)
 
 
 @contextlib.contextmanager
@@ -173,10 +173,10 @@ def _child_start(sampler: str, n: int) -> dict[str, Any]:
             from croupier.client import DistributedSampler
 
             address = stack.enter_context(_in_process_coordinator())
-            spec = DistributedSampler(n, WORLD, 0, address=address, job="start", token="g1").spec
+            spec = DistributedSampler(n, WORLD, 0, address=address, job="start", incarnation="g1").spec
             _join_others(address, "start", spec, "g1")
             t0 = time.perf_counter()
-            s: Any = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job="start", token="g1")
+            s: Any = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job="start", incarnation="g1")
             stack.callback(s.close)
         else:
             from torch.utils.data.distributed import DistributedSampler as TorchSampler
@@ -205,7 +205,7 @@ def _child_resume(sampler: str, n: int) -> dict[str, Any]:
 
             address = stack.enter_context(_in_process_coordinator())
             # The run that is preempted: it takes its first batch, then checkpoints half of the epoch.
-            before = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job="resume", token="g1")
+            before = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job="resume", incarnation="g1")
             _join_others(address, "resume", before.spec, "g1")
             next(iter(DataLoader(dataset, batch_size=BATCH, sampler=before)))
             half = len(before) // 2
@@ -214,7 +214,7 @@ def _child_resume(sampler: str, n: int) -> dict[str, Any]:
             # The restart: a new incarnation whose other ranks load the same checkpoint.
             _join_others(address, "resume", before.spec, "g2", from_state("resume", before.spec, state))
             t0 = time.perf_counter()
-            s: Any = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job="resume", token="g2")
+            s: Any = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job="resume", incarnation="g2")
             s.load_state_dict(state)
             batch = next(iter(DataLoader(dataset, batch_size=BATCH, sampler=s)))
             seconds = time.perf_counter() - t0
@@ -290,10 +290,10 @@ def _child_steady(n: int, epochs: int, repeats: int, cases: Sequence[str] = STEA
         job = f"steady-{next(jobs)}"
         s: Any
         if batches:
-            s = DistributedBatchSampler(dataset, BATCH, num_replicas=WORLD, rank=0, address=address, job=job, token="g1")
+            s = DistributedBatchSampler(dataset, BATCH, num_replicas=WORLD, rank=0, address=address, job=job, incarnation="g1")
             loader = DataLoader(dataset, batch_sampler=s, collate_fn=collate)
         else:
-            s = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job=job, token="g1")
+            s = DistributedSampler(dataset, num_replicas=WORLD, rank=0, address=address, job=job, incarnation="g1")
             loader = DataLoader(dataset, batch_size=BATCH, sampler=s)
         _join_others(address, job, s.spec, "g1")
         return loader, s.set_epoch, s.close
@@ -563,7 +563,7 @@ async def _join_job(address: str, job: str, spec: Any, world: int) -> int:
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
         await asyncio.gather(*(stub.Join(pb.JoinRequest(request_id=f"{job}-{r}", job=job, spec=spec_to_proto(spec),
-                                                        token="g1", world=world, rank=r, wait_ms=0))
+                                                        incarnation="g1", world=world, rank=r, wait_ms=0))
                                for r in range(world)))
         info = await stub.GetJob(pb.GetJobRequest(job=job))
         if not info.started:
@@ -622,7 +622,7 @@ async def _commits(address: str, count: int, concurrent: int, floor: BareSqlite 
             async with sem:
                 t0 = time.perf_counter()
                 await stub.Join(pb.JoinRequest(request_id=f"c{concurrent}-{i}", job=f"commit-{concurrent}-{i}",
-                                               spec=spec, token="t", world=1, rank=0))
+                                               spec=spec, incarnation="t", world=1, rank=0))
                 lat.append((time.perf_counter() - t0) * 1e3)
                 if floor is not None:
                     bare.append(floor.commit())

@@ -139,7 +139,7 @@ class Drivers:
 async def _joins(addresses: Sequence[str], count: int, concurrent: int) -> dict[str, Any]:
     """`count` joins that each commit a new generation, `concurrent` at a time, dealt round robin to the replicas.
 
-    Each of the `concurrent` workers has a job of its own and joins it with a new token every
+    Each of the `concurrent` workers has a job of its own and joins it with a new incarnation every
     time (world 1, rank 0, no wait): every join opens and starts a generation, one commit.
     """
     import grpc
@@ -162,7 +162,7 @@ async def _joins(addresses: Sequence[str], count: int, concurrent: int) -> dict[
             t0 = time.perf_counter()
             try:
                 r = await stubs[i % len(stubs)].Join(pb.JoinRequest(
-                    request_id=f"c{concurrent}-{i}", job=f"commit-{concurrent}-{w}", spec=spec, token=f"t{i}",
+                    request_id=f"c{concurrent}-{i}", job=f"commit-{concurrent}-{w}", spec=spec, incarnation=f"t{i}",
                     world=1, rank=0, wait_ms=0))
             except grpc.aio.AioRpcError as e:
                 errors[e.code().name] = errors.get(e.code().name, 0) + 1
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     load = f"load average {load_before} before, {_load()} after"
     table = _table(res, replicas, ranks)
     notes = [
-        f"Joins: {joins} per load, each a new generation (a new token, world 1, no wait) of one of the workers' jobs, "
+        f"Joins: {joins} per load, each a new generation (a new incarnation, world 1, no wait) of one of the workers' jobs, "
         "dealt round robin to the replicas; latency of the `Join` call from a `grpc.aio` client.",
         f"Grants: {ranks} ranks back to back from {drivers} `grpc.aio` client process(es) for {seconds:g} s, rank r "
         f"asking replica r mod n, {LEASE_INDICES:,} positions per grant, each with a progress report.",

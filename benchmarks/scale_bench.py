@@ -46,7 +46,7 @@ TARGET_FLAT = 1.5
 # --------------------------------------------------------------------------- a driver process
 
 
-async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int], lease: int,
+async def _ranks(address: str, job: str, incarnation: str, world: int, ranks: list[int], lease: int,
                  steady: dict[str, float] | None = None) -> dict[str, Any]:
     """Joins `ranks` of a world as the samplers do, then grants each its first lease; times on CLOCK_MONOTONIC.
 
@@ -82,7 +82,7 @@ async def _ranks(address: str, job: str, token: str, world: int, ranks: list[int
     async def rank(r: int) -> None:
         nonlocal exhausted, retried, ungranted
         stub = stubs[r % len(stubs)]
-        req = pb.JoinRequest(request_id=f"{token}-{r}", job=job, spec=spec, token=token, world=world, rank=r,
+        req = pb.JoinRequest(request_id=f"{incarnation}-{r}", job=job, spec=spec, incarnation=incarnation, world=world, rank=r,
                              wait_ms=500)
         busy = 0.05
         while True:
@@ -200,7 +200,7 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
                                      "-f", "raw"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if profile else None)
             parts = [list(range(world))[i::drivers] for i in range(drivers)]
             procs = [subprocess.Popen([sys.executable, str(BENCH), "--driver", json.dumps(dict(
-                address=address, job="storm", token=f"w{world}", world=world, ranks=p,
+                address=address, job="storm", incarnation=f"w{world}", world=world, ranks=p,
                 lease=lease if steady is None else int(steady["lease"]), steady=steady))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in parts]
             window: dict[str, float] = {}

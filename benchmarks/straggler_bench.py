@@ -105,7 +105,7 @@ def _epoch(mode: str, address: str, args: argparse.Namespace, indices: Path) -> 
                "LOCAL_WORLD_SIZE": str(WORLD), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(WORLD),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"straggler-{mode}",
                "TORCHELASTIC_RESTART_COUNT": "0", "OMP_NUM_THREADS": "1",
-               "CROUPIER_ADDRESS": address, "CROUPIER_JOB": f"straggler-{mode}", "CROUPIER_TOKEN": f"{mode}-1"}
+               "CROUPIER_ADDRESS": address, "CROUPIER_JOB": f"straggler-{mode}", "CROUPIER_INCARNATION": f"{mode}-1"}
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--n", str(args.batches * args.batch),
                "--batch", str(args.batch), "--t-ms", str(args.t_ms), "--indices", str(indices)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))

@@ -1,8 +1,8 @@
 """The audit log a sampler writes: what each rank received, and which checkpoints it made.
 
-Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRANK.audit``:
+Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/INCARNATION-rRANK.audit``:
 
-* ``start``: the generation (number, world, token), the spec's n / tail / partition, the wall
+* ``start``: the generation (number, world, its incarnation under the key ``token``), the spec's n / tail / partition, the wall
   clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start); for
   a mixture, its ``mixture`` (:func:`mixture_record`);
 * ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
@@ -11,7 +11,7 @@ Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/TOKEN-rRAN
 * ``end``: the rank's last item of the epoch was handed out;
 * ``cut``: the loop moved on to the next epoch (``set_epoch``) after ``items`` items of this one:
   the rest of the epoch is not trained;
-* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (token/epoch/items), epoch, items.
+* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (incarnation/epoch/items), epoch, items.
 
 ``croupier audit`` (:mod:`croupier.tools.audit`) reads them back.
 """
@@ -44,10 +44,10 @@ def mixture_record(spec: Spec, amendments: tuple[Amendment, ...]) -> dict[str, A
 class AuditLog:
     """Appends one rank's records; each record is flushed so a kill -9 loses at most the last one."""
 
-    def __init__(self, root: str | os.PathLike[str], job: str, token: str, rank: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], job: str, incarnation: str, rank: int) -> None:
         d = pathlib.Path(root) / job
         d.mkdir(parents=True, exist_ok=True)
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in token)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in incarnation)
         self._f: BinaryIO = open(d / f"{safe}-r{rank}.audit", "ab")
 
     def write(self, **record: Any) -> None:

@@ -48,7 +48,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
     _job_slot: JobSlot | None = None  # the derived job name this sampler holds (None: its job was given)
 
     def __init__(self, spec: Spec, empty: bool, num_replicas: int | None, rank: int | None, address: str | None,
-                 job: str | None, token: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
+                 job: str | None, incarnation: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None) -> None:
@@ -72,9 +72,9 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._lease_ahead = lease_ahead
         self._prefetch = prefetch
         # NOTE: the job's name is resolved once every argument is checked: a sampler refused holds no name.
-        fixed = token is not None or settings.get("CROUPIER_TOKEN") is not None
+        fixed = incarnation is not None or settings.get("CROUPIER_INCARNATION") is not None
         self.job, self._job_named, self._job_slot = resolve_job(job, spec, self, fixed)
-        self._link = Link(address, token, security)
+        self._link = Link(address, incarnation, security)
         self._amendments: tuple[Amendment, ...] = ()  # a mixture's: the loaded state's, then the generation's
         self._generation = 0
         self._progress = EpochProgress()  # where this sampler is in its epochs; replaced by its transitions
@@ -92,7 +92,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
     def _session(self) -> Session | None:
         if self._start is None:
             return None
-        return Session(self._generation, self._start, self._link.token, self._link.client, self._audit)
+        return Session(self._generation, self._start, self._link.incarnation, self._link.client, self._audit)
 
     def _loaded(self, job: str, spec: Spec, amendments: tuple[Amendment, ...], progress: EpochProgress) -> None:
         self.job, self.spec, self._amendments, self._progress = job, spec, amendments, progress
@@ -140,10 +140,10 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
             return
         num_replicas, rank = self._world.resolve()
         self._world.check_still()
-        client, token = self._link.open(self.job, num_replicas)
+        client, incarnation = self._link.open(self.job, num_replicas)
         track(self)
         p = self._progress
-        req = JoinRequest(self.job, self.spec, token, num_replicas, rank, p.resume, p.hint, self._amendments)
+        req = JoinRequest(self.job, self.spec, incarnation, num_replicas, rank, p.resume, p.hint, self._amendments)
         try:
             r = client.join_started(req, timeout=self._join_timeout)
         except Aborted as e:
@@ -159,9 +159,10 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         # the epoch just before the start, if set_epoch named it, is complete: its iteration yields nothing
         self._progress = p = p.join(r.start.epoch, self._taken_before(r.start))
         if self._audit_dir and _first_of_its_rank(self._world.group, rank):
-            self._audit_path = (self._audit_dir, self.job, token, rank)
+            self._audit_path = (self._audit_dir, self.job, incarnation, rank)
             self._audit = AuditLog(*self._audit_path)
-            self._audit.start(job=self.job, token=token, generation=r.generation, world=num_replicas,
+            # NOTE: the audit record's key stays "token" (the log's format; croupier audit reads it)
+            self._audit.start(job=self.job, token=incarnation, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
                               unit=self._unit if self._kind.fixed_batches else 0, origin=self._checkpointer.origin,
                               epoch=r.start.epoch, dealing=self.spec.dealing, **mixture_record(self.spec, self._amendments))
@@ -304,9 +305,9 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
 
     @property
     def incarnation(self) -> str:
-        """The incarnation token this sampler joined its generation as (the ``token`` argument, else the
+        """The incarnation this sampler joined its generation as (the ``incarnation`` argument, else the
         launcher's, agreed by every rank; the origins of its checkpoints name it); "" before its first batch."""
-        return self._link.token
+        return self._link.incarnation
 
     @property
     def items_resumed(self) -> int:

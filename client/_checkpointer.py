@@ -30,14 +30,14 @@ class Session:
     Attributes:
         generation: The generation's number.
         start: The generation's resume point.
-        token: The incarnation the sampler joined as (the origins of its checkpoints name it).
+        incarnation: The incarnation the sampler joined as (the origins of its checkpoints name it).
         client: Its connection to the coordinator (None once closed, or in a copy not yet reconnected).
         audit: Its audit log, if it writes one.
     """
 
     generation: int
     start: Cursor
-    token: str
+    incarnation: str
     client: CoordinatorClient | None
     audit: AuditLog | None
 
@@ -161,7 +161,7 @@ class Checkpointer:
         """The state of `cursor`, named after where this incarnation made it; logs it for the
         audit and records it at the coordinator (with how far the loop got, `progress`)."""
         s = self._s
-        state = to_state(s.job, s.spec, cursor, items, f"{at.token}/{epoch}/{items}", s._amendments)
+        state = to_state(s.job, s.spec, cursor, items, f"{at.incarnation}/{epoch}/{items}", s._amendments)
         if at.audit is not None:
             at.audit.ckpt(state["origin"], epoch, items)
         if at.client is not None and not at.client.closed:
@@ -192,7 +192,7 @@ class Checkpointer:
         if positions % s.spec.batch_size:
             raise ValueError(f"consumed={items} items is not a whole number of batches of {s.spec.batch_size}")
         assert at.client is not None
-        origin = f"{at.token}/{epoch}/{items}"
+        origin = f"{at.incarnation}/{epoch}/{items}"
         try:
             # NOTE: no timeout: like a join, this waits (retrying) for a coordinator that restarts
             cursor = at.client.report(s.job, at.generation, s.rank, (epoch, positions // s.spec.batch_size),
@@ -204,7 +204,7 @@ class Checkpointer:
             ) from None
         assert cursor is not None
         same = cursor.epoch == epoch
-        state = to_state(s.job, s.spec, cursor, items if same else 0, origin if same else f"{at.token}/{cursor.epoch}/0",
+        state = to_state(s.job, s.spec, cursor, items if same else 0, origin if same else f"{at.incarnation}/{cursor.epoch}/0",
                          s._amendments)
         if at.audit is not None:
             at.audit.ckpt(state["origin"], epoch, items)

@@ -1,6 +1,6 @@
 """Resolution of a sampler's unset arguments: world and rank, job, the world's incarnation, the coordinator.
 
-NOTE: anything every rank of a world must agree on (the incarnation token, the embedded
+NOTE: anything every rank of a world must agree on (the incarnation, the embedded
 coordinator's address) is agreed through that world's own process group: global rank 0 decides
 and broadcasts. A launcher's per-process counters (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is
 each agent's own, and a joining agent starts at 0) cannot name a world.
@@ -140,7 +140,7 @@ class JobSlot:
     """One derived job name of this process and the sampler holding it (weakly)."""
 
     holder: weakref.ref[JobHolder]
-    #: the holder joins as an incarnation it was given (``token=`` or ``CROUPIER_TOKEN``): a later
+    #: the holder joins as an incarnation it was given (``incarnation=`` or ``CROUPIER_INCARNATION``): a later
     #: sampler joining the same job as the same incarnation would be refused, so the name is its own
     fixed: bool
     #: the holder was closed
@@ -272,12 +272,13 @@ def _is_loopback(host: str | None) -> bool:
         return False
 
 
-def agree(token: str | None, address: str | None, job: str, num_replicas: int) -> tuple[str, str, str | None]:
-    """The incarnation token, the coordinator address and the embedded coordinator's secret (or
+def agree(incarnation: str | None, address: str | None, job: str, num_replicas: int) -> tuple[str, str, str | None]:
+    """The incarnation, the coordinator address and the embedded coordinator's secret (or
     None), the same on every rank of this world.
 
-    Each is: given; else ``CROUPIER_TOKEN`` / ``CROUPIER_ADDRESS``; else decided by global rank 0
-    and broadcast over the default process group (a fresh random token; an embedded
+    Each is: given; else ``CROUPIER_INCARNATION`` (or its old name ``CROUPIER_TOKEN``) /
+    ``CROUPIER_ADDRESS``; else decided by global rank 0
+    and broadcast over the default process group (a fresh random incarnation; an embedded
     coordinator that rank 0 hosts, its store a SQLite file under ``CROUPIER_STATE_DIR``, default
     ``$TMPDIR/croupier``). A process alone in its job decides both itself (the embedded
     coordinator then keeps its store in memory: the checkpoint state is enough to resume).
@@ -291,24 +292,24 @@ def agree(token: str | None, address: str | None, job: str, num_replicas: int) -
     batch, as a data-parallel loop does. It runs once per sampler, at the first batch.
 
     Raises:
-        ValueError: several ranks, no process group, and the token or address not given.
+        ValueError: several ranks, no process group, and the incarnation or address not given.
     """
-    token = token or settings.get("CROUPIER_TOKEN")
+    incarnation = incarnation or settings.get("CROUPIER_INCARNATION")
     address = address or settings.get("CROUPIER_ADDRESS")
-    if token and address:
-        return token, address, None
+    if incarnation and address:
+        return incarnation, address, None
     dist = _dist()
     if dist is None or dist.get_world_size() == 1:
         if num_replicas > 1:
             raise ValueError(
                 f"job {job!r} has {num_replicas} ranks but no initialised torch.distributed to agree on their "
-                "incarnation: call init_process_group before the first batch, or set CROUPIER_TOKEN (the same on every "
+                "incarnation: call init_process_group before the first batch, or set CROUPIER_INCARNATION (the same on every "
                 "rank, new at every restart) and CROUPIER_ADDRESS"
             )
-        return token or uuid.uuid4().hex, address or _start_embedded("memory://", "127.0.0.1")[0], None
+        return incarnation or uuid.uuid4().hex, address or _start_embedded("memory://", "127.0.0.1")[0], None
     decided: list[Any] = [None, None, None]
     if dist.get_rank() == 0:
-        decided = [token or uuid.uuid4().hex, address, None]
+        decided = [incarnation or uuid.uuid4().hex, address, None]
         if address is None:
             db = _store_dir() / f"{_safe(job)}.db"
             decided[1], decided[2] = _start_embedded(f"sqlite:///{db}", _reachable_host(), job)

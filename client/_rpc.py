@@ -115,8 +115,8 @@ class Security:
     on), ``CROUPIER_TLS=1`` (TLS with the system's roots), ``CROUPIER_TLS_CERT`` and
     ``CROUPIER_TLS_KEY`` (this client's certificate, for mutual TLS), ``CROUPIER_TLS_SERVER_NAME``
     (the name the server's certificate carries, when the address names it otherwise) and
-    ``CROUPIER_CREDENTIAL`` (the secret sent with every call; ``CROUPIER_TOKEN`` is the
-    incarnation token, something else).
+    ``CROUPIER_CREDENTIAL`` (the secret sent with every call; ``CROUPIER_INCARNATION``
+    names the incarnation, something else).
 
     Attributes:
         tls: Speak TLS.
@@ -267,7 +267,7 @@ class CoordinatorClient:
     def join(self, req: JoinRequest, wait_s: float = 10.0, request_id: str | None = None) -> JoinResult:
         """Joins `req.rank` to its generation; waits up to `wait_s` for the generation to start."""
         m = pb.JoinRequest(request_id=request_id or uuid.uuid4().hex, job=req.job, spec=spec_to_proto(req.spec),
-                           token=req.token, world=req.world, rank=req.rank, wait_ms=int(wait_s * 1000))
+                           incarnation=req.incarnation, world=req.world, rank=req.rank, wait_ms=int(wait_s * 1000))
         if req.resume is not None:
             m.resume.CopyFrom(cursor_to_proto(req.resume))
         if req.epoch is not None:

@@ -12,6 +12,7 @@ from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
 from croupier.client._base import _Base
+from croupier.client._link import given_incarnation
 from croupier.client._rpc import Security
 from croupier.client._sample import tagged
 from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields
@@ -67,7 +68,8 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             samples and shuffle the packs (d9d's length bucketing). Warns with another permutation.
         lengths: Each sample's length (any int sequence of N values): the sort key of
             ``permutation="bucket"``, the default permutation when lengths are given.
-        token: Names this incarnation of the job's world (default: from torchrun / torch.distributed).
+        incarnation: Names this incarnation of the job's world (default: ``CROUPIER_INCARNATION``, else
+            from torchrun / torch.distributed); every rank of a world gives the same one, a restart a new one.
         lease_ahead: Items per lease, in the unit ``len()`` counts (indices here, batches for
             :class:`DistributedBatchSampler`): how many one call to the coordinator asks for.
             Default: 65,536 (1,024 with ``dealing="dynamic"``, so that ranks share the tail).
@@ -107,6 +109,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         tag: Hand out each index as a :class:`croupier.client.Sample`, an int that also carries
             its source, source epoch and per-sample seed (for augmentations that must be the
             same after any resume, on any world size and with any ``num_workers``).
+        token: The old name of `incarnation` (deprecated: warns; giving both is a ``TypeError``).
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -122,12 +125,12 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  job: str | None = None, permutation: str | None = None, partition: str = "strided",
                  tail: str | None = None, scope: str = "global", buffer_size: int | None = None,
                  pack_size: int | None = None, lengths: Sequence[int] | np.ndarray | None = None,
-                 token: str | None = None, lease_ahead: int | None = None, prefetch: int = 2,
+                 incarnation: str | None = None, lease_ahead: int | None = None, prefetch: int = 2,
                  audit_dir: str | None = None, process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
-                 max_epochs: Sequence[int | None] | None = None, tag: bool = False) -> None:
+                 max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None) -> None:
         n = _dataset_size(dataset)
         _check_sampler_args(kind_for(dealing), drop_last, tail, lockstep, batches=False)
         self._tag = check_bool("tag", tag)
@@ -139,7 +142,8 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         if lease_ahead is None:
             lease_ahead = kind_for(dealing).lease_indices
         self._lockstep = bool(lockstep)
-        super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
+        super().__init__(spec, n == 0, num_replicas, rank, address, job, given_incarnation(incarnation, token),
+                         lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim, join_timeout, security)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.dataset = dataset  # type: ignore[assignment]  # torch's attribute; an int N is allowed here
@@ -231,14 +235,14 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  address: str | None = None, job: str | None = None, permutation: str | None = None,
                  partition: str = "strided", tail: str | None = None, even_batches: bool = False,
                  scope: str = "global", buffer_size: int | None = None, pack_size: int | None = None,
-                 lengths: Sequence[int] | np.ndarray | None = None, token: str | None = None,
+                 lengths: Sequence[int] | np.ndarray | None = None, incarnation: str | None = None,
                  lease_ahead: int | None = None, prefetch: int = 2, audit_dir: str | None = None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, max_tokens: int | None = None, cost: str = "sum",
                  token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
-                 max_epochs: Sequence[int | None] | None = None, tag: bool = False) -> None:
+                 max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None) -> None:
         n = _dataset_size(dataset)
         self._tag = check_bool("tag", tag)
         if batch_size is None and max_tokens is None:
@@ -257,7 +261,8 @@ class DistributedBatchSampler(_Base, BatchSampler):
             lease_ahead = kind_for(dealing, max_tokens).lease_batches
         self._lockstep = bool(lockstep)
         self._unit = batch_size or 1
-        super().__init__(spec, n == 0, num_replicas, rank, address, job, token, lease_ahead, prefetch, audit_dir,
+        super().__init__(spec, n == 0, num_replicas, rank, address, job, given_incarnation(incarnation, token),
+                         lease_ahead, prefetch, audit_dir,
                          process_group, device_mesh, mesh_dim, join_timeout, security)
         # torch's attributes; batch_size is None for token-budget batches, whose sizes vary
         self.batch_size = batch_size  # type: ignore[assignment]

@@ -26,7 +26,7 @@ __all__ = [
 
 #: The largest world a generation may have.
 MAX_WORLD = 1 << 20
-#: The longest job name or incarnation token.
+#: The longest job name or incarnation.
 MAX_NAME = 256
 #: The most batches one lease may ask for, and the most indices it may return.
 MAX_LEASE_BATCHES = 1 << 16
@@ -51,9 +51,9 @@ class JoinRequest:
     Attributes:
         job: The job's name.
         spec: The job's spec; MUST equal the spec the job was registered with.
-        token: Names the incarnation of the job's world this rank belongs to (e.g. torchrun's
-            run id and restart count). A token not seen before opens a new generation and
-            fences the old one; a token of an older generation is refused.
+        incarnation: Names the incarnation of the job's world this rank belongs to (e.g.
+            torchrun's run id and restart count). An incarnation not seen before opens a new
+            generation and fences the old one; one of an older generation is refused.
         world: World size of the generation.
         rank: This rank, in [0, world).
         resume: The cursor from the checkpoint state this rank loaded, or None.
@@ -64,7 +64,7 @@ class JoinRequest:
 
     job: str
     spec: Spec
-    token: str
+    incarnation: str
     world: int
     rank: int
     resume: Cursor | None = None
@@ -161,7 +161,7 @@ def validate_join(req: JoinRequest) -> None:
     check_name("job name", req.job, MAX_NAME, InvalidArgument)
     if not isinstance(req.spec, Spec):
         raise InvalidArgument(f"spec must be a Spec (got {type(req.spec).__name__})")
-    check_name("token", req.token, MAX_NAME, InvalidArgument)
+    check_name("incarnation", req.incarnation, MAX_NAME, InvalidArgument)
     check_int("world", req.world, 1, MAX_WORLD + 1, InvalidArgument)
     check_int("rank", req.rank, 0, req.world, InvalidArgument)
     if req.epoch is not None:

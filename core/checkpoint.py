@@ -41,7 +41,7 @@ def to_state(job: str, spec: Spec, cursor: Cursor, items: int | None = None, ori
         items: The items (indices, or batches) of the cursor's epoch the checkpointing rank had
             taken, as its ``len()`` counts them: a resumed sampler's ``len()`` and ``items_done``
             go on from it. None when not known (a state made without a sampler).
-        origin: Names the checkpoint for the audit log (``token/epoch/items``).
+        origin: Names the checkpoint for the audit log (``incarnation/epoch/items``).
         amendments: A mixture's amendments that hold (each with its position): a job whose
             coordinator lost its store takes them back from the state.
     """
@@ -155,7 +155,7 @@ def items_of(state: Mapping[str, Any], cursor: Cursor | None) -> int | None:
     """The items of `cursor`'s epoch the checkpointing rank had taken, from a state :func:`from_state` read.
 
     Format 3 carries them as ``items``. A format-2 state (G9: it keeps loading) named them only
-    in its origin, ``token/epoch/items``, which is read here, for that format alone.
+    in its origin, ``incarnation/epoch/items``, which is read here, for that format alone.
     """
     if cursor is None:
         return None
@@ -169,7 +169,7 @@ def state_of_record(job: str, spec: Spec, cursor: Cursor, origin: str,
                     amendments: tuple[Amendment, ...] = ()) -> dict[str, Any]:
     """The checkpoint state of a record the coordinator keeps (a cursor and the origin it was saved with).
 
-    NOTE: the coordinator's records name a checkpoint by its origin, ``token/epoch/items``, which
+    NOTE: the coordinator's records name a checkpoint by its origin, ``incarnation/epoch/items``, which
     is where their item count is read (the journal's checkpoint events have no field of their own).
     """
     state = to_state(job, spec, cursor, origin=origin or None, amendments=amendments)
@@ -180,7 +180,7 @@ def state_of_record(job: str, spec: Spec, cursor: Cursor, origin: str,
 
 
 def _origin_items(origin: Any, epoch: int) -> int | None:
-    """The item count an origin ``token/epoch/items`` names for `epoch`, or None."""
+    """The item count an origin ``incarnation/epoch/items`` names for `epoch`, or None."""
     if not isinstance(origin, str):
         return None
     parts = origin.rsplit("/", 2)

@@ -18,14 +18,17 @@ class Setting:
     name: str
     default: str | None
     meaning: str
+    #: the variable's old name, read when this one is unset
+    old: str | None = None
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("CROUPIER_ADDRESS", None, "HOST:PORT (or several, comma-separated replicas) of the coordinator the "
             "samplers and `croupier status` / `croupier health` call; unset: samplers start an embedded one"),
     Setting("CROUPIER_JOB", None, "the job's name, when a sampler is given no `job=`"),
-    Setting("CROUPIER_TOKEN", None, "names the incarnation of the job's world, when a sampler is given no "
-            "`token=` (default: from torchrun / torch.distributed)"),
+    Setting("CROUPIER_INCARNATION", None, "names the incarnation of the job's world, when a sampler is given no "
+            "`incarnation=` (default: from torchrun / torch.distributed)", old="CROUPIER_TOKEN"),
+    Setting("CROUPIER_TOKEN", None, "the old name of `CROUPIER_INCARNATION`, read when that is unset"),
     Setting("CROUPIER_STATE_DIR", None, "where the embedded coordinator keeps its store (default: the system's "
             "temporary directory, under croupier/)"),
     Setting("CROUPIER_AUDIT_DIR", None, "where samplers write their audit logs, when given no `audit_dir=` "
@@ -52,13 +55,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 
 
 def get(name: str) -> str | None:
-    """The variable's value, else its default (None when it has none); an empty value counts as unset.
+    """The variable's value, else its old name's, else its default (None when it has none); an
+    empty value counts as unset.
 
     Raises:
         KeyError: `name` is not one of :data:`SETTINGS` (a variable croupier does not read).
     """
     setting = SETTINGS[name]
-    value = os.environ.get(name)
+    value = os.environ.get(name) or (os.environ.get(setting.old) if setting.old else None)
     return value if value else setting.default
 
 

@@ -91,7 +91,7 @@ def _setup() -> tuple[Coordinator, dict[str, Any]]:
 def _join_request(job: str, spec: Spec, rank: int, world: int = 2) -> Any:
     from croupier.core.api import JoinRequest
 
-    return JoinRequest(job=job, spec=spec, token="t", world=world, rank=rank)
+    return JoinRequest(job=job, spec=spec, incarnation="t", world=world, rank=rank)
 
 
 def seeds() -> list[bytes]:
@@ -99,7 +99,7 @@ def seeds() -> list[bytes]:
     spec = spec_to_proto(Spec(n=1000, batch_size=10))
     cur = cursor_to_proto(Cursor(0, ((0, 1000),)))
     reqs = [
-        ("Join", pb.JoinRequest(request_id="r", job="fuzz", spec=spec, token="t", world=2, rank=1, resume=cur, wait_ms=0)),
+        ("Join", pb.JoinRequest(request_id="r", job="fuzz", spec=spec, incarnation="t", world=2, rank=1, resume=cur, wait_ms=0)),
         ("Lease", pb.LeaseRequest(job="fuzz", generation=1, rank=0, epoch=0, first_batch=0, count=2)),
         ("Grant", pb.GrantRequest(job="fuzz", generation=1, rank=1, epoch=0, first_batch=3, count=4,
                                   progress=pb.Progress(epoch=0, batches=3))),

@@ -230,7 +230,7 @@ class SharedCommits:
         for _ in range(CONFLICTS):
             c._check_ok()
             # NOTE: a decision reads the journal's end for real, watch or not: one that makes no
-            # event (a join with a token a newer generation fenced) is answered from this read alone.
+            # event (a join with an incarnation a newer generation fenced) is answered from this read alone.
             self.refresh(force=True)
             value, events = decide()
             if not events:

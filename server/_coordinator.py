@@ -360,7 +360,7 @@ def _log_join(req: JoinRequest, events: list[Event]) -> None:
         if isinstance(ev, JobRegistered):
             log.info("job %r registered: %s", ev.job, ev.spec.describe(), extra={"job": ev.job, "rank": req.rank})
         elif isinstance(ev, GenerationOpened):
-            log.info("generation %d of job %r opened: world %d, token %r", ev.generation, ev.job, ev.world, ev.token,
+            log.info("generation %d of job %r opened: world %d, incarnation %r", ev.generation, ev.job, ev.world, ev.incarnation,
                      extra={"job": ev.job, "generation": ev.generation, "rank": req.rank})
         elif isinstance(ev, GenerationStarted):
             log.info("generation %d of job %r started: all %d ranks joined, epoch %d", ev.generation, ev.job, req.world,

@@ -35,12 +35,12 @@ class JobRegistered:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationOpened:
-    """A rank joined with a token no generation of the job had: generation `generation` of `world` ranks begins."""
+    """A rank joined with an incarnation no generation of the job had: generation `generation` of `world` ranks begins."""
 
     job: str
     generation: int
     world: int
-    token: str
+    incarnation: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +315,12 @@ class EventSchema:
     tag: str
     type: type
     fields: tuple[tuple[str, Codec], ...]
+    #: field -> the key a record stores it under, for a field renamed since records were written
+    keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def key(self, name: str) -> str:
+        """The key a record stores field `name` under (its name unless :attr:`keys` maps it)."""
+        return self.keys.get(name, name)
 
 
 _JOB, _GEN, _RANK = ("job", STR), ("generation", INT), ("rank", INT)
@@ -323,7 +329,11 @@ _JOB, _GEN, _RANK = ("job", STR), ("generation", INT), ("rank", INT)
 #: event or field is a new row or entry here (and a FORMAT_VERSION bump: see above).
 SCHEMA: tuple[EventSchema, ...] = (
     EventSchema("JobRegistered", JobRegistered, (_JOB, ("spec", SPEC))),
-    EventSchema("GenerationOpened", GenerationOpened, (_JOB, _GEN, ("world", INT), ("token", STR))),
+    # NOTE: GenerationOpened.incarnation is stored under "token", its name when the journal's
+    # format was set: renaming a field must not change the records on disk (nor read old ones
+    # differently), so the key is mapped here rather than the format version bumped.
+    EventSchema("GenerationOpened", GenerationOpened, (_JOB, _GEN, ("world", INT), ("incarnation", STR)),
+                keys={"incarnation": "token"}),
     EventSchema("RankJoined", RankJoined, (_JOB, _GEN, _RANK, ("resume", OPT_CURSOR), ("epoch", OPT_INT))),
     EventSchema("GenerationStarted", GenerationStarted, (_JOB, _GEN, ("start", CURSOR))),
     EventSchema("ProgressReported", ProgressReported,
@@ -380,7 +390,7 @@ _BY_TYPE: dict[type, EventSchema] = {row.type: row for row in SCHEMA}
 
 def encode_event(ev: Event) -> dict[str, Any]:
     """A plain (msgpack-able) dict of an event: its ``type`` (tag), the format ``version``, the
-    ``order`` version, and its fields in :data:`SCHEMA`'s order.
+    ``order`` version, and its fields in :data:`SCHEMA`'s order, each under its stored key.
 
     Raises:
         TypeError: If `ev` is not an event.
@@ -390,7 +400,7 @@ def encode_event(ev: Event) -> dict[str, Any]:
         raise TypeError(f"not an event: {ev!r}")
     d: dict[str, Any] = {"type": row.tag, "version": FORMAT_VERSION, "order": ORDER_VERSION}
     for name, codec in row.fields:
-        d[name] = codec.encode(getattr(ev, name))
+        d[row.key(name)] = codec.encode(getattr(ev, name))
     return d
 
 
@@ -416,6 +426,6 @@ def decode_event(d: Any) -> Event:
     row = _BY_TAG.get(tag) if isinstance(tag, str) else None
     if row is None:
         raise FormatError(f"unknown event type {show(tag)} (known: {sorted(_BY_TAG)})")
-    body = as_map(f"a {tag} event", d, ["type", "version", "order", *(name for name, _ in row.fields)])
-    values = {name: codec.decode(f"{tag}.{name}", body[name]) for name, codec in row.fields}
+    body = as_map(f"a {tag} event", d, ["type", "version", "order", *(row.key(name) for name, _ in row.fields)])
+    values = {name: codec.decode(f"{tag}.{row.key(name)}", body[row.key(name)]) for name, codec in row.fields}
     return row.type(**values)  # type: ignore[no-any-return]

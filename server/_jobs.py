@@ -96,7 +96,7 @@ class Generation:
 
     number: int
     world: int
-    token: str
+    incarnation: str
     joined: dict[int, tuple[Cursor | None, int | None]] = dataclasses.field(default_factory=dict)
     start: Cursor | None = None
     _missing: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
@@ -135,14 +135,14 @@ class Generation:
 
 @dataclasses.dataclass
 class Job:
-    """A job: its spec, its current generation, every token that ever opened one, its ranks' last
+    """A job: its spec, its current generation, every incarnation that ever opened one, its ranks' last
     progress, its checkpoint records, with dynamic dealing what its generation dealt, and a
     mixture's amendments."""
 
     name: str
     spec: Spec
     generation: Generation | None = None
-    tokens: list[str] = dataclasses.field(default_factory=list)
+    incarnations: list[str] = dataclasses.field(default_factory=list)
     #: rank -> (epoch, batches, at_ms): the current generation's ranks, as last reported
     progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
@@ -168,19 +168,24 @@ class Job:
 
 
 def snapshot_job(j: Job) -> dict[str, Any]:
-    """One job as a snapshot of the current format writes it (a plain, msgpack-able map)."""
+    """One job as a snapshot of the current format writes it (a plain, msgpack-able map).
+
+    NOTE: the incarnations are stored under the keys ``"tokens"`` (the job's) and ``"token"`` (its
+    generation's), their names when the snapshot format was set: a rename of the fields must not
+    change the snapshots on disk, so the keys stay.
+    """
     g = j.generation
     gd = None
     if g is not None:
         gd = {
             "number": g.number,
             "world": g.world,
-            "token": g.token,
+            "token": g.incarnation,
             "joined": [[r, cursor_to(c), e] for r, (c, e) in sorted(g.joined.items())],
             "start": cursor_to(g.start),
         }
     return {
-        "name": j.name, "spec": SPEC.encode(j.spec), "generation": gd, "tokens": list(j.tokens),
+        "name": j.name, "spec": SPEC.encode(j.spec), "generation": gd, "tokens": list(j.incarnations),
         "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
         "checkpoints": [[c.step, cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms,
                          AMENDMENTS.encode(c.amendments)] for c in j.checkpoints],
@@ -204,8 +209,8 @@ def restore_job(what: str, v: Any, version: int) -> Job:
              + (["amendments", "held", "loaded"] if version >= 5 else []))
     jd = as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = STR.decode(f"{what} name", jd["name"])
-    tokens = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
-    job = Job(name, SPEC.decode(f"{what} spec", jd["spec"]), None, tokens)
+    incarnations = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
+    job = Job(name, SPEC.decode(f"{what} spec", jd["spec"]), None, incarnations)
     for k, entry in enumerate(as_list(f"{what} progress", jd.get("progress", []))):
         r, e, b, t = (INT.decode(f"{what} progress entry {k}", x) for x in as_list(f"{what} progress entry {k}", entry, 4))
         job.progress[r] = (e, b, t)

@@ -201,7 +201,7 @@ class _JobsCollector(Collector):
         jobs = GaugeMetricFamily("croupier_jobs", "Jobs the coordinator holds.")
         jobs.add_metric([], len(views))
         yield jobs
-        generation = gauge("croupier_job_generation", "The job's current generation (a new token opens the next one).")
+        generation = gauge("croupier_job_generation", "The job's current generation (a new incarnation opens the next one).")
         world = gauge("croupier_job_world", "World size of the job's current generation.")
         waiting = gauge("croupier_job_waiting_ranks", "Ranks the current generation still waits for (0 once it started).")
         epoch = gauge("croupier_job_epoch", "The job's epoch: the highest epoch any rank of the current generation reported.")

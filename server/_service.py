@@ -121,7 +121,7 @@ class CoordinatorServicer:
         if not m.HasField("spec"):
             raise E.InvalidArgument("join needs the job's spec")
         req = JoinRequest(
-            job=m.job, spec=spec_from_proto(m.spec), token=m.token, world=m.world, rank=m.rank,
+            job=m.job, spec=spec_from_proto(m.spec), incarnation=m.incarnation, world=m.world, rank=m.rank,
             resume=cursor_from_proto(m.resume) if m.HasField("resume") else None,
             epoch=m.epoch if m.HasField("epoch") else None,
             amendments=tuple(amendment_from_proto(a) for a in m.amendments),
@@ -129,7 +129,7 @@ class CoordinatorServicer:
         if m.world > self.options.max_world:
             raise E.ResourceExhausted(f"world {m.world} is more than this coordinator's limit of {self.options.max_world} "
                                       "ranks (croupier serve --max-world)")
-        log.debug("join %s: job=%s token=%s rank=%d/%d", m.request_id, m.job, m.token, m.rank, m.world,
+        log.debug("join %s: job=%s incarnation=%s rank=%d/%d", m.request_id, m.job, m.incarnation, m.rank, m.world,
                   extra={"job": m.job, "rank": m.rank})
         # NOTE: the limit is on joins that wait (each holds a serving thread): the join itself is
         # decided and journaled first, so a rank refused here has joined all the same, and the

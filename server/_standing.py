@@ -160,7 +160,7 @@ class GenerationDeals:
     deals (dynamic dealing), as a state holds it: a copy, read-only.
 
     Attributes:
-        token: The generation's incarnation token.
+        incarnation: The generation's incarnation.
         generation: Its number.
         world: Its world size.
         dealt: Rank -> batches the coordinator dealt it in the epoch (ranks dealt none are absent).
@@ -168,7 +168,7 @@ class GenerationDeals:
             none are absent).
     """
 
-    token: str
+    incarnation: str
     generation: int
     world: int
     dealt: dict[int, int]
@@ -194,4 +194,4 @@ def generation_deals(state: State, job: str, epoch: int) -> GenerationDeals | No
     book = j.deals.get(epoch)
     dealt = {r: book.dealt(r) for r in sorted(book.runs)} if book is not None else {}
     committed = dict(sorted(book.committed.items())) if book is not None else {}
-    return GenerationDeals(g.token, g.number, g.world, dealt, committed)
+    return GenerationDeals(g.incarnation, g.number, g.world, dealt, committed)

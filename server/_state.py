@@ -82,7 +82,7 @@ class State:
             InvalidArgument: a malformed request.
             FailedPrecondition: another spec than the job's, another world size than the
                 generation's, or a resume point / epoch that disagrees with another rank's.
-            Aborted: the token belongs to a generation that a newer one replaced.
+            Aborted: the incarnation belongs to a generation that a newer one replaced.
         """
         validate_join(req)
         events: list[Event] = []
@@ -97,22 +97,22 @@ class State:
         elif req.spec != job.spec:  # a rank's sources as grown: the job's spec is what it deals
             req = dataclasses.replace(req, spec=job.spec)
         gen = job.generation if job else None
-        if gen is not None and req.token == gen.token:
+        if gen is not None and req.incarnation == gen.incarnation:
             if req.world != gen.world:
                 raise FailedPrecondition(
                     f"generation {gen.number} of job {req.job!r} has world size {gen.world}; "
                     f"rank {req.rank} says world size {req.world}"
                 )
             number, world, joined, agreed = gen.number, gen.world, gen.joined, gen.agreement
-        elif job is not None and req.token in job.tokens:
+        elif job is not None and req.incarnation in job.incarnations:
             current = gen.number if gen else 0
             raise Aborted(
-                f"token {req.token!r} belongs to an older generation of job {req.job!r}; "
+                f"incarnation {req.incarnation!r} belongs to an older generation of job {req.job!r}; "
                 f"generation {current} replaced it (this process is a zombie of a previous incarnation)"
             )
         else:
             number, world, joined, agreed = (gen.number if gen else 0) + 1, req.world, {}, Agreement()
-            events.append(GenerationOpened(req.job, number, req.world, req.token))
+            events.append(GenerationOpened(req.job, number, req.world, req.incarnation))
 
         mine = (req.resume, req.epoch)
         if req.rank in joined:
@@ -352,8 +352,8 @@ class State:
             self.jobs[ev.job] = Job(ev.job, ev.spec)
         elif isinstance(ev, GenerationOpened):
             job = self.jobs[ev.job]
-            job.generation = Generation(ev.generation, ev.world, ev.token)
-            job.tokens.append(ev.token)
+            job.generation = Generation(ev.generation, ev.world, ev.incarnation)
+            job.incarnations.append(ev.incarnation)
             job.progress = {}  # the replaced world's ranks
             job.deals = {}
             job.held, job.loaded = (), None

@@ -40,13 +40,13 @@ def main() -> None:
     while finished < epochs:
         incarnation += 1
         world = rng.randint(1, 4)
-        token = f"{job}-{incarnation}"
+        incarnation = f"{job}-{incarnation}"
         cursor = from_state(job, spec, state)
         result = None
         for r in rng.sample(range(world), world):
-            result = c.join(JoinRequest(job, spec, token, world, r, cursor), wait_s=0.0)
+            result = c.join(JoinRequest(job, spec, incarnation, world, r, cursor), wait_s=0.0)
             rpcs += 1
-            say(ack="join", job=job, token=token, rank=r, generation=result.generation)
+            say(ack="join", job=job, incarnation=incarnation, rank=r, generation=result.generation)
         assert result is not None and result.start is not None, result
         gen, start = result.generation, result.start
         epoch, j = start.epoch, 0

@@ -6,7 +6,7 @@
         finished); prints "EPOCH e" as each ends.
     python tests/_partition_agents.py probe HISTORY
         Calls on command: one JSON line per call on stdin ({"op": "join" | "grant", "addr", "job",
-        "token" | "generation", and "timeout" in seconds if not CALL_S}), each recorded (croupier.tools.linearize) and answered on stdout with its
+        "incarnation" | "generation", and "timeout" in seconds if not CALL_S}), each recorded (croupier.tools.linearize) and answered on stdout with its
         status code, its seconds and, for a join, its generation.
 """
 
@@ -35,7 +35,7 @@ FAST = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff
 def rank(addresses: str, audit: str, stop: str) -> int:
     from croupier.client import DistributedBatchSampler
 
-    s = DistributedBatchSampler(N, batch_size=10, num_replicas=1, rank=0, address=addresses, job="train", token="t1",
+    s = DistributedBatchSampler(N, batch_size=10, num_replicas=1, rank=0, address=addresses, job="train", incarnation="t1",
                                 audit_dir=audit, lease_ahead=20)
     try:
         epoch = 0
@@ -68,7 +68,7 @@ def probe(history: str) -> int:
             with rec.call(cmd["job"], kind, cmd.get("generation", 0)) as out:
                 try:
                     if kind == "join":
-                        r = stub.Join(pb.JoinRequest(request_id=cmd["token"], job=cmd["job"], spec=spec, token=cmd["token"],
+                        r = stub.Join(pb.JoinRequest(request_id=cmd["incarnation"], job=cmd["job"], spec=spec, incarnation=cmd["incarnation"],
                                                      world=1, rank=0), timeout=cmd.get("timeout", CALL_S),
                                                      wait_for_ready=True)
                         out["generation"] = answer["generation"] = r.generation

@@ -1,4 +1,4 @@
-"""A rank for tests/e2e/test_pauses.py: joins a job (world 1, a token of its own) through one coordinator, then asks
+"""A rank for tests/e2e/test_pauses.py: joins a job (world 1, an incarnation of its own) through one coordinator, then asks
 grants and reports checkpoints of its generation until it is fenced, recording every call (tools/linearize.py).
 
     python tests/_pause_rank.py ADDRESS JOB HISTORY NAME
@@ -27,7 +27,7 @@ def main() -> int:
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
         with rec.call(job, "join") as out:
-            r = stub.Join(pb.JoinRequest(request_id=f"{name}-join", job=job, spec=spec_to_proto(SPEC), token=name, world=1,
+            r = stub.Join(pb.JoinRequest(request_id=f"{name}-join", job=job, spec=spec_to_proto(SPEC), incarnation=name, world=1,
                                          rank=0), timeout=30)
             out["generation"] = g = r.generation
         print(f"JOINED {g}", flush=True)

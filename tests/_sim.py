@@ -163,12 +163,12 @@ class Job:
         self._start(world, resume=None, epoch_hint=None)
 
     def _start(self, world: int, resume: dict[str, Any] | None, epoch_hint: int | None) -> None:
-        token = f"t{next(_tokens)}"
+        incarnation = f"t{next(_tokens)}"
         self.incarnation += 1
         cursor = None if resume is None else from_state(JOB, self.spec, resume)
         result = None
         for r in range(world):
-            req = JoinRequest(JOB, self.spec, token, world, r, resume=cursor, epoch=epoch_hint)
+            req = JoinRequest(JOB, self.spec, incarnation, world, r, resume=cursor, epoch=epoch_hint)
             for ev in self.state.decide_join(req):
                 self.state.apply(ev)
             # A repeated join changes nothing (idempotent).

@@ -16,7 +16,7 @@ from croupier.tools.audit import EpochReport, audit, render, verdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: Variables of the test's own environment that would point the example at another job or coordinator.
-_CLEARED = ("CROUPIER_ADDRESS", "CROUPIER_TOKEN", "CROUPIER_JOB")
+_CLEARED = ("CROUPIER_ADDRESS", "CROUPIER_INCARNATION", "CROUPIER_TOKEN", "CROUPIER_JOB")
 
 
 def torchrun(example: str, nproc: int, workdir: pathlib.Path, args: list[str], env: dict[str, str] | None = None,

@@ -34,7 +34,7 @@ class _Rank:
 class Incarnation:
     """One generation of a job as its ranks logged it."""
 
-    token: str
+    name: str
     generation: int
     world: int
     ts: float
@@ -144,26 +144,26 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
 
 def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     """Follows the checkpoint chain of one job and judges every epoch it covers."""
-    by_token = {i.token: i for i in incs}
+    by_name = {i.name: i for i in incs}
     chain: list[tuple[Incarnation, int | None, int | None]] = []  # (incarnation, cut epoch, cut items)
     cur, cut_epoch, cut_items = incs[-1], None, None
     while True:
         chain.append((cur, cut_epoch, cut_items))
         if not cur.origin:
             break
-        token, at_epoch, at_items = cur.origin.rsplit("/", 2)
-        prev = by_token.get(token)
+        incarnation, at_epoch, at_items = cur.origin.rsplit("/", 2)
+        prev = by_name.get(incarnation)
         if prev is None:
-            raise ValueError(f"job {job!r}: incarnation {cur.token} resumed from checkpoint {cur.origin}, "
+            raise ValueError(f"job {job!r}: incarnation {cur.name} resumed from checkpoint {cur.origin}, "
                              f"made by an incarnation with no audit log")
         cur, cut_epoch, cut_items = prev, int(at_epoch), int(at_items)
     chain.reverse()
-    in_chain = {inc.token for inc, _, _ in chain}
+    in_chain = {inc.name for inc, _, _ in chain}
     # NOTE: an incarnation that made checkpoints before the chain began, when no later one
     # resumed from any of them, means a restart that did not load the sampler's state (the model
     # may well have been restored): the audit cannot vouch for those epochs, so it fails. A job
     # started over on purpose should be given a fresh audit directory.
-    orphans = [i for i in incs if i.token not in in_chain and i.ts < chain[0][0].ts and i.checkpoints]
+    orphans = [i for i in incs if i.name not in in_chain and i.ts < chain[0][0].ts and i.checkpoints]
     trained: dict[int, list[int]] = collections.defaultdict(list)
     worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed
     finished: dict[int, int] = {}  # epoch -> world of the incarnation that finished it
@@ -231,7 +231,7 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
         reports.insert(0, EpochReport(
             job, first, last.n, 0, 0, 0, False, False,
             f"UNVERIFIED: {len(orphans)} earlier incarnation(s) trained, but the chain starts afresh at "
-            f"{chain[0][0].token}: a restart that did not load the sampler's checkpoint state?"))
+            f"{chain[0][0].name}: a restart that did not load the sampler's checkpoint state?"))
     return reports
 
 

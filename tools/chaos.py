@@ -159,6 +159,7 @@ class Run(OnlineFaults):
                "CROUPIER_JOB": JOB, "CROUPIER_AUDIT_DIR": str(self.work / "audit"),
                "CROUPIER_CALL_LOG": str(self.work / "calls"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env.pop("CROUPIER_INCARNATION", None)
         env.pop("CROUPIER_TOKEN", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "--max-restarts=0", "--monitor-interval=0.2", "-m", TRAINER]

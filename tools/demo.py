@@ -149,6 +149,7 @@ def main(workdir: str = "out/demo", n: int = 6000, epochs: int = 5, batch_size: 
            "CROUPIER_STATE_DIR": str(work / "coordinator"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "DEMO": json.dumps(cfg)}
     env.pop("CROUPIER_ADDRESS", None)
+    env.pop("CROUPIER_INCARNATION", None)
     env.pop("CROUPIER_TOKEN", None)
     print(f"croupier demo: {n} samples, {epochs} epochs, batch {batch_size} per worker, checkpoint every "
           f"{cfg['ckpt_every']} steps, {coordinator} coordinator; logs in {work}")

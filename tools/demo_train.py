@@ -10,7 +10,7 @@ WORKDIR/ckpts/step-XXXXXX.pt; `resume_from` names the checkpoint file to resume 
 ckpt.pt (relative to WORKDIR, or absolute); `lease_ahead` is the sampler's lease size; `step_ms`
 stands in for a larger model's compute: each step takes at least that long (the multi-node demo
 uses it so that a node joining, which takes its agent a few seconds, happens mid-training).
-After its sampler's first batch, every rank appends the join it got acknowledged (token,
+After its sampler's first batch, every rank appends the join it got acknowledged (incarnation under the key ``token``,
 generation, rank, world) as one JSON line to WORKDIR/joins.jsonl (``croupier chaos`` checks them
 against the coordinator's journal).
 """

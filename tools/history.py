@@ -61,7 +61,7 @@ class History:
     records: int  # journal records read
     generations: int  # GenerationOpened events of the job, numbered 1.. in journal order
     started: int  # GenerationStarted events of the job
-    acknowledged: int  # distinct (token, generation) the ranks were acknowledged, all in the journal
+    acknowledged: int  # distinct (incarnation, generation) the ranks were acknowledged, all in the journal
     join_lines: int  # lines of WORKDIR/joins.jsonl
     incarnations: int  # incarnations in the audit log (each an acknowledged join too)
     first_seq: int  # the first journal record held (1 unless a snapshot pruned the ones before)
@@ -140,11 +140,11 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
     """Checks the run's journal against itself and against the joins the ranks were acknowledged.
 
     The job's ``GenerationOpened`` events must number its generations 1, 2, 3, ... in journal
-    order (none twice, none out of order), each with a token of its own; each
+    order (none twice, none out of order), each with an incarnation of its own; each
     ``GenerationStarted`` and ``RankJoined`` must come after the ``GenerationOpened`` of its
     generation, and no generation may start twice. Every acknowledged join, as the ranks
     recorded it (WORKDIR/joins.jsonl) and as the audit log names it (one incarnation per
-    generation a rank joined), must be in the journal: that generation, opened with that token
+    generation a rank joined), must be in the journal: that generation, opened with that incarnation
     and that world, and started.
 
     NOTE: ``read_since(0)`` rather than ``load()``: a snapshot hides the records before it from
@@ -172,8 +172,8 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
     finally:
         store.close()
     first_seq = rec.snapshot_seq + 1 if rec.snapshot is not None else 1
-    opened: dict[int, tuple[str, int, int]] = {}  # generation -> (token, world, seq)
-    by_token: dict[str, int] = {}
+    opened: dict[int, tuple[str, int, int]] = {}  # generation -> (incarnation, world, seq)
+    by_incarnation: dict[str, int] = {}
     started: dict[int, int] = {}  # generation -> seq
     last = 0
     for seq, ev in rec.events:
@@ -184,11 +184,11 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
             if (opened or first_seq == 1) and ev.generation != last + 1:
                 raise ChaosError(f"journal record {seq} opens generation {ev.generation} of job {job!r} after "
                                  f"generation {last}: a generation accepted twice or out of order")
-            if ev.token in by_token:
-                raise ChaosError(f"journal record {seq} opens generation {ev.generation} with token {ev.token!r}, "
-                                 f"which already opened generation {by_token[ev.token]}")
-            opened[ev.generation] = (ev.token, ev.world, seq)
-            by_token[ev.token] = ev.generation
+            if ev.incarnation in by_incarnation:
+                raise ChaosError(f"journal record {seq} opens generation {ev.generation} with incarnation {ev.incarnation!r}, "
+                                 f"which already opened generation {by_incarnation[ev.incarnation]}")
+            opened[ev.generation] = (ev.incarnation, ev.world, seq)
+            by_incarnation[ev.incarnation] = ev.generation
             last = ev.generation
         elif isinstance(ev, (GenerationStarted, RankJoined)):
             what = "starts" if isinstance(ev, GenerationStarted) else f"joins rank {ev.rank} to"
@@ -204,31 +204,31 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
 
     lines = _read_joins(work / "joins.jsonl")
     incs = load(work / "audit").get(job, []) if (work / "audit").exists() else []
-    # (token, generation, world, where it was recorded) of every acknowledged join.
+    # (incarnation, generation, world, where it was recorded) of every acknowledged join.
     acks: list[tuple[str, int | None, int | None, str]] = [
         (str(j["token"]), j.get("generation"), j.get("world"), f"joins.jsonl line {i}, rank {j.get('rank')}")
         for i, j in enumerate(lines, start=1)]
-    acks += [(inc.token, inc.generation, inc.world, "the audit log") for inc in incs]
+    acks += [(inc.name, inc.generation, inc.world, "the audit log") for inc in incs]
     checked: set[tuple[str, int]] = set()
     unchecked: set[tuple[str, int | None]] = set()
-    for token, gen, world, where in acks:
-        if gen is None:  # recorded without the generation (see demo_train): the token must be there
-            gen = by_token.get(token)
+    for incarnation, gen, world, where in acks:
+        if gen is None:  # recorded without the generation (see demo_train): the incarnation must be there
+            gen = by_incarnation.get(incarnation)
             if gen is None and first_seq == 1:
-                raise ChaosError(f"the join acknowledged with token {token!r} ({where}) is not in the journal: lost")
+                raise ChaosError(f"the join acknowledged with incarnation {incarnation!r} ({where}) is not in the journal: lost")
         if gen is None or gen < first_gen and gen not in opened:
-            unchecked.add((token, gen))
+            unchecked.add((incarnation, gen))
             continue
         if gen not in opened:
-            raise ChaosError(f"the join acknowledged as generation {gen} with token {token!r} ({where}) is not in the "
-                             f"journal, which opened generations {first_gen}..{last}: an acknowledged join lost")
-        jtoken, jworld, seq = opened[gen]
-        if jtoken != token or (world is not None and jworld != world):
-            raise ChaosError(f"the join acknowledged as generation {gen} with token {token!r}, world {world} ({where}) "
-                             f"is not what journal record {seq} opened: token {jtoken!r}, world {jworld}")
+            raise ChaosError(f"the join acknowledged as generation {gen} with incarnation {incarnation!r} ({where}) is not "
+                             f"in the journal, which opened generations {first_gen}..{last}: an acknowledged join lost")
+        jincarnation, jworld, seq = opened[gen]
+        if jincarnation != incarnation or (world is not None and jworld != world):
+            raise ChaosError(f"the join acknowledged as generation {gen} with incarnation {incarnation!r}, world {world} "
+                             f"({where}) is not what journal record {seq} opened: incarnation {jincarnation!r}, world {jworld}")
         if gen not in started:
             raise ChaosError(f"generation {gen} was acknowledged as started ({where}) but the journal never started it")
-        checked.add((token, gen))
+        checked.add((incarnation, gen))
     return History(records=len(rec.events), generations=len(opened), started=len(started),
                    acknowledged=len(checked), join_lines=len(lines), incarnations=len(incs),
                    first_seq=first_seq, unchecked=len(unchecked))
@@ -243,7 +243,7 @@ def history_line(h: History) -> str:
         pruned = (f"; the journal was pruned before record {h.first_seq}: {h.unchecked} acknowledged joins of "
                   "earlier generations not checked")
     return (f"history: {h.generations} generations of job {JOB!r} opened in journal order, {numbered}: none twice, "
-            f"none out of order, each with a token of its own, {h.started} started after they opened; "
+            f"none out of order, each with an incarnation of its own, {h.started} started after they opened; "
             f"{h.acknowledged} acknowledged joins ({h.join_lines} rank records in joins.jsonl, {h.incarnations} "
             f"incarnations in the audit log) all in the journal: no acknowledged join lost ({h.records} journal "
             f"records read{pruned})")

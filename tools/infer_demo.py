@@ -2,9 +2,9 @@
 
 A ``croupier serve`` coordinator on a SQLite store in the work directory, and generations of
 worker processes (``croupier.tools.infer_worker``), each with ``RANK``, ``WORLD_SIZE``,
-``CROUPIER_ADDRESS``, ``CROUPIER_JOB`` and a token of its own. The workers deal the dataset
+``CROUPIER_ADDRESS``, ``CROUPIER_JOB`` and an incarnation of its own. The workers deal the dataset
 dynamically (``lockstep=False``): each takes the next batches, writes one output line per sample
-to ``outputs/{token}-r{rank}.jsonl``, makes it durable and commits. A relaunched generation
+to ``outputs/{incarnation}-r{rank}.jsonl``, makes it durable and commits. A relaunched generation
 resumes from the union of the commits (``resume_latest``).
 
 While the job runs, faults chosen by a seeded RNG land on observable progress (output lines
@@ -69,7 +69,7 @@ class Journal:
     """What the coordinator journaled about the job, gathered over several reads of its store.
 
     Attributes:
-        generations: token -> generation number (``GenerationOpened``, or a snapshot's current generation).
+        generations: incarnation -> generation number (``GenerationOpened``, or a snapshot's current generation).
         worlds: generation -> world size.
         commits: "generation/rank" -> the highest number of batches it committed (``BatchesCommitted``,
             or a snapshot's commits of its current generation).
@@ -108,11 +108,11 @@ class Journal:
         if logged:
             self.logged[key] = max(self.logged.get(key, 0), batches)
 
-    def _open(self, token: str, generation: int, world: int) -> None:
-        if self.generations.get(token, generation) != generation:
-            raise DemoError(f"the journal maps token {token!r} to generation {generation}, an earlier read to "
-                            f"{self.generations[token]}")
-        self.generations[token] = generation
+    def _open(self, incarnation: str, generation: int, world: int) -> None:
+        if self.generations.get(incarnation, generation) != generation:
+            raise DemoError(f"the journal maps incarnation {incarnation!r} to generation {generation}, an earlier read to "
+                            f"{self.generations[incarnation]}")
+        self.generations[incarnation] = generation
         self.worlds[generation] = world
 
     def read(self, store_url: str, job: str = JOB) -> None:
@@ -133,7 +133,7 @@ class Journal:
             self.snapshots += 1
             g = generation_deals(rec.snapshot, job, 0)
             if g is not None:
-                self._open(g.token, g.generation, g.world)
+                self._open(g.incarnation, g.generation, g.world)
                 for rank, batches in g.committed.items():
                     self._commit(g.generation, rank, batches, logged=False)
                 for rank, count in g.dealt.items():
@@ -141,7 +141,7 @@ class Journal:
         for _, ev in rec.events:
             self.records += 1
             if isinstance(ev, GenerationOpened) and ev.job == job:
-                self._open(ev.token, ev.generation, ev.world)
+                self._open(ev.incarnation, ev.generation, ev.world)
             elif isinstance(ev, BatchesCommitted) and ev.job == job and ev.epoch == 0:
                 self._commit(ev.generation, ev.rank, ev.batches, logged=True)
             elif isinstance(ev, BatchesDealt) and ev.job == job and ev.epoch == 0:
@@ -185,11 +185,11 @@ class Audit:
 
 
 def _owner(path: pathlib.Path) -> tuple[str, int]:
-    """(token, rank) of an output file ``{token}-r{rank}.jsonl``."""
-    token, _, rank = path.stem.rpartition("-r")
-    if not token or not rank.isdigit():
-        raise ValueError(f"{path.name} is not named TOKEN-rRANK.jsonl")
-    return token, int(rank)
+    """(incarnation, rank) of an output file ``{incarnation}-r{rank}.jsonl``."""
+    incarnation, _, rank = path.stem.rpartition("-r")
+    if not incarnation or not rank.isdigit():
+        raise ValueError(f"{path.name} is not named INCARNATION-rRANK.jsonl")
+    return incarnation, int(rank)
 
 
 def audit(outputs: pathlib.Path, journal: Journal, n: int) -> Audit:
@@ -199,11 +199,11 @@ def audit(outputs: pathlib.Path, journal: Journal, n: int) -> Audit:
     for path in sorted(outputs.glob("*.jsonl")):
         a.files += 1
         try:
-            token, rank = _owner(path)
+            incarnation, rank = _owner(path)
         except ValueError as e:
             a.violations.append(f"unknown output file: {e}")
             continue
-        generation = journal.generations.get(token)
+        generation = journal.generations.get(incarnation)
         committed = 0 if generation is None else journal.committed(generation, rank)
         data = path.read_text(encoding="utf-8")
         lines = data.split("\n")
@@ -235,8 +235,8 @@ def audit(outputs: pathlib.Path, journal: Journal, n: int) -> Audit:
                 continue
             seen[index].append(f"{path.name} seq {seq}")
         if generation is None and lines:
-            a.violations.append(f"unknown token: {path.name} holds {len(lines)} lines of token {token!r}, which "
-                                "the journal never opened")
+            a.violations.append(f"unknown incarnation: {path.name} holds {len(lines)} lines of incarnation {incarnation!r}, "
+                                "which the journal never opened")
     a.samples = len(seen)
     dups = {i: w for i, w in seen.items() if len(w) > 1}
     a.duplicates = sum(len(w) - 1 for w in dups.values())
@@ -295,16 +295,16 @@ class Worker:
 
 
 class Generation:
-    """One launch: `world` worker processes sharing one token."""
+    """One launch: `world` worker processes sharing one incarnation."""
 
-    def __init__(self, token: str, world: int, env: dict[str, str], argv: list[str], logs: pathlib.Path) -> None:
-        self.token = token
+    def __init__(self, incarnation: str, world: int, env: dict[str, str], argv: list[str], logs: pathlib.Path) -> None:
+        self.incarnation = incarnation
         self.world = world
         self.workers: list[Worker] = []
         for rank in range(world):
-            log = open(logs / f"{token}-r{rank}.log", "wb")  # closed in stop()
+            log = open(logs / f"{incarnation}-r{rank}.log", "wb")  # closed in stop()
             wenv = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                    "CROUPIER_TOKEN": token}
+                    "CROUPIER_INCARNATION": incarnation}
             proc = subprocess.Popen([sys.executable, "-m", WORKER, *argv], env=wenv, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             self.workers.append(Worker(rank, proc, log))
@@ -410,7 +410,7 @@ class Demo:
         self.done: collections.Counter[str] = collections.Counter()
         self.worlds: list[int] = []
         self.failures: list[str] = []  # worker exits nobody asked for
-        #: workers running when the coordinator was killed: (token, worker, batches it had committed then,
+        #: workers running when the coordinator was killed: (incarnation, worker, batches it had committed then,
         #: the output lines its file must reach before the next fault: two batches later, so it committed after it)
         self.riders: list[tuple[str, Worker, int, int]] = []
         self.rode: list[bool] = []  # per rider: it committed again after the restart, or ran out by itself
@@ -425,12 +425,12 @@ class Demo:
         print(f"[{time.monotonic() - self.began:6.1f} s] {what}", flush=True)
 
     def _launch(self, world: int) -> Generation:
-        token = f"launch-{len(self.worlds) + 1:02d}"
+        incarnation = f"launch-{len(self.worlds) + 1:02d}"
         self.worlds.append(world)
         argv = ["--n", str(self.s.n), "--batch", str(self.s.batch), "--outputs", str(self.outputs),
                 "--batch-ms", str(self.s.batch_ms)]
-        self._say(f"launch {token}: world {world}")
-        return Generation(token, world, self._env(self.coordinator.address), argv, self.logs)
+        self._say(f"launch {incarnation}: world {world}")
+        return Generation(incarnation, world, self._env(self.coordinator.address), argv, self.logs)
 
     def _between(self, gen: Generation) -> None:
         """Ends `gen` (every worker gone) and reads the journal with the coordinator stopped."""
@@ -441,32 +441,32 @@ class Demo:
         self._judge_riders(gen)
         self.coordinator.start()
 
-    def _output(self, token: str, rank: int) -> pathlib.Path:
-        return self.outputs / f"{token}-r{rank}.jsonl"
+    def _output(self, incarnation: str, rank: int) -> pathlib.Path:
+        return self.outputs / f"{incarnation}-r{rank}.jsonl"
 
     def _riders_went_on(self, gen: Generation) -> bool:
         """Every worker of `gen` that ran through a coordinator kill has committed since (a line of the
         batch after next is written only once the next one's commit returned), or has exited."""
         self.lines.poll()
-        return all(w.proc.poll() is not None or self.lines.of(self._output(token, w.rank)) >= target
-                   for token, w, _, target in self.riders if token == gen.token)
+        return all(w.proc.poll() is not None or self.lines.of(self._output(incarnation, w.rank)) >= target
+                   for incarnation, w, _, target in self.riders if incarnation == gen.incarnation)
 
-    def _committed(self, token: str, rank: int) -> int:
-        g = self.journal.generations.get(token)
+    def _committed(self, incarnation: str, rank: int) -> int:
+        g = self.journal.generations.get(incarnation)
         return 0 if g is None else self.journal.committed(g, rank)
 
     def _judge_riders(self, gen: Generation) -> None:
         """Whether each worker of `gen` that ran through a coordinator kill went on afterwards:
         the journal has a later commit of it, or it ran out of batches and exited 0 by itself."""
-        for token, w, before, _ in [r for r in self.riders if r[0] == gen.token]:
-            self.rode.append(self._committed(token, w.rank) > before or (w.proc.returncode == 0 and not w.stopped))
-        self.riders = [r for r in self.riders if r[0] != gen.token]
+        for incarnation, w, before, _ in [r for r in self.riders if r[0] == gen.incarnation]:
+            self.rode.append(self._committed(incarnation, w.rank) > before or (w.proc.returncode == 0 and not w.stopped))
+        self.riders = [r for r in self.riders if r[0] != gen.incarnation]
 
     def _note_failures(self, gen: Generation) -> None:
         for w in gen.failed():
-            if not any(f.startswith(f"{gen.token} r{w.rank} ") for f in self.failures):
-                self.failures.append(f"{gen.token} r{w.rank} exited {w.proc.returncode} by itself (see "
-                                     f"{self.logs / f'{gen.token}-r{w.rank}.log'})")
+            if not any(f.startswith(f"{gen.incarnation} r{w.rank} ") for f in self.failures):
+                self.failures.append(f"{gen.incarnation} r{w.rank} exited {w.proc.returncode} by itself (see "
+                                     f"{self.logs / f'{gen.incarnation}-r{w.rank}.log'})")
 
     def _gap(self, lines: int, left: int) -> int:
         """Output lines until the next fault: the rest of the job shared among the faults left."""
@@ -490,13 +490,13 @@ class Demo:
                       "running); restarted on the same port")
             self.coordinator.kill()
             self.journal.read(self.store)
-            self.riders += [(gen.token, w, self._committed(gen.token, w.rank),
-                             self.lines.of(self._output(gen.token, w.rank)) + self.s.batch + 1) for w in gen.live()]
+            self.riders += [(gen.incarnation, w, self._committed(gen.incarnation, w.rank),
+                             self.lines.of(self._output(gen.incarnation, w.rank)) + self.s.batch + 1) for w in gen.live()]
             self.coordinator.start()
             return gen
         if kind == "kill":
             victim = self.rng.choice(live)
-            self._say(f"fault {sum(self.done.values())}: kill -9 of {gen.token} r{victim.rank} {where}; the others "
+            self._say(f"fault {sum(self.done.values())}: kill -9 of {gen.incarnation} r{victim.rank} {where}; the others "
                       "are stopped")
             gen.kill(victim)
             world = self.rng.randint(1, MAX_WORLD)
@@ -566,7 +566,7 @@ class Demo:
             if count != last:
                 moved, last = time.monotonic(), count
             elif time.monotonic() - moved > STALL_S:
-                raise DemoError(f"no output line for {STALL_S:.0f} s at {count} lines ({gen.token}, world "
+                raise DemoError(f"no output line for {STALL_S:.0f} s at {count} lines ({gen.incarnation}, world "
                                 f"{gen.world}); see {self.logs}")
             if left and count >= due and self._riders_went_on(gen):
                 gen = self._fault(self.kinds[len(self.kinds) - left], gen, count)

@@ -2,12 +2,12 @@
 
 Run as ``python -m croupier.tools.infer_worker --n N --batch B --outputs DIR``, with the launcher's
 environment: ``RANK``, ``WORLD_SIZE``, ``CROUPIER_ADDRESS``, ``CROUPIER_JOB`` and
-``CROUPIER_TOKEN`` (new for every generation, the same on its ranks).
+``CROUPIER_INCARNATION`` (new for every generation, the same on its ranks).
 
 The worker resumes the job's latest record (``resume_latest``: the union of every rank's
 commits) and exits 0 at once when it is past epoch 0 (the job is done). Otherwise, for each batch
 it is dealt, it computes one output per sample (:func:`infer`), appends one JSON line per sample
-``{"seq", "index", "output"}`` to ``DIR/{token}-r{rank}.jsonl`` (``seq``: the batch's number in
+``{"seq", "index", "output"}`` to ``DIR/{incarnation}-r{rank}.jsonl`` (``seq``: the batch's number in
 this rank's sequence of the generation, from 0), makes the lines durable, and only then commits
 the batch. It exits 0 when the coordinator has nothing left to deal it.
 
@@ -70,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     from croupier.client import DistributedBatchSampler
 
-    rank, token = int(os.environ["RANK"]), settings.get("CROUPIER_TOKEN")
+    rank, incarnation = int(os.environ["RANK"]), settings.get("CROUPIER_INCARNATION")
     sampler = DistributedBatchSampler(args.n, args.batch, dealing="dynamic", lockstep=False, lease_ahead=2, prefetch=1)
     resumed = sampler.resume_latest()
     if sampler.epoch > 0:
         print(f"rank {rank}: the job is done (its latest record is at epoch {sampler.epoch})", flush=True)
         sampler.close()
         return 0
-    path = Path(args.outputs) / f"{token}-r{rank}.jsonl"
+    path = Path(args.outputs) / f"{incarnation}-r{rank}.jsonl"
     seq = retries = 0
     began = time.monotonic()
     with open(path, "a", encoding="utf-8") as out:

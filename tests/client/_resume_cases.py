@@ -107,7 +107,7 @@ class Case:
             parts.insert(0, self.stop)
         return "-".join(parts)
 
-    def sampler(self, address: str, job: str, token: str, world: int, rank: int) -> DistributedBatchSampler:
+    def sampler(self, address: str, job: str, incarnation: str, world: int, rank: int) -> DistributedBatchSampler:
         """Rank `rank` of a world of `world` ranks of this case's job."""
         kw: dict[str, Any] = {}
         if self.bucket is not None:
@@ -116,7 +116,7 @@ class Case:
         elif self.permutation is not None:
             kw = dict(permutation=self.permutation, buffer_size=self.buffer_size)
         return DistributedBatchSampler(self.n, self.batch_size, world, rank, shuffle=True, seed=SEED,
-                                       drop_last=self.drop_last, address=address, job=job, token=token,
+                                       drop_last=self.drop_last, address=address, job=job, incarnation=incarnation,
                                        partition=self.partition, tail=self.tail, even_batches=self.even_batches,
                                        scope=self.scope, lease_ahead=3, **kw)
 

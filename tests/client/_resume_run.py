@@ -113,7 +113,7 @@ def kill_and_resize(server: Server, case: Case) -> Run:
     spec = case.spec()
     whole: list[tuple[FixedPlan, Batches, list[int]]] = []
 
-    # ---- world W1, incarnation token "a"
+    # ---- world W1, incarnation "a"
     first = [case.sampler(server.address, job, f"{job}/a", case.w1, r) for r in range(case.w1)]
 
     def next_epoch(e: int) -> list[int]:
@@ -156,7 +156,7 @@ def kill_and_resize(server: Server, case: Case) -> Run:
     cursor = from_state(job, spec, state)
     assert cursor is not None
 
-    # ---- world W2, incarnation token "b"
+    # ---- world W2, incarnation "b"
     second = [case.sampler(server.address, job, f"{job}/b", case.w2, r) for r in range(case.w2)]
     loads = [not (case.stateless and r >= case.w1) for r in range(case.w2)]
     for s, load in zip(second, loads):

@@ -28,7 +28,7 @@ WEIGHTS = [5, 3, 2]
 SKIP = [120 + 7, 120 + 211, 120 + 399]
 
 
-def _generation(server: Server, logdir: pathlib.Path, world: int, token: str, sources: list[int], state: dict | None,
+def _generation(server: Server, logdir: pathlib.Path, world: int, incarnation: str, sources: list[int], state: dict | None,
                 epochs: int, stop_at: int | None = None, save_at: int | None = None,
                 during=None, job: str = "amend") -> tuple[dict, dict[int, list[int]]]:
     from _ranks import on_ranks
@@ -37,7 +37,7 @@ def _generation(server: Server, logdir: pathlib.Path, world: int, token: str, so
     seen: dict[int, list[int]] = collections.defaultdict(list)
 
     def rank(r: int) -> None:
-        s = DistributedSampler(N, world, r, address=server.address, job=job, token=token, tail="uneven",
+        s = DistributedSampler(N, world, r, address=server.address, job=job, incarnation=incarnation, tail="uneven",
                                sources=sources, weights=WEIGHTS, audit_dir=str(logdir), lease_ahead=8)
         if state:
             s.load_state_dict(state)
@@ -120,8 +120,8 @@ def test_a_skip_after_a_pending_grow_takes_out_the_sample_handed_out_and_epochs_
     every other one of source 2 is, and an epoch is still the 1,511 positions the job was registered with."""
     sources, grown = [997, 401, 113], [997, 431, 113]
 
-    def sampler(sizes: list[int], token: str) -> DistributedSampler:
-        return DistributedSampler(sum(sizes), 1, 0, address=server.address, job="numbering", token=token,
+    def sampler(sizes: list[int], incarnation: str) -> DistributedSampler:
+        return DistributedSampler(sum(sizes), 1, 0, address=server.address, job="numbering", incarnation=incarnation,
                                   tail="uneven", sources=sizes, weights=[1, 1, 1], lease_ahead=8)
 
     s = sampler(sources, "g1")
@@ -152,11 +152,11 @@ def test_a_skip_after_a_pending_grow_takes_out_the_sample_handed_out_and_epochs_
 MIX = Spec(n=100, sources=(30, 70), weights=((0, parts_of([1, 1])),))
 
 
-def _started(spec: Spec = MIX, resume: Cursor | None = None, token: str = "t1", world: int = 1,
+def _started(spec: Spec = MIX, resume: Cursor | None = None, incarnation: str = "t1", world: int = 1,
              state: State | None = None, amendments: tuple[Amendment, ...] = ()) -> State:
     st = state or State()
     for r in range(world):
-        for ev in st.decide_join(JoinRequest("j", spec, token, world, r, resume, amendments=amendments)):
+        for ev in st.decide_join(JoinRequest("j", spec, incarnation, world, r, resume, amendments=amendments)):
             st.apply(ev)
     return st
 
@@ -168,17 +168,17 @@ def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_pos
     for ev in events:
         st.apply(ev)
     assert st.jobs["j"].dealing_spec == MIX  # the running generation is not changed
-    _started(resume=Cursor(2, ((37, 100),)), token="t2", state=st)
+    _started(resume=Cursor(2, ((37, 100),)), incarnation="t2", state=st)
     assert [x.at for x in st.jobs["j"].held] == [2 * 100 + 37]
     assert st.jobs["j"].dealing_spec.amendments == (Amendment("skip", (0, 3, 1, 10), 237),)
     # Resumed from an older checkpoint that holds none, every change holds from where it resumes.
     _, events = st.decide_amend("j", "weights", parts_of([1, 3]))
     for ev in events:
         st.apply(ev)
-    _started(resume=Cursor(1, ((5, 100),)), token="t3", state=st)
+    _started(resume=Cursor(1, ((5, 100),)), incarnation="t3", state=st)
     assert [x.at for x in st.jobs["j"].held] == [105, 105]
     # Resumed from a checkpoint that holds the first: its position stays, the other holds from the resume.
-    _started(resume=Cursor(2, ((50, 100),)), token="t4", state=st, amendments=(Amendment("skip", (0, 3, 1, 10), 237),))
+    _started(resume=Cursor(2, ((50, 100),)), incarnation="t4", state=st, amendments=(Amendment("skip", (0, 3, 1, 10), 237),))
     assert [x.at for x in st.jobs["j"].held] == [237, 250]
     # A snapshot holds them.
     back = State.restore(st.snapshot()).jobs["j"]
@@ -211,7 +211,7 @@ def test_a_lost_store_takes_a_checkpoints_amendments_back_and_ranks_must_agree_o
     for ev in st.decide_amend("j", "skip", [2])[1]:  # recorded since the store was lost
         st.apply(ev)
     mine = (Amendment("skip", (0, 1), 50),)
-    _started(resume=Cursor(0, ((60, 100),)), token="t2", state=st, amendments=mine)
+    _started(resume=Cursor(0, ((60, 100),)), incarnation="t2", state=st, amendments=mine)
     assert st.jobs["j"].held == (*mine, Amendment("skip", (0, 2), 60))
     assert [a.values for a in st.jobs["j"].amendments] == [(0, 2), (0, 1)]
     other = (Amendment("skip", (0, 3), 50),)
@@ -241,7 +241,7 @@ def test_a_skip_reads_indices_as_the_ranks_hand_them_out_whatever_grows_are_pend
     assert a.pairs == [(1, 5)]  # not (0, 35), which index 35 names once the grow holds
     for ev in events:
         st.apply(ev)
-    _started(token="t2", state=st)  # the next generation holds the grow: sources of (40, 70) now
+    _started(incarnation="t2", state=st)  # the next generation holds the grow: sources of (40, 70) now
     assert st.decide_amend("j", "skip", [35])[0].pairs == [(0, 35)]
     for ev in st.decide_join(JoinRequest("j", MIX, "t3", 2, 0)):  # a generation waiting for rank 1
         st.apply(ev)
@@ -267,7 +267,7 @@ def test_the_hold_position_follows_the_resume_point() -> None:
         st = _started()
         for ev in st.decide_amend("j", "weights", [PARTS // 2, PARTS // 2])[1]:
             st.apply(ev)
-        _started(resume=start, token="t2", state=st)
+        _started(resume=start, incarnation="t2", state=st)
         assert st.jobs["j"].held[0].at == at, start
 
 
@@ -316,7 +316,7 @@ def test_a_checkpoint_record_carries_the_amendments_its_generation_dealt_with() 
     st = _started()
     for ev in st.decide_amend("j", "skip", [24])[1]:
         st.apply(ev)
-    _started(resume=Cursor(0, ((20, 100),)), token="t2", state=st)  # holds the skip from position 20
+    _started(resume=Cursor(0, ((20, 100),)), incarnation="t2", state=st)  # holds the skip from position 20
     gen = st.jobs["j"].generation
     assert gen is not None
     _, events = st.decide_report("j", gen.number, 0, 0, 4, 1, (7, Cursor(0, ((60, 100),)), "t2/0/40"))
@@ -327,19 +327,19 @@ def test_a_checkpoint_record_carries_the_amendments_its_generation_dealt_with() 
     assert State.restore(st.snapshot()).checkpoint("j", 7) == record
     # Resumed from that record (resume_from_step), positions before 60 keep the skip at 20.
     state = state_of_record("j", MIX, record.cursor, record.origin, record.amendments)
-    _started(resume=record.cursor, token="t3", state=st, amendments=amendments_of(state))
+    _started(resume=record.cursor, incarnation="t3", state=st, amendments=amendments_of(state))
     assert st.jobs["j"].held == (Amendment("skip", (0, 24), 20),)
 
 
 def test_the_same_weights_recorded_twice_are_two_changes() -> None:
     a, b = parts_of([1, 3]), parts_of([3, 1])
     st = _started()
-    for w, token, start in [(a, "t2", Cursor(1, ((0, 100),))), (b, "t3", Cursor(2, ((0, 100),))),
+    for w, incarnation, start in [(a, "t2", Cursor(1, ((0, 100),))), (b, "t3", Cursor(2, ((0, 100),))),
                             (a, "t4", Cursor(3, ((0, 100),)))]:
         for ev in st.decide_amend("j", "weights", w)[1]:
             st.apply(ev)
         assert [x.values for x in st.jobs["j"].pending] == [w]
-        _started(resume=start, token=token, state=st, amendments=st.jobs["j"].held)  # a checkpoint of the last
+        _started(resume=start, incarnation=incarnation, state=st, amendments=st.jobs["j"].held)  # a checkpoint of the last
     assert [(x.values, x.at) for x in st.jobs["j"].held] == [(a, 100), (b, 200), (a, 300)]
     assert st.jobs["j"].dealing_spec.amended(st.jobs["j"].held)  # the stream is made: a holds from 300 on
 

@@ -2,7 +2,7 @@
 
 Every case runs a world of W1 ranks for k lockstep steps (each rank takes one batch per step),
 saves rank 0's ``state_dict()``, closes every sampler (the kill), starts a world of W2 ranks with
-a new incarnation token that loads the state, and runs the epoch (and the next one) to its end.
+a new incarnation that loads the state, and runs the epoch (and the next one) to its end.
 What the training loops received in the epoch -- W1's batches before the checkpoint and W2's
 after it -- is then checked three ways:
 
@@ -199,7 +199,7 @@ def test_a_state_of_another_spec_is_refused_and_changes_nothing(server: Server, 
             lengths = lengths_for(n)
             lengths[7] += 1
             samplers = [DistributedBatchSampler(n, 2, w, r, seed=SEED, address=other.address, job=job,
-                                                token=f"{job}/b", tail="uneven", permutation="bucket",
+                                                incarnation=f"{job}/b", tail="uneven", permutation="bucket",
                                                 lengths=lengths, buffer_size=16, pack_size=4, lease_ahead=3)
                         for r in range(w)]
         spec = samplers[0].spec

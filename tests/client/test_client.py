@@ -25,7 +25,7 @@ def test_drop_in_for_torch(server: Server, shuffle: bool, drop_last: bool) -> No
 
     def rank(r: int) -> tuple[list[list[int]], list[int]]:
         s = DistributedSampler(n, world, r, shuffle=shuffle, seed=5, drop_last=drop_last, address=server.address,
-                               job=job, token=tok, permutation="torch" if shuffle else None)
+                               job=job, incarnation=tok, permutation="torch" if shuffle else None)
         epochs, lens = [], []
         for e in range(3):
             s.set_epoch(e)  # the usual loop; also fine without it (see the next test)
@@ -54,7 +54,7 @@ def test_epochs_advance_without_set_epoch_in_one_process() -> None:
 
 def test_set_epoch_loop_from_a_later_epoch_and_contradictions(server: Server) -> None:
     job = f"epochs-{uuid.uuid4().hex}"
-    s = DistributedSampler(40, address=server.address, job=job, token="a", permutation="torch", seed=1)
+    s = DistributedSampler(40, address=server.address, job=job, incarnation="a", permutation="torch", seed=1)
     for epoch in range(5, 7):  # a fresh job started at epoch 5
         s.set_epoch(epoch)
         t = TorchSampler(range(40), num_replicas=1, rank=0, seed=1)
@@ -67,7 +67,7 @@ def test_set_epoch_loop_from_a_later_epoch_and_contradictions(server: Server) ->
     state = s.state_dict()
     assert state["epoch"] == 7
     s.close()
-    s2 = DistributedSampler(40, address=server.address, job=job, token="b", permutation="torch", seed=1)
+    s2 = DistributedSampler(40, address=server.address, job=job, incarnation="b", permutation="torch", seed=1)
     s2.load_state_dict(state)
     with pytest.raises(ValueError, match="contradicts the checkpoint state"):
         s2.set_epoch(2)
@@ -75,7 +75,7 @@ def test_set_epoch_loop_from_a_later_epoch_and_contradictions(server: Server) ->
     assert len(list(s2)) == 40
     s2.close()
     # set_epoch before load_state_dict follows the same rule, and a refused load changes nothing.
-    s3 = DistributedSampler(40, address=server.address, job=job, token="c", permutation="torch", seed=1)
+    s3 = DistributedSampler(40, address=server.address, job=job, incarnation="c", permutation="torch", seed=1)
     s3.set_epoch(2)
     before = s3.state_dict()
     with pytest.raises(ValueError, match=r"set_epoch\(2\) was called before load_state_dict"):
@@ -85,12 +85,12 @@ def test_set_epoch_loop_from_a_later_epoch_and_contradictions(server: Server) ->
 
 
 def test_state_from_another_job_or_spec_is_refused(server: Server) -> None:
-    a = DistributedSampler(50, address=server.address, job="job-a", token="x")
+    a = DistributedSampler(50, address=server.address, job="job-a", incarnation="x")
     state = a.state_dict()
-    b = DistributedSampler(50, address=server.address, job="job-b", token="x")
+    b = DistributedSampler(50, address=server.address, job="job-b", incarnation="x")
     with pytest.raises(ValueError, match="from job 'job-a', not from this job 'job-b'"):
         b.load_state_dict(state)
-    c = DistributedSampler(50, address=server.address, job="job-a", token="y", seed=99)
+    c = DistributedSampler(50, address=server.address, job="job-a", incarnation="y", seed=99)
     with pytest.raises(ValueError) as e:
         c.load_state_dict(state)
     assert state["fingerprint"] in str(e.value) and "seed=99" in str(e.value)
@@ -101,10 +101,10 @@ def test_state_from_another_job_or_spec_is_refused(server: Server) -> None:
 
 def test_a_fenced_rank_gets_a_runtime_error(server: Server) -> None:
     job = f"fence-{uuid.uuid4().hex}"
-    old = DistributedSampler(10_000, address=server.address, job=job, token="g1", lease_ahead=16, prefetch=1)
+    old = DistributedSampler(10_000, address=server.address, job=job, incarnation="g1", lease_ahead=16, prefetch=1)
     it = iter(old)
     next(it)
-    new = DistributedSampler(10_000, address=server.address, job=job, token="g2")
+    new = DistributedSampler(10_000, address=server.address, job=job, incarnation="g2")
     next(iter(new))  # a new incarnation of the job's world: generation 2
     with pytest.raises(RuntimeError, match="fenced off"):
         for _ in it:
@@ -130,8 +130,8 @@ def test_stateful_dataloader_resume_is_exact(server: Server, workers: int) -> No
     """Checkpoint mid-epoch under prefetching, train on, crash, resume: every index exactly once."""
     n, bs, job = 97, 4, f"sdl-{workers}-{uuid.uuid4().hex}"
 
-    def loader(token: str) -> tuple[DistributedSampler, StatefulDataLoader]:
-        s = DistributedSampler(n, address=server.address, job=job, token=token, tail="uneven", lease_ahead=8)
+    def loader(incarnation: str) -> tuple[DistributedSampler, StatefulDataLoader]:
+        s = DistributedSampler(n, address=server.address, job=job, incarnation=incarnation, tail="uneven", lease_ahead=8)
         return s, StatefulDataLoader(list(range(n)), batch_size=bs, sampler=s, num_workers=workers)
 
     s1, l1 = loader("a")
@@ -153,7 +153,7 @@ def test_stateful_dataloader_resume_is_exact(server: Server, workers: int) -> No
 
 def test_plain_dataloader_with_workers_uses_consumed(server: Server) -> None:
     n, bs, job = 60, 5, f"plain-{uuid.uuid4().hex}"
-    s = DistributedSampler(n, address=server.address, job=job, token="a", tail="uneven")
+    s = DistributedSampler(n, address=server.address, job=job, incarnation="a", tail="uneven")
     dl = DataLoader(list(range(n)), batch_size=bs, sampler=s, num_workers=2)
     seen: list[int] = []
     it = iter(dl)
@@ -163,7 +163,7 @@ def test_plain_dataloader_with_workers_uses_consumed(server: Server) -> None:
     assert s.items_done > 3 * bs  # the loader read ahead of the loop
     del it
     s.close()
-    s2 = DistributedSampler(n, address=server.address, job=job, token="b", tail="uneven")
+    s2 = DistributedSampler(n, address=server.address, job=job, incarnation="b", tail="uneven")
     s2.load_state_dict(state)
     rest = [i for b in DataLoader(list(range(n)), batch_size=bs, sampler=s2) for i in b.tolist()]
     assert sorted(seen + rest) == list(range(n))
@@ -175,7 +175,7 @@ def test_batch_sampler_with_bucketing(server: Server) -> None:
     job = f"bucket-{uuid.uuid4().hex}"
 
     def rank(r: int) -> list[list[int]]:
-        s = DistributedBatchSampler(192, 4, 2, r, address=server.address, job=job, token="t", lengths=lengths,
+        s = DistributedBatchSampler(192, 4, 2, r, address=server.address, job=job, incarnation="t", lengths=lengths,
                                     buffer_size=48, pack_size=8, tail="uneven")
         dl = DataLoader(list(range(192)), batch_sampler=s)
         out = [b.tolist() for b in dl]
@@ -199,7 +199,7 @@ def test_trains_on_while_the_coordinator_is_down(tmp_path: pathlib.Path, serve_p
     store = f"sqlite:///{tmp_path}/c.db"
     p = serve_process(store)
     n, job = 3000, "outage"
-    s = DistributedSampler(n, address=p.address, job=job, token="a", lease_ahead=50, prefetch=1)
+    s = DistributedSampler(n, address=p.address, job=job, incarnation="a", lease_ahead=50, prefetch=1)
     it = iter(s)
     first = [next(it) for _ in range(500)]
     p.kill()
@@ -208,11 +208,11 @@ def test_trains_on_while_the_coordinator_is_down(tmp_path: pathlib.Path, serve_p
     assert p.proc.poll() is not None, "the coordinator was expected to stay dead"
     assert sorted(first + rest) == list(range(n)) and sorted(epoch1) == list(range(n))
     p2 = serve_process(store, port=p.port)
-    ref = DistributedSampler(n, address=p2.address, job="outage-reference", token="r")
+    ref = DistributedSampler(n, address=p2.address, job="outage-reference", incarnation="r")
     assert first + rest == list(ref)  # the same order the coordinator would have granted
     it2 = iter(s)  # epoch 2, granted again
     next(it2)
-    intruder = DistributedSampler(n, address=p2.address, job=job, token="b")
+    intruder = DistributedSampler(n, address=p2.address, job=job, incarnation="b")
     next(iter(intruder))  # a new incarnation: generation 2 replaces the old one
     with pytest.raises(RuntimeError, match="fenced off"):
         for _ in it2:
@@ -225,14 +225,14 @@ def test_survives_a_coordinator_kill(tmp_path: pathlib.Path, serve_process: type
     store = f"sqlite:///{tmp_path}/c.db"
     p = serve_process(store)
     job = "survivor"
-    s = DistributedSampler(5000, address=p.address, job=job, token="a", lease_ahead=64, prefetch=1)
+    s = DistributedSampler(5000, address=p.address, job=job, incarnation="a", lease_ahead=64, prefetch=1)
     it = iter(s)
     first = [next(it) for _ in range(1000)]
     p.kill()
     p2 = serve_process(store, port=p.port)
     rest = list(it)
     assert sorted(first + rest) == list(range(5000))
-    ref = DistributedSampler(5000, address=p2.address, job="reference", token="r")
+    ref = DistributedSampler(5000, address=p2.address, job="reference", incarnation="r")
     assert first + rest == list(ref)
     s.close()
     ref.close()
@@ -258,13 +258,13 @@ def test_a_rank_beside_its_embedded_coordinator_grants_without_grpc_and_is_still
     address, _ = _resolve._start_embedded(store, "127.0.0.1")
     try:
         job = f"beside-{uuid.uuid4().hex}"
-        old = DistributedSampler(2_000, address=address, job=job, token="g1", lease_ahead=16, prefetch=1, num_replicas=1,
+        old = DistributedSampler(2_000, address=address, job=job, incarnation="g1", lease_ahead=16, prefetch=1, num_replicas=1,
                                  rank=0)
         assert sorted(old) == list(range(2_000))  # 125 leases
         it = iter(old)
         next(it)
         assert grants == []  # every grant asked in this process, none through gRPC
-        new = DistributedSampler(2_000, address=address, job=job, token="g2", num_replicas=1, rank=0)
+        new = DistributedSampler(2_000, address=address, job=job, incarnation="g2", num_replicas=1, rank=0)
         next(iter(new))  # generation 2 replaces the first
         with pytest.raises(RuntimeError, match="fenced off"):
             for _ in it:

@@ -28,7 +28,7 @@ def test_an_instance_of_torchs_distributed_sampler_with_its_attributes(server: S
     """Frameworks decide by isinstance whether a loader is already sharded, and read these attributes."""
     data = list(range(10))
     s = DistributedSampler(data, num_replicas=3, rank=2, shuffle=False, seed=5, address=server.address,
-                           job="attrs", token="t")
+                           job="attrs", incarnation="t")
     t = TorchSampler(data, num_replicas=3, rank=2, shuffle=False, seed=5)
     assert isinstance(s, TorchSampler)
     for name in ("dataset", "num_replicas", "rank", "shuffle", "seed", "drop_last", "epoch", "num_samples",
@@ -37,7 +37,7 @@ def test_an_instance_of_torchs_distributed_sampler_with_its_attributes(server: S
     assert len(s) == len(t)
     s.close()
     one = DistributedSampler(data, num_replicas=1, rank=0, permutation="torch", seed=5, address=server.address,
-                             job="attrs-1", token="t")
+                             job="attrs-1", incarnation="t")
     t1 = TorchSampler(data, num_replicas=1, rank=0, seed=5)
     one.epoch = 2  # some loops assign it: the same as set_epoch(2)
     t1.set_epoch(2)
@@ -70,7 +70,7 @@ def test_a_script_that_stops_mid_epoch_exits(n: int) -> None:
 def test_the_batch_sampler_is_a_torch_batch_sampler(server: Server) -> None:
     """Frameworks test isinstance(BatchSampler) and read batch_size, drop_last and sampler."""
     bs = DistributedBatchSampler(list(range(40)), 4, num_replicas=2, rank=1, drop_last=True, address=server.address,
-                                 job="bs-attrs", token="t")
+                                 job="bs-attrs", incarnation="t")
     assert isinstance(bs, BatchSampler)
     assert (bs.batch_size, bs.drop_last) == (4, True)
     assert len(bs.sampler) == 20 and len(bs) == 5
@@ -84,8 +84,8 @@ def test_an_epoch_ends_at_its_last_item(server: Server, kind: str) -> None:
     """A loop that stops at len() (as Lightning does) has finished the epoch: set_epoch(1) goes on, exactly."""
     n = 24
     job = f"last-{kind}-{uuid.uuid4().hex[:6]}"
-    s: Any = (DistributedSampler(n, address=server.address, job=job, token="t", tail="uneven") if kind == "index" else
-              DistributedBatchSampler(n, 4, address=server.address, job=job, token="t", tail="uneven"))
+    s: Any = (DistributedSampler(n, address=server.address, job=job, incarnation="t", tail="uneven") if kind == "index" else
+              DistributedBatchSampler(n, 4, address=server.address, job=job, incarnation="t", tail="uneven"))
     for epoch in range(3):
         s.set_epoch(epoch)
         it, got = iter(s), []
@@ -102,10 +102,10 @@ def test_len_after_a_resume_is_the_whole_share(server: Server, kind: str) -> Non
     """Trainers restore their own batch counter and stop at len(): the resumed pass yields the rest, len() is the epoch."""
     n, job = 64, f"len-{kind}-{uuid.uuid4().hex[:6]}"
 
-    def make(token: str) -> Any:
+    def make(incarnation: str) -> Any:
         if kind == "index":
-            return DistributedSampler(n, address=server.address, job=job, token=token)
-        return DistributedBatchSampler(n, 4, address=server.address, job=job, token=token)
+            return DistributedSampler(n, address=server.address, job=job, incarnation=incarnation)
+        return DistributedBatchSampler(n, 4, address=server.address, job=job, incarnation=incarnation)
 
     a = make("a")
     whole = len(a)
@@ -126,7 +126,7 @@ def test_len_after_a_resume_is_the_whole_share(server: Server, kind: str) -> Non
 def test_a_loop_that_moves_on_early_cuts_the_epoch_and_the_audit_says_so(server: Server, tmp_path: Path) -> None:
     """set_epoch(e + 1) mid-epoch starts e + 1 as torch does; the audit log names the cut; going back stays an error."""
     n, job = 40, f"cut-{uuid.uuid4().hex[:6]}"
-    s = DistributedSampler(n, address=server.address, job=job, token="t", audit_dir=str(tmp_path))
+    s = DistributedSampler(n, address=server.address, job=job, incarnation="t", audit_dir=str(tmp_path))
     s.set_epoch(0)
     it = iter(s)
     first = [next(it) for _ in range(10)]  # a batch limit: the trainer moves on
@@ -160,7 +160,7 @@ def test_an_empty_dataset(kind: str) -> None:
 def test_a_copy_after_the_first_batch_goes_on(server: Server, how: str) -> None:
     """Spawn launchers pickle, frameworks deep-copy: a copy carries the position, not the connection."""
     n, job = 50, f"copy-{how}-{uuid.uuid4().hex[:6]}"
-    s = DistributedSampler(n, address=server.address, job=job, token="t", lease_ahead=8)
+    s = DistributedSampler(n, address=server.address, job=job, incarnation="t", lease_ahead=8)
     it = iter(s)
     taken = [next(it) for _ in range(13)]
     c = pickle.loads(pickle.dumps(s)) if how == "pickle" else copy.deepcopy(s)
@@ -201,7 +201,7 @@ def test_world_and_rank_are_resolved_when_first_needed(monkeypatch: pytest.Monke
     """Built before the launcher's world is known: resolved at len() or the first batch, never a silent 1/0 at build."""
     for k in ("WORLD_SIZE", "RANK", "SLURM_NTASKS", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
-    s = DistributedSampler(10, job="lazy", token="t", address="127.0.0.1:1")
+    s = DistributedSampler(10, job="lazy", incarnation="t", address="127.0.0.1:1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert (s.num_replicas, s.rank, len(s)) == (2, 1, 5)
@@ -221,11 +221,11 @@ def test_every_ranks_share_offline_is_what_the_ranks_get(server: Server, batch_s
     """shards(): every rank's part of an epoch in one process, no coordinator; the same as the real samplers'."""
     n, world, job = 31, 3, f"offline-{batch_size}-{uuid.uuid4().hex[:6]}"
 
-    def make(r: int, token: str, world: int) -> Any:
+    def make(r: int, incarnation: str, world: int) -> Any:
         if batch_size is None:
-            return DistributedSampler(n, num_replicas=world, rank=r, address=server.address, job=job, token=token, seed=4)
+            return DistributedSampler(n, num_replicas=world, rank=r, address=server.address, job=job, incarnation=incarnation, seed=4)
         return DistributedBatchSampler(n, batch_size, num_replicas=world, rank=r, address=server.address, job=job,
-                                       token=token, seed=4)
+                                       incarnation=incarnation, seed=4)
 
     samplers = [make(r, "a", world) for r in range(world)]
     got = on_ranks(world, lambda r: list(samplers[r]))
@@ -248,7 +248,7 @@ def test_every_ranks_share_offline_is_what_the_ranks_get(server: Server, batch_s
 
 def test_a_join_that_waits_names_the_ranks_and_gives_up(server: Server, caplog: pytest.LogCaptureFixture) -> None:
     """Every rank's sampler built in one process, iterated one after the other: an error naming the missing ranks."""
-    s = DistributedSampler(40, num_replicas=3, rank=0, address=server.address, job="alone", token="t", join_timeout=1.5)
+    s = DistributedSampler(40, num_replicas=3, rank=0, address=server.address, job="alone", incarnation="t", join_timeout=1.5)
     with caplog.at_level(logging.WARNING, logger="croupier"), pytest.raises(TimeoutError) as e:
         next(iter(s))
     assert "still waits for ranks [1, 2]" in str(e.value) and "croupier.client.shards" in str(e.value)

@@ -114,14 +114,14 @@ N, SOURCES = 240, [30, 90, 400]
 SCHEDULE = [(0, [5, 3, 2]), (400, [1, 1, 8])]
 
 
-def _incarnation(server: Server, logdir: pathlib.Path, world: int, token: str, state: dict | None,
+def _incarnation(server: Server, logdir: pathlib.Path, world: int, incarnation: str, state: dict | None,
                  epochs: int, stop_at: int | None, save_at: int | None) -> dict:
     from _ranks import on_ranks
 
     saved: dict = {}
 
     def rank(r: int) -> None:
-        s = DistributedSampler(N, world, r, address=server.address, job="mix", token=token, tail="uneven",
+        s = DistributedSampler(N, world, r, address=server.address, job="mix", incarnation=incarnation, tail="uneven",
                                sources=SOURCES, weights=SCHEDULE, audit_dir=str(logdir), lease_ahead=8)
         if state:
             s.load_state_dict(state)
@@ -177,7 +177,7 @@ class Augmented(torch.utils.data.Dataset):
         return torch.tensor([int(i), i.source, i.source_epoch]), torch.rand(3, generator=g)
 
 
-def _augmentations(server: Server, world: int, token: str, job: str, state: dict | None, save_at: int | None,
+def _augmentations(server: Server, world: int, incarnation: str, job: str, state: dict | None, save_at: int | None,
                    workers: int, saved: dict) -> dict[tuple[int, int, int], tuple[float, ...]]:
     """What every rank of one generation trained, as {(index, source, source epoch): its crop}, to the end of
     epoch 1 (or to `save_at` items of a rank, where rank 0 saves its state into `saved`)."""
@@ -188,7 +188,7 @@ def _augmentations(server: Server, world: int, token: str, job: str, state: dict
     got: dict[tuple[int, int, int], tuple[float, ...]] = {}
 
     def rank(r: int) -> None:
-        s = DistributedSampler(Augmented(), world, r, address=server.address, job=job, token=token, tail="uneven",
+        s = DistributedSampler(Augmented(), world, r, address=server.address, job=job, incarnation=incarnation, tail="uneven",
                                sources=[20, 50, 200], weights=[3, 2, 5], tag=True, lease_ahead=8)
         if state:
             s.load_state_dict(state)

@@ -76,10 +76,10 @@ def test_a_sampler_whose_job_a_later_one_took_over_is_refused(server: Server) ->
 
 
 def test_samplers_given_one_incarnation_keep_names_of_their_own(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the incarnation fixed (CROUPIER_TOKEN, or token=), a rebuilt sampler would join its
+    """With the incarnation fixed (CROUPIER_INCARNATION, or incarnation=), a rebuilt sampler would join its
     predecessor's job as the same incarnation, which the coordinator refuses: each takes a name of its
     own, and every epoch trains."""
-    monkeypatch.setenv("CROUPIER_TOKEN", "fixed-incarnation")
+    monkeypatch.setenv("CROUPIER_INCARNATION", "fixed-incarnation")
     jobs = []
     for epoch in range(3):
         s = DistributedSampler(N, seed=104, shuffle=False, address=server.address)

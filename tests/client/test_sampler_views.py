@@ -11,9 +11,9 @@ N = 300
 LENGTHS = [1 + (i * 37) % 50 for i in range(N)]
 
 
-def _tokens(server: Server, job: str, world: int = 1, rank: int = 0, token: str = "t1") -> DistributedBatchSampler:
+def _tokens(server: Server, job: str, world: int = 1, rank: int = 0, incarnation: str = "t1") -> DistributedBatchSampler:
     return DistributedBatchSampler(N, lengths=LENGTHS, max_tokens=200, num_replicas=world, rank=rank, seed=3,
-                                   address=server.address, job=job, token=token)
+                                   address=server.address, job=job, incarnation=incarnation)
 
 
 def test_the_index_view_of_token_budget_batches_counts_this_rank_indices(server: Server) -> None:
@@ -31,7 +31,7 @@ def test_the_index_view_after_a_resume_inside_an_epoch_counts_the_indices_taken_
     taken = sum(len(b) for b in itertools.islice(iter(bs), 4))
     state = bs.state_dict()
     bs.close()
-    again = _tokens(server, "resumed", token="t2")  # the restarted process: a new incarnation
+    again = _tokens(server, "resumed", incarnation="t2")  # the restarted process: a new incarnation
     again.load_state_dict(state)
     assert len(again.sampler) == N, "before the join"
     rest = sum(len(b) for b in again)

@@ -22,9 +22,9 @@ from croupier.server._stores import open_store
 N, B = 1000, 8
 
 
-def _samplers(address: str, world: int, token: str, job: str = "dyn", lockstep: bool = True,
+def _samplers(address: str, world: int, incarnation: str, job: str = "dyn", lockstep: bool = True,
               lease_ahead: int = 2) -> list[DistributedBatchSampler]:
-    return [DistributedBatchSampler(N, B, num_replicas=world, rank=r, address=address, job=job, token=token,
+    return [DistributedBatchSampler(N, B, num_replicas=world, rank=r, address=address, job=job, incarnation=incarnation,
                                     dealing="dynamic", lockstep=lockstep, lease_ahead=lease_ahead, prefetch=1)
             for r in range(world)]
 
@@ -134,8 +134,8 @@ def test_a_checkpoint_from_deals_credits_each_rank() -> None:
     assert c.remaining == ((0, 20), (30, 100))
 
 
-def _rest_of_the_epoch(address: str, world: int, token: str) -> list[list[int]]:
-    new = _samplers(address, world, token, lockstep=False)
+def _rest_of_the_epoch(address: str, world: int, incarnation: str) -> list[list[int]]:
+    new = _samplers(address, world, incarnation, lockstep=False)
     assert all(s.resume_latest() for s in new)
     assert new[0].epoch == 0
     ranks = Ranks(new)

@@ -78,3 +78,13 @@ def test_values(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.flag("CROUPIER_TLS")
     with pytest.raises(KeyError):
         settings.get("CROUPIER_NOT_A_SETTING")
+
+
+def test_the_incarnation_is_read_under_its_old_name_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CROUPIER_INCARNATION", raising=False)
+    monkeypatch.setenv("CROUPIER_TOKEN", "run-3")
+    assert settings.get("CROUPIER_INCARNATION") == "run-3", "the old name is read when the new one is unset"
+    monkeypatch.setenv("CROUPIER_INCARNATION", "")
+    assert settings.get("CROUPIER_INCARNATION") == "run-3", "empty is unset"
+    monkeypatch.setenv("CROUPIER_INCARNATION", "run-4")
+    assert settings.get("CROUPIER_INCARNATION") == "run-4", "the new name wins"

@@ -232,7 +232,7 @@ def test_a_plan_packs_only_what_its_first_leases_need(big_spec: Spec) -> None:
 
 
 def test_a_round_across_windows_packs_the_next_window_only() -> None:
-    # Windows of 4 samples of 1 token, budget 2: 2 batches a window; a round of W = 3 spans 2 windows.
+    # Windows of 4 samples of 1 incarnation, budget 2: 2 batches a window; a round of W = 3 spans 2 windows.
     spec = Spec.with_lengths([1] * 1000, max_tokens=2, token_window=4, tail="uneven")
     p = token_plan(spec, fresh(spec, 0), 3)
     p.lease(0, 0, 1)
@@ -304,7 +304,7 @@ def test_a_samplers_first_batch_packs_one_window_not_the_epoch(server) -> None: 
 
     n = 50 * 256
     lengths = np.random.default_rng(0).integers(1, 100, n)
-    s = DistributedBatchSampler(n, num_replicas=1, rank=0, address=server.address, job="first", token="t",
+    s = DistributedBatchSampler(n, num_replicas=1, rank=0, address=server.address, job="first", incarnation="t",
                                 lengths=lengths, max_tokens=400, token_window=256, lease_ahead=4)
     try:
         next(iter(s))

@@ -49,7 +49,7 @@ def _leftovers(*needles: str) -> list[str]:
 
 
 def _journal(url: str) -> tuple[list[tuple[int, str]], set[int]]:
-    """(number, token) of every generation job 'chaos' opened, in journal order, and the generations started."""
+    """(number, incarnation) of every generation job 'chaos' opened, in journal order, and the generations started."""
     store = open_store(url)
     try:
         rec = read_journal(store)  # every record: load() would start after the latest snapshot
@@ -59,7 +59,7 @@ def _journal(url: str) -> tuple[list[tuple[int, str]], set[int]]:
     opened, started = [], set()
     for _, ev in rec.events:
         if isinstance(ev, GenerationOpened) and ev.job == chaos.JOB:
-            opened.append((ev.generation, ev.token))
+            opened.append((ev.generation, ev.incarnation))
         elif isinstance(ev, GenerationStarted) and ev.job == chaos.JOB:
             assert ev.generation in {g for g, _ in opened}, f"generation {ev.generation} started before it opened"
             started.add(ev.generation)
@@ -89,7 +89,7 @@ def _replicated_run(work: pathlib.Path, url: str, pg: Postgres, capsys: pytest.C
     # The history, checked again here from the journal and the ranks' records, apart from the run's checker.
     opened, started = _journal(url)
     assert [g for g, _ in opened] == list(range(1, len(opened) + 1)), f"accepted twice or out of order: {opened}"
-    assert len({t for _, t in opened}) == len(opened), "a token opened two generations"
+    assert len({t for _, t in opened}) == len(opened), "an incarnation opened two generations"
     acked = {(j["token"], j["generation"]) for j in map(json.loads, (work / "joins.jsonl").read_text().splitlines())}
     assert acked, "no rank recorded its join"
     assert acked <= {(t, g) for g, t in opened}, f"acknowledged joins lost: {sorted(acked - {(t, g) for g, t in opened})[:5]}"

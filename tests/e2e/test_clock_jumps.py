@@ -58,12 +58,12 @@ def test_wall_clock_jumps_change_no_duration(tmp_path: pathlib.Path, serve_proce
     with grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
 
-        def join(rank: int, wait_ms: int, token: str = "t1") -> pb.JoinResponse:
-            return stub.Join(pb.JoinRequest(request_id=f"{token}-{rank}", job="j", spec=SPEC, token=token, world=2,
+        def join(rank: int, wait_ms: int, incarnation: str = "t1") -> pb.JoinResponse:
+            return stub.Join(pb.JoinRequest(request_id=f"{incarnation}-{rank}", job="j", spec=SPEC, incarnation=incarnation, world=2,
                                             rank=rank, wait_ms=wait_ms), timeout=30, metadata=_as(OLD))
 
         def other(job: str) -> None:
-            stub.Join(pb.JoinRequest(request_id=job, job=job, spec=SPEC, token="t", world=1, rank=0), timeout=30,
+            stub.Join(pb.JoinRequest(request_id=job, job=job, spec=SPEC, incarnation="t", world=1, rank=0), timeout=30,
                       metadata=_as(OLD))
 
         def reported_ms() -> int:
@@ -91,7 +91,7 @@ def test_wall_clock_jumps_change_no_duration(tmp_path: pathlib.Path, serve_proce
 
         # 2. Back by two hours (an hour behind) while a join waits: asked to wait 3 s, it waits 3 s, not 2 h more.
         t1 = time.monotonic()
-        waiter = threading.Thread(target=lambda: answer.setdefault("t2", join(0, 3000, token="t2")))
+        waiter = threading.Thread(target=lambda: answer.setdefault("t2", join(0, 3000, incarnation="t2")))
         waiter.start()
         while stub.GetJob(pb.GetJobRequest(job="j"), timeout=10, metadata=_as(OLD)).generation != 2:
             assert time.monotonic() - t1 < 10  # bounded: until the join opened generation 2
@@ -100,7 +100,7 @@ def test_wall_clock_jumps_change_no_duration(tmp_path: pathlib.Path, serve_proce
         waiter.join(timeout=60)
         took = time.monotonic() - t1
         assert not answer["t2"].started and 2.9 < took < 6.0, f"a join asked to wait 3 s took {took:.1f} s"
-        assert join(1, 0, token="t2").started
+        assert join(1, 0, incarnation="t2").started
 
         # 3. Credentials reload though the clock went back (the file's check is on the monotonic clock).
         _creds(creds, OLD, NEW)

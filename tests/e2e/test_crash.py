@@ -42,7 +42,7 @@ def crash_run(tmp_path: pathlib.Path, serve_process: type[ServeProcess], kills: 
     for i, p in enumerate(procs):
         threading.Thread(target=pump, args=(i, p), daemon=True).start()
 
-    acked: dict[tuple[str, str, int], int] = {}  # (job, token, rank) -> generation acknowledged
+    acked: dict[tuple[str, str, int], int] = {}  # (job, incarnation, rank) -> generation acknowledged
     done: dict[int, dict] = {}
     open_streams = len(procs)
     kills_done = 0
@@ -55,7 +55,7 @@ def crash_run(tmp_path: pathlib.Path, serve_process: type[ServeProcess], kills: 
                 continue
             msg = json.loads(line)
             if "ack" in msg:
-                acked[(msg["job"], msg["token"], msg["rank"])] = msg["generation"]
+                acked[(msg["job"], msg["incarnation"], msg["rank"])] = msg["generation"]
             elif "done" in msg:
                 done[i] = msg
             until_kill -= 1

@@ -49,7 +49,7 @@ def _fill(where: pathlib.Path) -> pathlib.Path:
 
 
 def _join(stub: pb_grpc.CoordinatorStub, job: str) -> pb.JoinResponse:
-    return stub.Join(pb.JoinRequest(request_id=f"{job}-r0", job=job, spec=SPEC, token="t", world=1, rank=0), timeout=10)
+    return stub.Join(pb.JoinRequest(request_id=f"{job}-r0", job=job, spec=SPEC, incarnation="t", world=1, rank=0), timeout=10)
 
 
 def test_a_full_disk_is_unavailable_then_goes_on_by_itself(small_fs: pathlib.Path, serve_process: type) -> None:

@@ -329,7 +329,7 @@ def test_process_group_wins_over_launcher_variables(bare_env: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("how", ["env", "args"])
 def test_several_ranks_without_group_or_token_fail_at_first_batch(bare_env: pytest.MonkeyPatch, how: str) -> None:
-    """Two ranks, no process group, no CROUPIER_TOKEN: nothing can name the incarnation; the first batch says so."""
+    """Two ranks, no process group, no CROUPIER_INCARNATION: nothing can name the incarnation; the first batch says so."""
     if how == "env":
         bare_env.setenv("WORLD_SIZE", "2")
         bare_env.setenv("RANK", "1")
@@ -340,6 +340,6 @@ def test_several_ranks_without_group_or_token_fail_at_first_batch(bare_env: pyte
         assert (s.num_replicas, s.rank) == ((2, 1) if how == "env" else (2, 0))  # construction is fine
         with pytest.raises(ValueError, match="init_process_group") as e:
             next(iter(s))
-        assert "CROUPIER_TOKEN" in str(e.value)
+        assert "CROUPIER_INCARNATION" in str(e.value)
     finally:
         s.close()

@@ -36,6 +36,7 @@ def test_three_ranks_train_through_a_coordinator_outage(tmp_path: pathlib.Path, 
             "--mark-at", "100", "--lease-ahead", "256"]  # a lease of 256 indices lasts 64 steps
     env = {**os.environ, "CROUPIER_JOB": "outage", "CROUPIER_ADDRESS": coordinator.address, "OMP_NUM_THREADS": "1",
            "TRAINER_ARGS": " ".join(args)}
+    env.pop("CROUPIER_INCARNATION", None)
     env.pop("CROUPIER_TOKEN", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(HERE / "_trainer.py")]

@@ -218,13 +218,13 @@ def test_partitions_lose_nothing_and_serve_no_replaced_generation(cluster: Clust
     hosts.cut("rk", "r0")
     hosts.cut("rk", "r1")
     assert epochs.next(timeout=60).startswith("EPOCH")
-    assert call("join", "r0", token="cut")["code"] != "OK"
+    assert call("join", "r0", incarnation="cut")["code"] != "OK"
     hosts.heal()
 
     # 2. One replica cut from the database while a new generation is opened through the other.
-    old = until("join", "r0", "OK", token="a")["generation"]
+    old = until("join", "r0", "OK", incarnation="a")["generation"]
     hosts.cut("r0", "db")
-    new = until("join", "r1", "OK", token="b")["generation"]
+    new = until("join", "r1", "OK", incarnation="b")["generation"]
     assert new == old + 1
     time.sleep(3 * STALE_S)  # the scenario: past the bound of what r0 last confirmed
     stale = call("grant", "r0", generation=old)
@@ -236,17 +236,17 @@ def test_partitions_lose_nothing_and_serve_no_replaced_generation(cluster: Clust
     hosts.cut("db", "r0")
     hosts.cut("db", "r1")
     assert epochs.next(timeout=60).startswith("EPOCH")
-    assert call("join", "r1", token="c")["code"] != "OK"
+    assert call("join", "r1", incarnation="c")["code"] != "OK"
     hosts.heal()
-    until("join", "r1", "OK", token="d")
+    until("join", "r1", "OK", incarnation="d")
 
     # 4. A partition that heals mid-commit: a join in flight through r0 while r0 is cut from the database.
     hosts.cut("r0", "db")
     healer = threading.Timer(1.0, lambda: hosts.heal("r0", "db"))  # heals while the join waits for its commit
     healer.start()
-    call("join", "r0", token="e")  # answered or not: the history takes either
+    call("join", "r0", incarnation="e")  # answered or not: the history takes either
     healer.join()
-    until("grant", "r1", "OK", generation=until("join", "r1", "OK", token="f")["generation"])
+    until("grant", "r1", "OK", generation=until("join", "r1", "OK", incarnation="f")["generation"])
     cluster.finish()
 
 
@@ -257,10 +257,10 @@ def test_a_slow_lossy_link_loses_nothing_and_serves_no_replaced_generation(clust
 
     # 1. The link of the replica the rank does not call (r0) to the database: 200 ms each way, and lossy; then a
     # new generation opened through the other: the grant of the replaced one, sent to r0, is refused.
-    old = until("join", "r0", "OK", token="a")["generation"]
+    old = until("join", "r0", "OK", incarnation="a")["generation"]
     until("grant", "r0", "OK", generation=old)
     hosts.impair("r0", "db", delay_ms=DELAY_MS, loss=DB_LOSS, seed=2)
-    new = until("join", "r1", "OK", token="b")["generation"]
+    new = until("join", "r1", "OK", incarnation="b")["generation"]
     assert new == old + 1
     time.sleep(3 * STALE_S)  # the scenario: past the bound of what r0 confirmed before its link slowed
     stale = call("grant", "r0", generation=old, timeout=SLOW_CALL_S)

@@ -72,7 +72,7 @@ def test_a_paused_replica_and_a_paused_rank_act_on_nothing_they_knew(postgres_ur
         paused = time.monotonic()
         with grpc.insecure_channel(b.address) as ch, rec.call("job", "join") as out:
             r = pb_grpc.CoordinatorStub(ch).Join(pb.JoinRequest(
-                request_id="new", job="job", spec=spec_to_proto(Spec(n=100_000, batch_size=10)), token="new", world=1,
+                request_id="new", job="job", spec=spec_to_proto(Spec(n=100_000, batch_size=10)), incarnation="new", world=1,
                 rank=0), timeout=30)
             out["generation"] = r.generation
         assert r.generation == old + 1 and r.started

@@ -21,13 +21,13 @@ N = 1200
 
 
 def _generations(url: str, job: str) -> list[tuple[int, str]]:
-    """(number, token) of every generation the journal opened for `job`, in journal order."""
+    """(number, incarnation) of every generation the journal opened for `job`, in journal order."""
     store = open_store(url)
     try:
         out = []
         for _, ev in read_journal(store).events:
             if isinstance(ev, GenerationOpened) and ev.job == job:
-                out.append((ev.generation, ev.token))
+                out.append((ev.generation, ev.incarnation))
         return out
     finally:
         store.close()
@@ -38,7 +38,7 @@ def test_ranks_fail_over_when_their_replica_is_killed(postgres_url: str, serve_p
     resizes through the others, exactly once."""
     reps = [serve_process(postgres_url) for _ in range(3)]
     address = ",".join(r.address for r in reps)
-    first = [DistributedSampler(N, num_replicas=3, rank=r, address=address, job="ha", token="g1", lease_ahead=40,
+    first = [DistributedSampler(N, num_replicas=3, rank=r, address=address, job="ha", incarnation="g1", lease_ahead=40,
                                 prefetch=1, seed=2) for r in range(3)]
     its = [iter(s) for s in first]
     got = on_ranks(3, lambda r: [next(its[r]) for _ in range(100)])
@@ -48,7 +48,7 @@ def test_ranks_fail_over_when_their_replica_is_killed(postgres_url: str, serve_p
     assert len({str(st) for st in states}) == 1
     for s in first:
         s.close()
-    second = [DistributedSampler(N, num_replicas=2, rank=r, address=address, job="ha", token="g2", seed=2)
+    second = [DistributedSampler(N, num_replicas=2, rank=r, address=address, job="ha", incarnation="g2", seed=2)
               for r in range(2)]
     for s in second:
         s.load_state_dict(states[0])
@@ -77,13 +77,13 @@ def test_a_replica_killed_mid_commit_loses_no_acknowledged_join(postgres_url: st
         with CoordinatorClient(a.address, retry_for=0.0, call_timeout=5.0) as c:
             k = 0
             while not stop.is_set():
-                token = f"t{k}"
+                incarnation = f"t{k}"
                 try:
-                    r = c.join(JoinRequest("mid", spec, token, 1, 0), wait_s=0.0)
+                    r = c.join(JoinRequest("mid", spec, incarnation, 1, 0), wait_s=0.0)
                 except Exception as e:  # the replica dies under it
                     failures.append(e)
                     return
-                acked.append((r.generation, token))
+                acked.append((r.generation, incarnation))
                 k += 1
 
     t = threading.Thread(target=joiner)

@@ -58,7 +58,7 @@ def test_resume_any_world_exactly_once(preempted: pathlib.Path, tmp_path: pathli
     audited_exactly_once(tmp_path / "audit", f"audit of the resume on {nproc} rank(s)", EPOCHS, SAMPLES)
     incs = load(tmp_path / "audit")["accelerate-train"]
     assert len(incs) == 2 and incs[1].world == nproc
-    assert incs[1].origin == f"{incs[0].token}/1/{3 * BATCH}"  # the first run's save_state: epoch 1, 12 indices a rank
+    assert incs[1].origin == f"{incs[0].name}/1/{3 * BATCH}"  # the first run's save_state: epoch 1, 12 indices a rank
     seen = loop_counts(tmp_path)
     print("loop log: " + ", ".join(f"epoch {e}: {sum(c.values())} indices, {len(c)} distinct" for e, c in sorted(seen.items())))
     assert exactly_once(seen), {e: (sum(c.values()), len(c)) for e, c in seen.items()}

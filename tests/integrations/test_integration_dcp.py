@@ -78,7 +78,7 @@ def test_resume_any_world_exactly_once(preempted: pathlib.Path, tmp_path: pathli
     # The resumed incarnation names the checkpoint it came from: the first run's, at epoch 1 item 12.
     incs = load(tmp_path / "audit")["dcp-train"]
     assert len(incs) == 2 and incs[1].world == nproc
-    assert incs[1].origin == f"{incs[0].token}/1/{3 * BATCH}"
+    assert incs[1].origin == f"{incs[0].name}/1/{3 * BATCH}"
 
 
 @pytest.mark.e2e

@@ -61,7 +61,7 @@ class Elastic(RuleBasedStateMachine):
         self.client = CoordinatorClient(self.server.address, retry_for=30.0)
         self.incarnation = 0
         self.zombies: list[World] = []  # replaced generations whose samplers still run
-        self.old_tokens: list[tuple[str, int]] = []  # (token, world) of every replaced generation this store knows
+        self.old_incarnations: list[tuple[str, int]] = []  # (incarnation, world) of every replaced generation this store knows
         self.log: list[tuple[int, int, int, tuple[int, ...]]] = []  # (epoch, incarnation, world, batch) trained on
         self.end_worlds: dict[int, int] = {}  # epoch -> world of the generation that completed it
         self.finished: list[tuple[int, int]] = []  # (epoch, final world) of the epochs finished
@@ -219,7 +219,7 @@ class Elastic(RuleBasedStateMachine):
         self._retire(live)
         self._restart(data, world, live.world)
 
-    @precondition(lambda self: bool(self.zombies or self.old_tokens))
+    @precondition(lambda self: bool(self.zombies or self.old_incarnations))
     @rule(data=st.data())
     def zombie(self, data: st.DataObject) -> None:
         """A process of a replaced generation asks for batches or re-joins: refused, and nothing changes."""
@@ -230,9 +230,9 @@ class Elastic(RuleBasedStateMachine):
             r = data.draw(st.integers(0, z.world - 1), label="rank")
             err = self._drive_zombie(z, r)
         else:
-            token, world = data.draw(st.sampled_from(self.old_tokens), label="old token")
+            incarnation, world = data.draw(st.sampled_from(self.old_incarnations), label="old token")
             r = data.draw(st.integers(0, world - 1), label="rank")
-            s = self.setup.sampler(self.server.address, token, world, r)
+            s = self.setup.sampler(self.server.address, incarnation, world, r)
             try:
                 if bool(self.checkpoints) and data.draw(st.booleans(), label="loads a checkpoint"):
                     s.load_state_dict(data.draw(st.sampled_from(self.checkpoints)).state)
@@ -345,9 +345,9 @@ class Elastic(RuleBasedStateMachine):
         self._retire(live)
         for z in self.zombies:
             z.close()
-        # NOTE: fencing by token needs the coordinator's memory of old generations; with the
+        # NOTE: fencing by incarnation needs the coordinator's memory of old generations; with the
         # store gone, a zombie is recognised again only once the restarted job opens new ones.
-        self.zombies, self.old_tokens = [], []
+        self.zombies, self.old_incarnations = [], []
         self.store = open_store("memory://")
         self.server = Server(_Handle(self.store), port=self.port).start()
         self.stats["stores_lost"] += 1
@@ -398,7 +398,7 @@ class Elastic(RuleBasedStateMachine):
 
     def _retire(self, old: World) -> None:
         """`old` is replaced: its samplers become zombies (the oldest are closed; their tokens stay)."""
-        self.old_tokens.append((old.token, old.world))
+        self.old_incarnations.append((old.incarnation, old.world))
         self.zombies.append(old)
         while len(self.zombies) > ZOMBIE_GENERATIONS:
             self.zombies.pop(0).close()

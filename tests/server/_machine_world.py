@@ -109,11 +109,11 @@ class Setup:
         return dict(sources=list(self.sources), weights=[(a, list(w)) for a, w in self.weights],
                     max_epochs=list(self.max_epochs) or None)
 
-    def sampler(self, address: str, token: str, world: int, rank: int) -> Sampler:
+    def sampler(self, address: str, incarnation: str, world: int, rank: int) -> Sampler:
         common: dict[str, Any] = dict(
             num_replicas=world, rank=rank, shuffle=self.permutation != "none", seed=self.seed, address=address,
             job=JOB, permutation=self.permutation, partition=self.partition, tail=self.tail,
-            buffer_size=self.buffer_size, token=token, lease_ahead=self.lease_ahead, prefetch=self.prefetch,
+            buffer_size=self.buffer_size, incarnation=incarnation, lease_ahead=self.lease_ahead, prefetch=self.prefetch,
             **self._mixture(),
         )
         if self.kind == "index":
@@ -217,14 +217,14 @@ class World:
 
     def __init__(self, setup: Setup, address: str, world: int, incarnation: int, start_epoch: int, hint: bool,
                  prepare: Callable[[int, Sampler], None]) -> None:
-        self.token = f"t{incarnation}-{uuid.uuid4().hex[:8]}"
+        self.incarnation = f"t{incarnation}-{uuid.uuid4().hex[:8]}"
         self.world = world
         self.incarnation = incarnation
         self.start_epoch = start_epoch  # the epoch its resume point is in
         self.hint = hint  # the loop calls set_epoch(epoch) on every rank before each epoch
         self.taken = [0] * world  # items (indices, or batches) of the epoch each rank has taken
         self.ended = [False] * world  # the rank's iteration of the epoch has ended
-        samplers = [setup.sampler(address, token=self.token, world=world, rank=r) for r in range(world)]
+        samplers = [setup.sampler(address, incarnation=self.incarnation, world=world, rank=r) for r in range(world)]
         try:
             for r, s in enumerate(samplers):
                 prepare(r, s)

@@ -81,7 +81,7 @@ def _started(server: Server, pki: pathlib.Path) -> int:
 
 def _requests(gen: int) -> dict[str, bytes]:
     """One well-formed request per RPC, about job "j"."""
-    join = pb.JoinRequest(request_id="again", job="j", spec=spec_to_proto(SPEC), token="t1", world=2, rank=0)
+    join = pb.JoinRequest(request_id="again", job="j", spec=spec_to_proto(SPEC), incarnation="t1", world=2, rank=0)
     ckpt = pb.Checkpoint(step=1, cursor=cursor_to_proto(fresh(SPEC, 0)))
     return {
         "Join": join.SerializeToString(),
@@ -137,7 +137,7 @@ def test_every_rpc_for_every_caller(tls_server: Server, pki: pathlib.Path) -> No
 
 
 def test_another_jobs_credential_cannot_fence_a_running_job(tls_server: Server, pki: pathlib.Path) -> None:
-    """The zombie-fencing attack: a new incarnation token for job "j", from team "other"'s credential."""
+    """The zombie-fencing attack: a new incarnation for job "j", from team "other"'s credential."""
     gen = _started(tls_server, pki)
     before = tls_server.core.snapshot_state()
     with CoordinatorClient(tls_server.address, retry_for=2.0, security=_security(pki, "other")) as c:
@@ -153,12 +153,12 @@ def test_samplers_train_over_tls_with_their_credential(tls_server: Server, pki: 
     """The client settings from the environment, as a trainer sets them."""
     monkeypatch.setenv("CROUPIER_TLS_CA", str(pki / "ca.pem"))
     monkeypatch.setenv("CROUPIER_CREDENTIAL", SECRETS["train"])
-    samplers = [DistributedSampler(100, num_replicas=2, rank=r, address=tls_server.address, job="j-tls", token="a")
+    samplers = [DistributedSampler(100, num_replicas=2, rank=r, address=tls_server.address, job="j-tls", incarnation="a")
                 for r in range(2)]
     got = on_ranks(2, lambda r: list(samplers[r]))
     assert sorted(got[0] + got[1]) == list(range(100))
     monkeypatch.setenv("CROUPIER_CREDENTIAL", SECRETS["read"])
-    reader = DistributedSampler(100, num_replicas=1, rank=0, address=tls_server.address, job="j", token="b")
+    reader = DistributedSampler(100, num_replicas=1, rank=0, address=tls_server.address, job="j", incarnation="b")
     with pytest.raises(PermissionError, match="Join needs role 'train' and it has 'read'"):
         next(iter(reader))
     for s in (*samplers, reader):

@@ -20,8 +20,8 @@ from croupier.server._stores import open_store
 N = 1000
 
 
-def _samplers(address: str, world: int, token: str, job: str = "cur", lease_ahead: int = 16) -> list[DistributedSampler]:
-    return [DistributedSampler(N, num_replicas=world, rank=r, address=address, job=job, token=token,
+def _samplers(address: str, world: int, incarnation: str, job: str = "cur", lease_ahead: int = 16) -> list[DistributedSampler]:
+    return [DistributedSampler(N, num_replicas=world, rank=r, address=address, job=job, incarnation=incarnation,
                                lease_ahead=lease_ahead, prefetch=1) for r in range(world)]
 
 
@@ -56,7 +56,7 @@ def test_getjob_returns_each_ranks_cursor_as_its_loop_consumed(server: Server, c
 
 
 def test_a_batch_sampler_reports_batches(server: Server, client: CoordinatorClient) -> None:
-    samplers = [DistributedBatchSampler(N, 8, num_replicas=2, rank=r, address=server.address, job="bat", token="t",
+    samplers = [DistributedBatchSampler(N, 8, num_replicas=2, rank=r, address=server.address, job="bat", incarnation="t",
                                         lease_ahead=4, prefetch=1) for r in range(2)]
     ranks = Ranks(samplers)
     for r in range(2):

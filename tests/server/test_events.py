@@ -137,7 +137,19 @@ def _event(row: EventSchema) -> st.SearchStrategy[Any]:
 def test_every_event_round_trips_through_msgpack(ev: Event) -> None:
     d = msgpack.unpackb(_packed(encode_event(ev)))
     assert decode_event(d) == ev
-    assert list(d) == ["type", "version", "order", *(f.name for f in dataclasses.fields(ev))]
+    row = next(r for r in SCHEMA if r.type is type(ev))
+    assert list(d) == ["type", "version", "order", *(row.key(f.name) for f in dataclasses.fields(ev))]
+
+
+def test_the_incarnation_is_stored_under_the_key_token() -> None:
+    """GenerationOpened.incarnation is written and read as "token", the key the journal has always had."""
+    d = msgpack.unpackb(_packed(encode_event(GenerationOpened("j", 3, 2, "run-7"))))
+    assert d["token"] == "run-7" and "incarnation" not in d
+    old = {"type": "GenerationOpened", **HEAD, "job": "j", "generation": 3, "world": 2, "token": "run-7"}
+    assert decode_event(old) == GenerationOpened("j", 3, 2, "run-7")
+    renamed = {**_without(old, "token"), "incarnation": "run-7"}
+    with pytest.raises(FormatError, match=r"missing \['token'\]"):
+        decode_event(renamed)
 
 
 # -- refusals -------------------------------------------------------------------------------------------
@@ -195,8 +207,8 @@ def test_the_schema_of_this_release_passes_its_check() -> None:
     ("schema", "why"),
     [
         (_replaced("GenerationOpened", fields=(("job", STR), ("generation", INT), ("world", INT))),
-         r"GenerationOpened has the fields .* \(not in the table: \['token'\]"),
-        (_replaced("GenerationOpened", fields=(("job", STR), ("generation", INT), ("token", STR), ("world", INT))),
+         r"GenerationOpened has the fields .* \(not in the table: \['incarnation'\]"),
+        (_replaced("GenerationOpened", fields=(("job", STR), ("generation", INT), ("incarnation", STR), ("world", INT))),
          r"GenerationOpened .* \(another order\)"),
         (_replaced("BatchesDealt", fields=(*next(r for r in SCHEMA if r.tag == "BatchesDealt").fields, ("why", STR))),
          r"BatchesDealt .* \(not in the event: \['why'\]\)"),

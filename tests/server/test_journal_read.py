@@ -24,8 +24,8 @@ def _two_generations(url: str) -> None:
     core = Coordinator(open_store(url))
     try:
         spec = Spec(n=40)
-        for token, world in (("t1", 2), ("t2", 3)):
-            on_ranks(world, lambda r, t=token, w=world: core.join(JoinRequest("j", spec, t, w, r), wait_s=10.0))
+        for incarnation, world in (("t1", 2), ("t2", 3)):
+            on_ranks(world, lambda r, t=incarnation, w=world: core.join(JoinRequest("j", spec, t, w, r), wait_s=10.0))
     finally:
         core.close()
 
@@ -42,7 +42,7 @@ def test_the_events_come_decoded_in_journal_order(tmp_path: pathlib.Path) -> Non
     assert rec.snapshot is None and rec.snapshot_seq == 0
     seqs = [seq for seq, _ in rec.events]
     assert seqs == list(range(1, len(seqs) + 1))
-    opened = [(ev.generation, ev.token, ev.world) for _, ev in rec.events if isinstance(ev, GenerationOpened)]
+    opened = [(ev.generation, ev.incarnation, ev.world) for _, ev in rec.events if isinstance(ev, GenerationOpened)]
     assert opened == [(1, "t1", 2), (2, "t2", 3)]
     assert sum(isinstance(ev, RankJoined) for _, ev in rec.events) == 5
     assert [ev.generation for _, ev in rec.events if isinstance(ev, GenerationStarted)] == [1, 2]

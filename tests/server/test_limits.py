@@ -34,7 +34,7 @@ def flood(k):
         join = ch.unary_unary("/croupier.v1.Coordinator/Join")
         end = time.monotonic() + seconds
         while time.monotonic() < end:
-            m = pb.JoinRequest(request_id=uuid.uuid4().hex, job=f"flood-{uuid.uuid4().hex[:8]}", spec=spec, token="t",
+            m = pb.JoinRequest(request_id=uuid.uuid4().hex, job=f"flood-{uuid.uuid4().hex[:8]}", spec=spec, incarnation="t",
                                world=2, rank=0, wait_ms=500 if k % 2 else 0)
             try:
                 join(m.SerializeToString(), timeout=10)
@@ -89,11 +89,11 @@ def test_a_join_flood_is_refused_while_a_job_trains(tmp_path: pathlib.Path, serv
         # The limits name themselves, and a refused join changes nothing.
         with grpc.insecure_channel(p.address) as ch:
             join = ch.unary_unary(f"/{SERVICE}/Join")
-            m = pb.JoinRequest(request_id="x", job="real", spec=spec_to_proto(SPEC), token="t2", world=65, rank=0)
+            m = pb.JoinRequest(request_id="x", job="real", spec=spec_to_proto(SPEC), incarnation="t2", world=65, rank=0)
             with pytest.raises(grpc.RpcError) as e:
                 join(m.SerializeToString(), timeout=10)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 64 ranks" in e.value.details()
-            m = pb.JoinRequest(request_id="y", job="one-more", spec=spec_to_proto(SPEC), token="t", world=1, rank=0)
+            m = pb.JoinRequest(request_id="y", job="one-more", spec=spec_to_proto(SPEC), incarnation="t", world=1, rank=0)
             with pytest.raises(grpc.RpcError) as e:
                 join(m.SerializeToString(), timeout=10)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-jobs 8" in e.value.details()
@@ -124,7 +124,7 @@ def test_a_request_over_the_size_limit_names_the_option_and_is_counted(tmp_path:
     with Server(f"sqlite:///{tmp_path}/c.db", options=opts) as server:
         assert server.metrics is not None
         before = server.core.snapshot_state()
-        m = pb.JoinRequest(request_id="x", job="big", spec=spec_to_proto(spec), token="t", world=1, rank=0)
+        m = pb.JoinRequest(request_id="x", job="big", spec=spec_to_proto(spec), incarnation="t", world=1, rank=0)
         raw = m.SerializeToString()
         raw = raw[: limit + over] if over < len(raw) - limit else raw  # just over the limit, or well over it
         assert len(raw) > limit

@@ -67,8 +67,8 @@ def series(samples: Samples, name: str) -> dict[frozenset[tuple[str, str]], floa
     return {labels: v for (n, labels), v in samples.items() if n == name}
 
 
-def samplers(server: Server, job: str, token: str, world: int, n: int = 1000) -> list[DistributedSampler]:
-    return [DistributedSampler(n, num_replicas=world, rank=r, address=server.address, job=job, token=token, lease_ahead=16,
+def samplers(server: Server, job: str, incarnation: str, world: int, n: int = 1000) -> list[DistributedSampler]:
+    return [DistributedSampler(n, num_replicas=world, rank=r, address=server.address, job=job, incarnation=incarnation, lease_ahead=16,
                                prefetch=1) for r in range(world)]
 
 
@@ -218,7 +218,7 @@ def test_jobs_generations_epochs_and_lag_match_the_ranks(mserver: Server) -> Non
     finally:
         ranks.close()
 
-    # A new token opens generation 2 (world 3); the old world's cursors are gone.
+    # A new incarnation opens generation 2 (world 3); the old world's cursors are gone.
     ss = samplers(mserver, "j", "t2", 3)
     ranks = Ranks(ss)
     try:

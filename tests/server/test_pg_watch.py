@@ -36,10 +36,10 @@ def _replica(url: str, staleness_s: float) -> tuple[Coordinator, Counting]:
     return Coordinator(store, max_staleness_s=staleness_s), store
 
 
-def _start(c: Coordinator, world: int, token: str) -> int:
+def _start(c: Coordinator, world: int, incarnation: str) -> int:
     """Every rank of a `world` joins through `c`; the generation's number."""
     for r in range(world):
-        res = c.join(JoinRequest("j", SPEC, token, world, r))
+        res = c.join(JoinRequest("j", SPEC, incarnation, world, r))
     assert res.start is not None
     return res.generation
 

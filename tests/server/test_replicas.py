@@ -151,13 +151,13 @@ def test_samplers_fail_over_between_replicas(tmp_path: object) -> None:
     journal = Journal()
     servers = [Server(SharedStore(journal, f"r{i}")).start() for i in range(2)]  # type: ignore[arg-type]
     address = ",".join(s.address for s in servers)
-    s = DistributedSampler(SPEC.n, address=address, job="fo", token="a", lease_ahead=50, prefetch=1, seed=5)
+    s = DistributedSampler(SPEC.n, address=address, job="fo", incarnation="a", lease_ahead=50, prefetch=1, seed=5)
     it = iter(s)
     first = [next(it) for _ in range(100)]
     servers[0].stop(0)
     rest = list(it)
     assert sorted(first + rest) == list(range(SPEC.n))
-    s2 = DistributedSampler(SPEC.n, address=address, job="fo", token="b", seed=5)
+    s2 = DistributedSampler(SPEC.n, address=address, job="fo", incarnation="b", seed=5)
     assert len(list(s2)) == SPEC.n  # a new incarnation joins through the live replica
     for x in (s, s2):
         x.close()

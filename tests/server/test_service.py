@@ -32,11 +32,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SPEC = Spec(n=1000, seed=3, batch_size=8, permutation="feistel")
 
 
-def start_job(c: CoordinatorClient, world: int = 2, job: str = "j", token: str = "t1", resume: Cursor | None = None) -> int:
+def start_job(c: CoordinatorClient, world: int = 2, job: str = "j", incarnation: str = "t1", resume: Cursor | None = None) -> int:
     results = [None] * world
 
     def one(r: int) -> None:
-        results[r] = c.join_started(JoinRequest(job, SPEC, token, world, r, resume), timeout=20)  # type: ignore[call-overload]
+        results[r] = c.join_started(JoinRequest(job, SPEC, incarnation, world, r, resume), timeout=20)  # type: ignore[call-overload]
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
     for t in threads:
@@ -107,7 +107,7 @@ def _raw(server: Server, method: str, payload: bytes) -> grpc.RpcError:
 def _join_msg(**kw: object) -> bytes:
     from croupier.core.wire import spec_to_proto
 
-    m = pb.JoinRequest(request_id="r1", job="j", spec=spec_to_proto(SPEC), token="t9", world=2, rank=0)
+    m = pb.JoinRequest(request_id="r1", job="j", spec=spec_to_proto(SPEC), incarnation="t9", world=2, rank=0)
     for k, v in kw.items():
         if k in ("spec", "resume"):
             getattr(m, k).CopyFrom(v)
@@ -156,8 +156,8 @@ BAD = [
     ("Join", _join_msg(spec=pb.Spec(n=10, permutation="none", partition="strided", tail="pad", batch_size=0)), grpc.StatusCode.INVALID_ARGUMENT, "batch_size"),
     ("Join", _join_msg(resume=pb.Cursor(epoch=0, remaining=b"\x01\x02\x03")), grpc.StatusCode.INVALID_ARGUMENT, "multiple of 16"),
     ("Join", _join_msg(resume=pb.Cursor(epoch=0, remaining=np.array([5, 5000], "<i8").tobytes())), grpc.StatusCode.INVALID_ARGUMENT, "inside [0, 1000)"),
-    ("Join", _join_msg(spec=pb.Spec(n=1000, seed=4, permutation="feistel", partition="strided", tail="pad", batch_size=8), token="t1"), grpc.StatusCode.FAILED_PRECONDITION, "different spec"),
-    ("Join", _join_msg(token="t0"), grpc.StatusCode.ABORTED, "older generation"),
+    ("Join", _join_msg(spec=pb.Spec(n=1000, seed=4, permutation="feistel", partition="strided", tail="pad", batch_size=8), incarnation="t1"), grpc.StatusCode.FAILED_PRECONDITION, "different spec"),
+    ("Join", _join_msg(incarnation="t0"), grpc.StatusCode.ABORTED, "older generation"),
     ("Lease", _lease_msg(job="nope"), grpc.StatusCode.NOT_FOUND, "not known"),
     ("Lease", _lease_msg(job=""), grpc.StatusCode.INVALID_ARGUMENT, "job name"),
     ("Lease", _lease_msg(rank=7), grpc.StatusCode.INVALID_ARGUMENT, "rank must be in [0, 2)"),
@@ -197,7 +197,7 @@ BAD = [
 
 def test_a_grant_names_the_batches_a_lease_serves(client: CoordinatorClient) -> None:
     """Grant and Lease answer the same batches: one as positions of the plan, one as indices."""
-    gen = start_job(client, world=3, token="g")
+    gen = start_job(client, world=3, incarnation="g")
     spec = client.get_job("j")[0]
     for rank in range(3):
         first = 0
@@ -219,9 +219,9 @@ def _plan_of(client: CoordinatorClient, spec: Any) -> Any:
 
 
 def test_bad_input_gets_its_status_and_changes_nothing(server: Server, client: CoordinatorClient) -> None:
-    start_job(client, world=2, token="t0")
+    start_job(client, world=2, incarnation="t0")
     # Generation 2 resumes in epoch 3, so epoch 0 is before its resume point.
-    start_job(client, world=2, token="t1", resume=Cursor(3, ((100, 1000),)))
+    start_job(client, world=2, incarnation="t1", resume=Cursor(3, ((100, 1000),)))
     before = server.core.snapshot_state()
     codes = set()
     for method, payload, code, words in BAD:

@@ -29,7 +29,7 @@ def test_generation_deals_reads_a_snapshot_without_sharing_it(tmp_path: pathlib.
     assert state is not None
     g = generation_deals(state, "j", 0)
     assert g is not None
-    assert (g.token, g.generation, g.world) == ("t1", 1, 2)
+    assert (g.incarnation, g.generation, g.world) == ("t1", 1, 2)
     assert g.dealt == {0: 3, 1: 1} and g.committed == {0: 2}
     g.dealt[0] = 99  # a copy: the state is not changed
     g.committed.clear()

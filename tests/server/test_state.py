@@ -30,10 +30,10 @@ def commit(s: State, req: JoinRequest) -> list:
     return evs
 
 
-def started(world: int = 2, token: str = "a", resume: Cursor | None = None, epoch: int | None = None) -> State:
+def started(world: int = 2, incarnation: str = "a", resume: Cursor | None = None, epoch: int | None = None) -> State:
     s = State()
     for r in range(world):
-        commit(s, JoinRequest("j", SPEC, token, world, r, resume, epoch))
+        commit(s, JoinRequest("j", SPEC, incarnation, world, r, resume, epoch))
     return s
 
 
@@ -49,7 +49,7 @@ def frozen(s: State) -> bytes:
         ({"rank": 2}, "rank must be in [0, 2)"),
         ({"rank": -1}, "rank"),
         ({"world": 0, "rank": 0}, "world must be"),
-        ({"token": ""}, "token"),
+        ({"incarnation": ""}, "incarnation"),
         ({"epoch": -3}, "epoch"),
         ({"resume": Cursor(0, ((50, 200),))}, "inside [0, 100)"),
         ({"resume": Cursor(0, ((10, 5),))}, "sorted"),
@@ -58,7 +58,7 @@ def frozen(s: State) -> bytes:
 def test_bad_join_is_refused_and_changes_nothing(kwargs: dict, words: str) -> None:
     s = started()
     before = frozen(s)
-    base = dict(job="j", spec=SPEC, token="b", world=2, rank=0)
+    base = dict(job="j", spec=SPEC, incarnation="b", world=2, rank=0)
     base.update(kwargs)
     with pytest.raises(InvalidArgument, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         s.decide_join(JoinRequest(**base))
@@ -101,7 +101,7 @@ def test_join_is_idempotent_and_serving_is_deterministic() -> None:
 
 
 def test_fencing_old_generation() -> None:
-    s = started(token="a")
+    s = started(incarnation="a")
     commit(s, JoinRequest("j", SPEC, "b", 3, 0))
     before = frozen(s)
     with pytest.raises(Aborted, match="replaced by generation 2"):
@@ -166,7 +166,7 @@ def test_set_epoch_must_agree_with_the_checkpoint() -> None:
 )
 def test_a_rank_whose_own_resume_point_contradicts_its_own_set_epoch_is_refused(resume: Cursor, epoch: int) -> None:
     """The first rank of a generation has nobody to disagree with but itself."""
-    for s in (State(), started(token="old")):
+    for s in (State(), started(incarnation="old")):
         before = frozen(s)
         with pytest.raises(FailedPrecondition, match=rf"contradicts its own set_epoch\({epoch}\)"):
             s.decide_join(JoinRequest("j", SPEC, "new", 2, 0, resume, epoch))

@@ -61,7 +61,7 @@ def job_section(dom: str, name: str) -> str:
 
 def test_status_page_shows_each_rank_progress(server: Server, tmp_path: pathlib.Path) -> None:
     url = f"http://{server.metrics_address}/"
-    ss = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="train-resnet50", token="t1",
+    ss = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="train-resnet50", incarnation="t1",
                              lease_ahead=16, prefetch=1) for r in range(3)]
     ranks = Ranks(ss)
     try:
@@ -102,7 +102,7 @@ def test_status_page_shows_each_rank_progress(server: Server, tmp_path: pathlib.
 def test_job_names_are_shown_as_text(server: Server, tmp_path: pathlib.Path) -> None:
     """A job name is user input: the page shows it, and runs nothing it contains."""
     name = "<img src=x onerror=\"document.title='injected'\">&amp;"
-    s = DistributedSampler(100, num_replicas=1, rank=0, address=server.address, job=name, token="t1", lease_ahead=16, prefetch=1)
+    s = DistributedSampler(100, num_replicas=1, rank=0, address=server.address, job=name, incarnation="t1", lease_ahead=16, prefetch=1)
     try:
         ranks = Ranks([s])
         for _ in range(5):

@@ -20,13 +20,13 @@ pytestmark = pytest.mark.e2e  # several processes
 N = 101
 
 
-def run_ranks(server: Server, logdir: pathlib.Path, world: int, token: str, state: dict | None,
+def run_ranks(server: Server, logdir: pathlib.Path, world: int, incarnation: str, state: dict | None,
               steps: int | None, save_at: int | None) -> dict:
     """One incarnation: every rank takes `steps` indices (None: to the end of the epoch); returns rank 0's checkpoint."""
     saved: dict = {}
 
     def rank(r: int) -> None:
-        s = DistributedSampler(N, world, r, address=server.address, job="audited", token=token, tail="uneven",
+        s = DistributedSampler(N, world, r, address=server.address, job="audited", incarnation=incarnation, tail="uneven",
                                audit_dir=str(logdir), lease_ahead=7)
         if state:
             s.load_state_dict(state)
@@ -63,11 +63,11 @@ def test_audit_passes_a_restarted_resized_job(server: Server, tmp_path: pathlib.
 
 def test_audit_counts_batches_of_the_batch_sampler(server: Server, tmp_path: pathlib.Path) -> None:
     """A checkpoint 3 batches into an epoch keeps 3 whole batches per rank, not 3 indices."""
-    def incarnation(world: int, token: str, state: dict | None, steps: int | None) -> dict:
+    def incarnation(world: int, incarnation: str, state: dict | None, steps: int | None) -> dict:
         saved: dict = {}
 
         def rank(r: int) -> None:
-            s = DistributedBatchSampler(N, 4, world, r, address=server.address, job="batches", token=token,
+            s = DistributedBatchSampler(N, 4, world, r, address=server.address, job="batches", incarnation=incarnation,
                                         tail="uneven", audit_dir=str(tmp_path), lease_ahead=2)
             if state:
                 s.load_state_dict(state)

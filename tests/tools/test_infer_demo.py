@@ -95,8 +95,8 @@ def _committed_files(outputs: pathlib.Path, journal: Journal) -> list[tuple[path
     """Output files with at least one committed batch, and how many."""
     out = []
     for p in sorted(outputs.glob("*.jsonl")):
-        token, _, rank = p.stem.rpartition("-r")
-        k = journal.committed(journal.generations[token], int(rank))
+        incarnation, _, rank = p.stem.rpartition("-r")
+        k = journal.committed(journal.generations[incarnation], int(rank))
         if k:
             out.append((p, k))
     return out
@@ -161,7 +161,7 @@ def test_the_audit_catches_outputs_of_an_unknown_generation(
     outputs, journal = _copy(demo_run, tmp_path)
     _append(outputs / "rogue-r0.jsonl", [{"seq": 0, "index": 0, "output": "x"}])
     result = audit(outputs, journal, N)
-    assert [v for v in result.violations if v.startswith("unknown token:") and "'rogue'" in v], result.violations
+    assert [v for v in result.violations if v.startswith("unknown incarnation:") and "'rogue'" in v], result.violations
 
 
 def test_the_journal_keeps_commits_that_a_snapshot_pruned(tmp_path: pathlib.Path) -> None:
@@ -170,15 +170,15 @@ def test_the_journal_keeps_commits_that_a_snapshot_pruned(tmp_path: pathlib.Path
     spec = Spec(n=400, batch_size=8, tail="uneven", dealing="dynamic")
     journal = Journal()
 
-    def generation(token: str, number: int, world: int, per_rank: int, resume: Any) -> Any:
+    def generation(incarnation: str, number: int, world: int, per_rank: int, resume: Any) -> Any:
         core = Coordinator(open_store(url), snapshot_every=5)
         for r in range(world):
-            core.join(JoinRequest(JOB, spec, token, world, r, resume))
+            core.join(JoinRequest(JOB, spec, incarnation, world, r, resume))
         cursor = None
         for r in range(world):
             for k in range(per_rank):
                 core.grant(JOB, number, r, 0, k, 1)
-                cursor = core.report(JOB, number, r, 0, k + 1, (None, None, f"{token}/0/{k + 1}"), lockstep=False)
+                cursor = core.report(JOB, number, r, 0, k + 1, (None, None, f"{incarnation}/0/{k + 1}"), lockstep=False)
         core.close()
         journal.read(url)  # the coordinator is down: read its store
         return cursor

@@ -121,7 +121,7 @@ TAKEN = (90, 60, 30)
 @pytest.fixture
 def job_j(server: Server) -> Iterator[str]:
     """Job "j" on the server: 3 ranks that took 90, 60 and 30 indices, each then took its state_dict(); its address."""
-    samplers = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="j", token="t1",
+    samplers = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="j", incarnation="t1",
                                    lease_ahead=16, prefetch=1) for r in range(3)]
     ranks = Ranks(samplers)
     try:
@@ -213,7 +213,7 @@ def test_status_of_an_unreachable_coordinator_says_so_in_one_line(capsys: pytest
 def test_the_status_page_the_metrics_and_croupier_status_count_alike(tmp_path: pathlib.Path) -> None:
     """One arithmetic (croupier.server.job_view) behind the three: the same epoch, progress, slowest rank and lag."""
     with Server(f"sqlite:///{tmp_path}/c.db", options=ServerOptions(metrics_port=0)) as server:
-        samplers = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="j", token="t1",
+        samplers = [DistributedSampler(1000, num_replicas=3, rank=r, address=server.address, job="j", incarnation="t1",
                                        lease_ahead=16, prefetch=1) for r in range(3)]
         ranks = Ranks(samplers)
         try:

@@ -229,7 +229,7 @@ class JoinRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
-    TOKEN_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     WORLD_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
@@ -239,8 +239,10 @@ class JoinRequest(_message.Message):
     request_id: _builtins.str
     """Names this call; a retry carries the same id."""
     job: _builtins.str
-    token: _builtins.str
-    """The incarnation of the job's world this rank belongs to."""
+    incarnation: _builtins.str
+    """The incarnation of the job's world this rank belongs to (field 4 was named `token`: the
+    wire is the same).
+    """
     world: _builtins.int
     rank: _builtins.int
     epoch: _builtins.int
@@ -265,7 +267,7 @@ class JoinRequest(_message.Message):
         request_id: _builtins.str = ...,
         job: _builtins.str = ...,
         spec: Global___Spec | None = ...,
-        token: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
         world: _builtins.int = ...,
         rank: _builtins.int = ...,
         resume: Global___Cursor | None = ...,
@@ -275,7 +277,7 @@ class JoinRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "epoch", b"epoch", "resume", b"resume", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "amendments", b"amendments", "epoch", b"epoch", "job", b"job", "rank", b"rank", "request_id", b"request_id", "resume", b"resume", "spec", b"spec", "token", b"token", "wait_ms", b"wait_ms", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "amendments", b"amendments", "epoch", b"epoch", "incarnation", b"incarnation", "job", b"job", "rank", b"rank", "request_id", b"request_id", "resume", b"resume", "spec", b"spec", "wait_ms", b"wait_ms", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
     _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
