@@ -398,7 +398,7 @@ class Elastic(RuleBasedStateMachine):
 
     def _retire(self, old: World) -> None:
         """`old` is replaced: its samplers become zombies (the oldest are closed; their tokens stay)."""
-        self.old_incarnations.append((old.incarnation, old.world))
+        self.old_incarnations.append((old.name, old.world))
         self.zombies.append(old)
         while len(self.zombies) > ZOMBIE_GENERATIONS:
             self.zombies.pop(0).close()

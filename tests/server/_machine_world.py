@@ -217,14 +217,14 @@ class World:
 
     def __init__(self, setup: Setup, address: str, world: int, incarnation: int, start_epoch: int, hint: bool,
                  prepare: Callable[[int, Sampler], None]) -> None:
-        self.incarnation = f"t{incarnation}-{uuid.uuid4().hex[:8]}"
+        self.name = f"t{incarnation}-{uuid.uuid4().hex[:8]}"  # the incarnation the ranks join as
         self.world = world
-        self.incarnation = incarnation
+        self.incarnation = incarnation  # its number in this run
         self.start_epoch = start_epoch  # the epoch its resume point is in
         self.hint = hint  # the loop calls set_epoch(epoch) on every rank before each epoch
         self.taken = [0] * world  # items (indices, or batches) of the epoch each rank has taken
         self.ended = [False] * world  # the rank's iteration of the epoch has ended
-        samplers = [setup.sampler(address, incarnation=self.incarnation, world=world, rank=r) for r in range(world)]
+        samplers = [setup.sampler(address, incarnation=self.name, world=world, rank=r) for r in range(world)]
         try:
             for r, s in enumerate(samplers):
                 prepare(r, s)
