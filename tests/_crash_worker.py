@@ -34,13 +34,13 @@ def main() -> None:
     completed: dict[int, list[int]] = {}  # epochs the model finished, and what it trained on in each
     checkpoints: list[tuple[dict, list[tuple[int, list[int]]], dict[int, list[int]]]] = []
     state: dict = {}
-    incarnation = 0
+    number = 0  # of the incarnation
     rpcs = 0
     finished = 0
     while finished < epochs:
-        incarnation += 1
+        number += 1
         world = rng.randint(1, 4)
-        incarnation = f"{job}-{incarnation}"
+        incarnation = f"{job}-{number}"
         cursor = from_state(job, spec, state)
         result = None
         for r in rng.sample(range(world), world):
