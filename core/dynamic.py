@@ -38,7 +38,7 @@ from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, _merge, fresh, validate_cursor
 from croupier.core.deals import EpochDeals
 from croupier.core.order import FixedPlan, fixed_plan
-from croupier.core.plan import Grant, Runs
+from croupier.core.plan import DealtPlan, Grant, Runs
 from croupier.core.spec import Spec
 
 
@@ -54,7 +54,7 @@ def _lease(p: FixedPlan, runs: Runs) -> tuple[np.ndarray, list[int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicPlan:
+class DynamicPlan(DealtPlan):
     """An :class:`croupier.core.plan.EpochPlan` the coordinator deals: a rank's steps are the
     global batches dealt to it as it asks (see the module).
 
@@ -67,18 +67,11 @@ class DynamicPlan:
     spec: Spec
     cursor: Cursor
     world: int
-    coordinator_deals = True
-    fixed_batches = True
 
     @property
     def global_plan(self) -> FixedPlan:
         """The one-rank plan whose batches are the epoch's global batches."""
         return _global_plan(self.spec, self.cursor)
-
-    @property
-    def dealer(self) -> DynamicPlan:
-        """Itself: the coordinator deals this plan."""
-        return self
 
     # ---------------------------------------------------------------- the coordinator's side (Dealer)
 
@@ -111,9 +104,6 @@ class DynamicPlan:
 
     # ---------------------------------------------------------------- the ranks' side (EpochPlan)
 
-    @property
-    def left(self) -> int:
-        return self.cursor.left
 
     def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
         """The grant of the coordinator's deal `dealt` (runs, whether nothing is left after them)."""
@@ -138,33 +128,12 @@ class DynamicPlan:
         parts = [self.global_plan.lease_positions(0, g, c) for g, c in grant.runs]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
-        """Always: the lease is computed from the grant itself."""
-        return True
 
-    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
-        """Whether the deal said nothing is left, or dealt nothing."""
-        return grant is None or grant.end_of_epoch or got == 0
 
-    def known_steps(self, rank: int) -> int | None:
-        """None: a rank's steps are known only once the epoch is dealt out."""
-        return None
 
-    def steps(self, rank: int) -> int:
-        """An estimate: `rank`'s even share of the batches left."""
-        return -(-self.left // (self.world * self.spec.batch_size))
 
-    def samples(self, rank: int) -> int:
-        """An estimate: `rank`'s even share of the positions left."""
-        return -(-self.left // self.world)
 
-    def known_samples(self, rank: int) -> int:
-        """0: not known."""
-        return 0
 
-    def advance(self, steps: int) -> Cursor:
-        """Not defined: which batches the ranks took is the coordinator's record (see :meth:`checkpoint`)."""
-        raise ValueError("a dynamic plan's checkpoint is computed by the coordinator from its deals (checkpoint)")
 
 
 def dynamic_plan(spec: Spec, cursor: Cursor, world: int) -> DynamicPlan:

@@ -17,6 +17,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
@@ -193,3 +194,84 @@ class Dealer(Protocol):
         """The cursor once each rank took the first ``credited[rank]`` batches of its sequence in `book`
         (the next epoch's fresh cursor when that is every position)."""
         ...
+
+
+class DealtPlan(abc.ABC):
+    """What every plan the coordinator deals answers alike: a base for such a plan class.
+
+    A rank's steps are whatever global batches the coordinator deals it, so nothing about them is
+    known before the deal: the counts are estimates (a rank's even share of what is left), a lease
+    computed from its grant always agrees with it, and a checkpoint is the dealer's, from the deal
+    book, never :meth:`advance`. A subclass (a frozen dataclass with ``spec``, ``cursor`` and
+    ``world``) adds the grant, the leases and the :class:`Dealer` methods (abstract here: a plan
+    without one cannot be made).
+    """
+
+    spec: Spec
+    cursor: Cursor
+    world: int
+    coordinator_deals = True
+    fixed_batches = True
+
+    @property
+    def dealer(self) -> DealtPlan:
+        """Itself: the plan is its own dealer."""
+        return self
+
+    @property
+    @abc.abstractmethod
+    def batches(self) -> int:
+        """How many global batches the epoch has (:class:`Dealer`)."""
+
+    @abc.abstractmethod
+    def deal(self, book: EpochDeals, rank: int, first: int, count: int) -> tuple[Runs, bool]:
+        """What `rank` asking for batches first .. first + count - 1 of its sequence gets (:class:`Dealer`)."""
+
+    @abc.abstractmethod
+    def checkpoint(self, book: EpochDeals, credited: dict[int, int]) -> Cursor:
+        """The cursor of a checkpoint from the deals (:class:`Dealer`)."""
+
+    @abc.abstractmethod
+    def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
+        """The grant of the coordinator's deal (:class:`EpochPlan`)."""
+
+    @abc.abstractmethod
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
+        """The indices of the global batches `grant` names (:class:`EpochPlan`)."""
+
+    @abc.abstractmethod
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        """The order positions of the global batches `grant` names (:class:`EpochPlan`)."""
+
+    @property
+    def left(self) -> int:
+        return self.cursor.left
+
+    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
+        """Always: the lease is computed from the grant itself."""
+        return True
+
+    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
+        """Whether the deal said nothing is left, or dealt nothing."""
+        return grant is None or grant.end_of_epoch or got == 0
+
+    def known_steps(self, rank: int) -> int | None:
+        """None: a rank's steps are known only once the epoch is dealt out."""
+        return None
+
+    def steps(self, rank: int) -> int:
+        """An estimate: `rank`'s even share of the batches left."""
+        return -(-self.left // (self.world * self.spec.batch_size))
+
+    def samples(self, rank: int) -> int:
+        """An estimate: `rank`'s even share of the positions left."""
+        return -(-self.left // self.world)
+
+    def known_samples(self, rank: int) -> int:
+        """0: not known."""
+        return 0
+
+    def advance(self, steps: int) -> Cursor:
+        """Not defined: which batches the ranks took is the coordinator's record (the dealer's checkpoint)."""
+        raise ValueError(f"a {type(self).__name__}'s checkpoint is computed by the coordinator from its deals "
+                         "(its dealer's checkpoint), not by advance")

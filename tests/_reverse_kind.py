@@ -26,7 +26,7 @@ from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, _runs, fresh, validate_cursor
 from croupier.core.deals import EpochDeals
 from croupier.core.order import FixedPlan, fixed_plan
-from croupier.core.plan import Grant, Runs
+from croupier.core.plan import DealtPlan, Grant, Runs
 from croupier.core.registry import PlanKind, registered
 from croupier.core.spec import Spec
 
@@ -35,22 +35,12 @@ NAME = "reverse"
 
 
 @dataclasses.dataclass(frozen=True)
-class ReversePlan:
+class ReversePlan(DealtPlan):
     """An EpochPlan the coordinator deals, and its own Dealer: full batches from the back, the short one last."""
 
     spec: Spec
     cursor: Cursor
     world: int
-    coordinator_deals = True
-    fixed_batches = True
-
-    @property
-    def dealer(self) -> ReversePlan:
-        return self
-
-    @property
-    def left(self) -> int:
-        return self.cursor.left
 
     @property
     def _global(self) -> FixedPlan:
@@ -110,26 +100,12 @@ class ReversePlan:
         parts = [self._global.lease_positions(0, self._batch(u), 1) for u in self._units(grant.runs)]
         return np.concatenate([np.zeros(0, dtype=np.int64), *parts])
 
-    def agrees(self, grant: Grant, sizes: list[int]) -> bool:
-        return True
 
-    def ends(self, rank: int, first: int, count: int, got: int, grant: Grant | None) -> bool:
-        return grant is None or grant.end_of_epoch or got == 0
 
-    def known_steps(self, rank: int) -> int | None:
-        return None
 
-    def steps(self, rank: int) -> int:
-        return -(-self.left // (self.world * self.spec.batch_size))
 
-    def samples(self, rank: int) -> int:
-        return -(-self.left // self.world)
 
-    def known_samples(self, rank: int) -> int:
-        return 0
 
-    def advance(self, steps: int) -> Cursor:
-        raise ValueError("a reverse plan's checkpoint is computed by the coordinator from its deals")
 
 
 @functools.lru_cache(maxsize=64)
