@@ -139,6 +139,22 @@ class FixedPlan:
         )
         return v
 
+    def virtual_all(self, ranks: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """:meth:`virtual` of many ranks at once: local position ``local[i]`` of rank ``ranks[i]``."""
+        if self.spec.partition == "strided":
+            out: np.ndarray = ranks + local * self.world
+            return out
+        starts: np.ndarray = _starts(self.spec.partition, self.t, self.world)[ranks] + local
+        return starts
+
+    def owner(self, v: int) -> tuple[int, int]:
+        """The inverse of :meth:`virtual`: the rank virtual position `v` is dealt to, and its local position."""
+        if self.spec.partition == "strided":
+            return v % self.world, v // self.world
+        starts = _starts(self.spec.partition, self.t, self.world)
+        rank = int(np.searchsorted(starts, v, side="right")) - 1
+        return rank, v - int(starts[rank])
+
     def positions(self, v: np.ndarray) -> np.ndarray:
         """Order positions of virtual positions `v` (padding mapped by the tail policy)."""
         if len(self.starts) == 1 and (v.size == 0 or int(v.max()) < self.left):

@@ -144,3 +144,17 @@ KERNELS: dict[str, Permutation] = {
 
 if tuple(KERNELS) != PERMUTATIONS:  # pragma: no cover - a kernel added here must be named in spec.py, and the other way round
     raise ImportError(f"croupier.core.permute has kernels {list(KERNELS)} but the spec names {list(PERMUTATIONS)}")
+
+
+def position_of(spec: Spec, epoch: int, index: int) -> int | None:
+    """The position of dataset index `index` in `epoch`'s order, for the orders whose inverse is at hand
+    in O(1): ``none`` and ``feistel`` over one window of the whole epoch. None for the others (their
+    inverse costs the order of a window or of the epoch)."""
+    if spec.sources is not None or spec.scope != "global":
+        return None
+    if spec.permutation == "none":
+        return index
+    if spec.permutation == "feistel" and spec.buffer_size is None:
+        keys = _feistel.round_keys(_window_key(spec.seed, epoch, 0, 0))
+        return int(_feistel.unpermute(np.array([index], dtype=np.int64), spec.n, keys)[0])
+    return None

@@ -104,6 +104,11 @@ def kind_of(spec: Spec) -> PlanKind:
     return kind_for(spec.dealing, spec.max_tokens)
 
 
+def is_fixed(spec: Spec) -> bool:
+    """Whether `spec` is dealt by fixed plans (:func:`fixed_plan_epoch` answers for it)."""
+    return kind_of(spec) is FIXED
+
+
 def _epoch_cursor(spec: Spec, start: Cursor, world: int, epoch: int) -> Cursor | None:
     """The cursor of `epoch` for a generation that resumed at `start`: the one epoch rule (see :func:`plan_epoch`)."""
     if epoch == start.epoch:

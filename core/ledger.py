@@ -1,0 +1,578 @@
+"""The step ledger: which samples the trainer's optimizer step T trained, and at which steps sample I was trained.
+
+Nothing here is a record of samples. A job's history is a list of :class:`Segment`: one per
+generation that started, with its world, its resume point (a cursor), the trainer's step at that
+resume point, the checkpoint's generation it resumed from, the amendments it dealt with, how far
+its ranks reported, and (dynamic dealing alone) the batches the coordinator dealt. The order is a
+pure function of those, so a step's samples are computed when asked, and what is kept grows with
+generations and amendments, not with steps or ranks.
+
+Vocabulary:
+    step        -- the trainer's global optimizer step, counted from 1 as the trainers log it (the
+                   T-th step; a checkpoint saved after step s has ``step=s``; a fresh job is at 0).
+    micro-batch -- one batch of one rank (what the sampler yields); a step is ``A`` micro-batches of
+                   every rank, ``A`` = the step's global batch / (batch_size x world).
+    chunk       -- the steps of one epoch within one segment. A step never holds micro-batches of two
+                   epochs: the last step of an epoch may be short (the HF Trainer and Lightning step at
+                   an epoch's end with what is accumulated).
+    timeline    -- the segments that the latest one descends from (each resumed from a checkpoint of
+                   the one before it): their steps are *kept*. A step trained by a segment past the
+                   step its successor resumed from (a rollback), or by a segment no later one descends
+                   from, is *abandoned*.
+
+NOTE: what a segment trained past its last checkpoint is known from its ranks' progress reports (how
+many micro-batches of an epoch a rank took); a step is counted as trained when every one of its
+micro-batches was reported taken by the rank furthest on. Reports are periodic, so an abandoned
+segment's last few steps may be missing from what it lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from croupier.core.amend import Amendment
+from croupier.core.checks import check_int, is_int
+from croupier.core.cursor import Cursor, fresh
+from croupier.core.deals import EpochDeals
+from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from croupier.core.mixture import sample_seeds
+from croupier.core.order import FixedPlan, order, tags
+from croupier.core.permute import position_of
+from croupier.core.plan import EpochPlan
+from croupier.core.registry import fixed_plan_epoch, is_fixed, plan_epoch
+from croupier.core.schedule import Schedule
+from croupier.core.spec import Spec
+
+__all__ = ["Batch", "Ledger", "Occurrence", "Schedule", "Segment", "StepRecord", "Version"]
+
+
+# --------------------------------------------------------------------------- a job's history
+
+
+@dataclasses.dataclass
+class Segment:
+    """One generation's stretch of a job's run, as the coordinator records it.
+
+    Attributes:
+        generation: The generation's number.
+        incarnation: The incarnation its ranks joined as.
+        world: Its world size.
+        start: Its resume point (bound to its world).
+        step: Optimizer steps taken before it (the step of the checkpoint it resumed from; 0 for a
+            fresh job); None when its ranks loaded a checkpoint that named no step.
+        parent: The generation that took that checkpoint (None: a fresh start, or not named).
+        schedule: Its trainer's step schedule.
+        amendments: A mixture's amendments it dealt with, each from its position.
+        reached: ``epoch -> micro-batches`` the furthest rank reported taking of each epoch.
+        checkpoints: Steps of the checkpoints its ranks recorded.
+        deals: Dynamic dealing: what the coordinator dealt it, by epoch.
+        at_ms: When it started (the coordinator's clock).
+    """
+
+    generation: int
+    incarnation: str
+    world: int
+    start: Cursor
+    step: int | None
+    parent: int | None
+    schedule: Schedule = Schedule()
+    amendments: tuple[Amendment, ...] = ()
+    reached: dict[int, int] = dataclasses.field(default_factory=dict)
+    checkpoints: list[int] = dataclasses.field(default_factory=list)
+    deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
+    at_ms: int = 0
+
+    def report(self, epoch: int, micro: int) -> None:
+        """A rank reported taking `micro` micro-batches of `epoch`."""
+        if micro > self.reached.get(epoch, 0):
+            self.reached[epoch] = micro
+
+    def checkpoint(self, step: int | None) -> None:
+        if step is not None and (not self.checkpoints or step > self.checkpoints[-1]):
+            self.checkpoints.append(step)
+
+    def deal(self, epoch: int, rank: int, first: int, count: int) -> None:
+        self.deals.setdefault(epoch, EpochDeals()).deal(rank, first, count)
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One micro-batch of one rank in one step: its samples, each with its source, source epoch and seed."""
+
+    rank: int
+    micro: int  # which micro-batch of the step (0 .. A - 1)
+    indices: np.ndarray
+    sources: np.ndarray
+    source_epochs: np.ndarray
+    seeds: np.ndarray
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "micro": self.micro, "indices": self.indices.tolist(),
+                "sources": self.sources.tolist(), "source_epochs": self.source_epochs.tolist(),
+                "seeds": self.seeds.tolist()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    """One version of a step: the segment that trained it, and whether the job's timeline keeps it."""
+
+    step: int
+    generation: int
+    incarnation: str
+    world: int
+    epoch: int
+    kept: bool
+    batches: tuple[Batch, ...]
+
+    @property
+    def indices(self) -> np.ndarray:
+        """Every sample of the step, in rank then micro-batch order."""
+        return np.concatenate([b.indices for b in self.batches]) if self.batches else np.zeros(0, dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "generation": self.generation, "incarnation": self.incarnation,
+                "world": self.world, "epoch": self.epoch, "kept": self.kept,
+                "batches": [b.to_dict() for b in self.batches]}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Step T: the version the timeline keeps (None when every version was abandoned) and the abandoned ones."""
+
+    step: int
+    kept: Version | None
+    abandoned: tuple[Version, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "kept": None if self.kept is None else self.kept.to_dict(),
+                "abandoned": [v.to_dict() for v in self.abandoned]}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Occurrence:
+    """One place where a sample was trained: (epoch, step, rank, generation), kept or abandoned."""
+
+    epoch: int
+    step: int
+    rank: int
+    generation: int
+    micro: int
+    kept: bool
+    source: int
+    source_epoch: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """Steps ``first + 1 .. first + steps`` of one segment, all in `epoch`."""
+
+    first: int
+    steps: int
+    epoch: int
+    micro: int  # micro-batches of the furthest rank in the epoch
+
+
+class Ledger:
+    """Answers a job's step and sample questions from its history (a pure function of spec and segments).
+
+    Args:
+        job: The job's name (for messages).
+        spec: The job's spec (without amendments).
+        segments: Every generation that started, oldest first.
+    """
+
+    def __init__(self, job: str, spec: Spec, segments: Sequence[Segment]) -> None:
+        self.job, self.spec = job, spec
+        self.segments = list(segments)
+        self._by_gen = {s.generation: s for s in self.segments}
+        self._chunks: dict[int, list[_Chunk]] = {}
+        self._kept = self._timeline()
+
+    # ---------------------------------------------------------------- the timeline
+
+    def _timeline(self) -> list[tuple[Segment, int | None]]:
+        """The kept segments, oldest first, each with the last step it keeps (None: the newest, open)."""
+        if not self.segments:
+            return []
+        out: list[tuple[Segment, int | None]] = []
+        seg: Segment | None = self.segments[-1]
+        end: int | None = None
+        while seg is not None:
+            out.append((seg, end))
+            if seg.step is None or seg.step == 0 and seg.parent is None:
+                break
+            end = seg.step
+            seg = self._parent(seg)
+        out.reverse()
+        return out
+
+    def _parent(self, seg: Segment) -> Segment | None:
+        if seg.parent is not None:
+            return self._by_gen.get(seg.parent)
+        # A checkpoint that named its step but not its generation (a state of an older release): the
+        # latest earlier segment that had begun by then made it.
+        assert seg.step is not None
+        earlier = [s for s in self.segments if s.generation < seg.generation and s.step is not None and s.step <= seg.step]
+        return earlier[-1] if earlier else None
+
+    def _spec(self, seg: Segment) -> Spec:
+        return self.spec.amended(seg.amendments) if seg.amendments else self.spec
+
+    def _plan(self, seg: Segment, epoch: int) -> EpochPlan | None:
+        return plan_epoch(self._spec(seg), seg.start, seg.world, epoch)
+
+    def _epoch_micro(self, seg: Segment, epoch: int, plan: EpochPlan) -> int:
+        """Micro-batches of the rank with the most in `epoch` of `seg`."""
+        if plan.dealer:
+            book = seg.deals.get(epoch)
+            return max((book.dealt(r) for r in book.runs), default=0) if book else 0
+        if is_fixed(self._spec(seg)):
+            fp = fixed_plan_epoch(self._spec(seg), seg.start, seg.world, epoch)
+            return int(fp.nb_r.max(initial=0)) if fp is not None else 0
+        return max((plan.steps(r) for r in range(seg.world)), default=0)
+
+    def _chunks_to(self, seg: Segment, step: int | None = None, epoch: int | None = None) -> list[_Chunk]:
+        """`seg`'s chunks, computed up to the one holding `step` (or epoch `epoch`), cached."""
+        assert seg.step is not None
+        chunks = self._chunks.setdefault(seg.generation, [])
+        sp = self._spec(seg)
+        seg.schedule.check(sp, seg.world)
+        while True:
+            if chunks:
+                last = chunks[-1]
+                if step is not None and last.first + last.steps >= step:
+                    return chunks
+                if epoch is not None and last.epoch >= epoch:
+                    return chunks
+                e, first = last.epoch + 1, last.first + last.steps
+            else:
+                e, first = seg.start.epoch, seg.step
+            if e > self._last_epoch(seg):
+                return chunks
+            plan = self._plan(seg, e)
+            micro = self._epoch_micro(seg, e, plan) if plan is not None else 0
+            n = seg.schedule.covering(sp, seg.world, first, micro) if micro else 0
+            if not n and e > max([*seg.reached, *seg.deals, seg.start.epoch]):
+                return chunks  # nothing dealt past what the segment reported
+            chunks.append(_Chunk(first, n, e, micro))
+
+    def _last_epoch(self, seg: Segment) -> int:
+        """The last epoch `seg` may have reached (its reports', its deals', or unbounded for a kept open segment)."""
+        known = max([*seg.reached, *seg.deals, seg.start.epoch])
+        return known if seg is not self.segments[-1] else max(known, 2**62)
+
+    def _reached_step(self, seg: Segment) -> int:
+        """The last step `seg` trained: its last checkpoint's, or the last step its reports cover wholly."""
+        assert seg.step is not None
+        best = max([seg.step, *seg.checkpoints])
+        for e, micro in sorted(seg.reached.items()):
+            for c in self._chunks_to(seg, epoch=e):
+                if c.epoch == e:
+                    done = c.steps if micro >= c.micro else seg.schedule.within(self._spec(seg), seg.world, c.first, micro)
+                    best = max(best, c.first + min(done, c.steps))
+        return best
+
+    @functools.cached_property
+    def last_step(self) -> int:
+        """The last step the job's timeline trained (0 before its first)."""
+        if not self._kept:
+            return 0
+        seg, _ = self._kept[-1]
+        if seg.step is None:
+            return 0
+        return self._reached_step(seg)
+
+    @functools.cached_property
+    def furthest_step(self) -> int:
+        """The last step any version trained (an abandoned one may have gone past the timeline)."""
+        return max([self.last_step, *(self._reached_step(s) for s in self.segments if s.step is not None)])
+
+    def _check_step(self, t: int) -> None:
+        if not is_int(t) or t < 1:
+            raise InvalidArgument(f"step must be an int >= 1 (steps count from 1, as the trainers log them; got {t!r})")
+        if not self.segments:
+            raise FailedPrecondition(f"job {self.job!r} has no generation that started: no step was trained yet")
+        if t > self.last_step and t > self.furthest_step:
+            raise OutOfRange(f"step {t} is past the run: job {self.job!r} has trained {self.last_step} steps "
+                             f"(as far as its ranks reported)")
+        first = self._kept[0][0]
+        if first.step is None:
+            raise FailedPrecondition(
+                f"job {self.job!r}: generation {first.generation} resumed from a checkpoint that named no step "
+                "(its state_dict was saved without step=), so the steps before it cannot be placed")
+        if t <= first.step:
+            raise FailedPrecondition(
+                f"job {self.job!r}: the history before step {first.step + 1} is missing: generation "
+                f"{first.generation}, the oldest this coordinator holds on the timeline, resumed from a checkpoint at "
+                f"step {first.step} (a coordinator rebuilt from checkpoints, or a job moved to a new store)")
+
+    # ---------------------------------------------------------------- steps
+
+    def step(self, t: int) -> StepRecord:
+        """What step `t` trained: the kept version and every abandoned one.
+
+        Raises:
+            InvalidArgument: `t` is not an int >= 1.
+            OutOfRange: `t` is past the last step the job trained.
+            FailedPrecondition: the history that would place `t` is missing (the message says which part).
+        """
+        self._check_step(t)
+        kept = None
+        for seg, _ in self._kept:
+            kr = self._kept_range(seg)
+            if kr is not None and kr[0] < t <= kr[1]:
+                kept = self._version(seg, t, True)
+        abandoned = [v for v in (self._abandoned(seg, t) for seg in self.segments) if v is not None]
+        return StepRecord(t, kept, tuple(abandoned))
+
+    def steps(self, a: int, b: int) -> list[StepRecord]:
+        """Steps `a` to `b`, both included."""
+        if is_int(a) and is_int(b) and b < a:
+            raise InvalidArgument(f"steps {a}:{b}: the range is empty (the first must be <= the last)")
+        self._check_step(a)
+        self._check_step(b)
+        return [self.step(t) for t in range(a, b + 1)]
+
+    def _kept_range(self, seg: Segment) -> tuple[int, int] | None:
+        for s, end in self._kept:
+            if s is seg:
+                assert s.step is not None
+                return s.step, (self._reached_step(s) if end is None else end)
+        return None
+
+    def _abandoned(self, seg: Segment, t: int) -> Version | None:
+        if seg.step is None or t <= seg.step:
+            return None
+        kr = self._kept_range(seg)
+        if kr is not None and t <= kr[1]:
+            return None
+        if t > self._reached_step(seg):
+            return None
+        return self._version(seg, t, False)
+
+    def _version(self, seg: Segment, t: int, kept: bool) -> Version | None:
+        chunk = self._chunk_of(seg, t)
+        if chunk is None:
+            return None
+        sp = self._spec(seg)
+        k0 = seg.schedule.between(sp, seg.world, chunk.first, t - 1)
+        a = seg.schedule.at(sp, seg.world, t)
+        batches = self._micro_batches(seg, chunk.epoch, k0, a)
+        return Version(t, seg.generation, seg.incarnation, seg.world, chunk.epoch, kept, batches)
+
+    def _chunk_of(self, seg: Segment, t: int) -> _Chunk | None:
+        for c in self._chunks_to(seg, step=t):
+            if c.first < t <= c.first + c.steps:
+                return c
+        return None
+
+    def _micro_positions(self, seg: Segment, epoch: int, first: int,
+                         count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, EpochPlan] | None:
+        """(rank, micro-batch, position) of every sample of micro-batches first .. first + count - 1 of
+        every rank of `seg` in `epoch`, in rank then micro-batch order, with the epoch's plan."""
+        sp = self._spec(seg)
+        plan = self._plan(seg, epoch)
+        if plan is None:
+            return None
+        fp = fixed_plan_epoch(sp, seg.start, seg.world, epoch) if is_fixed(sp) else None
+        if fp is not None:
+            r, m, p = _fixed_positions(fp, first, count)
+            return r, m, p, plan
+        ranks: list[np.ndarray] = []
+        micros: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        for rank in range(seg.world):
+            grant = None
+            if plan.dealer:
+                runs = tuple(seg.deals.get(epoch, EpochDeals()).sequence(rank, first, count))
+                if not runs:
+                    continue
+                grant = plan.grant(rank, first, count, (runs, False))
+            _, sizes = plan.lease(rank, first, count, grant)
+            pos = plan.lease_positions(rank, first, count, grant)
+            ranks.append(np.full(pos.size, rank, dtype=np.int64))
+            micros.append(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+            positions.append(pos)
+        if not positions:
+            return None
+        return np.concatenate(ranks), np.concatenate(micros), np.concatenate(positions), plan
+
+    def _micro_batches(self, seg: Segment, epoch: int, first: int, count: int) -> tuple[Batch, ...]:
+        """Micro-batches first .. first + count - 1 of every rank of `seg` in `epoch`."""
+        got = self._micro_positions(seg, epoch, first, count)
+        if got is None or got[2].size == 0:
+            return ()
+        rank_a, micro_a, pos_a, plan = got
+        sp = self._spec(seg)
+        idx = order(sp, epoch, pos_a, plan.cursor.base_world)
+        src, sep = tags(sp, epoch, pos_a)
+        seeds = sample_seeds(sp.seed, src, sep, idx)
+        out = []
+        key = rank_a * (count + 1) + micro_a
+        cut = np.flatnonzero(np.diff(key)) + 1
+        for s, e in zip(np.r_[0, cut].tolist(), np.r_[cut, key.size].tolist(), strict=True):
+            out.append(Batch(int(rank_a[s]), int(micro_a[s]), idx[s:e], src[s:e], sep[s:e], seeds[s:e]))
+        return tuple(out)
+
+    # ---------------------------------------------------------------- samples
+
+    def index(self, index: int, source: int | None = None) -> list[Occurrence]:
+        """Every step at which dataset index `index` (of `source`, numbered within it, when given) was
+        trained, kept or abandoned, oldest epoch first.
+
+        Raises:
+            InvalidArgument: `index` (or `source`) is out of the dataset's range.
+        """
+        spec = self.spec
+        check_int("index", index, 0, None, InvalidArgument)
+        if source is not None:
+            if spec.sources is None:
+                raise InvalidArgument(f"source={source}: job {self.job!r} is not a mixture (it has one source, 0)")
+            check_int("source", source, 0, len(spec.sources), InvalidArgument)
+        out: list[Occurrence] = []
+        for seg in self.segments:
+            if seg.step is None:
+                continue
+            kr = self._kept_range(seg)
+            reached = self._reached_step(seg)
+            for c in self._chunks_to(seg, step=reached):
+                if c.first >= reached:
+                    break
+                out.extend(self._find(seg, c, index, source, kr, reached))
+        return sorted(out)
+
+    def _global_index(self, seg: Segment, index: int, source: int | None) -> int | None:
+        sp = self._spec(seg)
+        if source is None:
+            return index if index < sp.space else None
+        from croupier.core.amend import sizes_after
+
+        assert sp.sources is not None
+        sizes = sizes_after(sp.sources, sp.amendments or ())
+        if index >= sizes[source]:
+            return None
+        return int(sum(sizes[:source])) + index
+
+    def _find(self, seg: Segment, c: _Chunk, index: int, source: int | None, kept: tuple[int, int] | None,
+              reached: int) -> Iterator[Occurrence]:
+        """Where `index` lies in chunk `c` of `seg`: (rank, micro-batch) -> step."""
+        sp = self._spec(seg)
+        g = self._global_index(seg, index, source)
+        if g is None:
+            return
+        plan = self._plan(seg, c.epoch)
+        if plan is None:
+            return
+        fp = fixed_plan_epoch(sp, seg.start, seg.world, c.epoch) if is_fixed(sp) else None
+        pos = position_of(sp, c.epoch, g) if fp is not None else None
+        if fp is not None and pos is not None:
+            hits = _fixed_where(fp, pos)
+        else:
+            hits = self._scan(seg, c, g)
+        for rank, micro, p in hits:
+            step = c.first + seg.schedule.covering(sp, seg.world, c.first, micro + 1)
+            if step > reached:
+                continue
+            is_kept = kept is not None and kept[0] < step <= kept[1]
+            src, sep = tags(sp, c.epoch, np.array([p], dtype=np.int64))
+            yield Occurrence(c.epoch, step, rank, seg.generation, micro - seg.schedule.between(sp, seg.world, c.first, step - 1),
+                             is_kept, int(src[0]), int(sep[0]))
+
+    def _scan(self, seg: Segment, c: _Chunk, g: int) -> list[tuple[int, int, int]]:
+        """Every (rank, micro-batch, position) of chunk `c` that deals index `g`, by computing the chunk's
+        order: the orders without an inverse at hand (torch's, windows, buckets, mixtures, token budgets,
+        dynamic dealing) cost O(samples of the chunk) here."""
+        hits: list[tuple[int, int, int]] = []
+        block = max(1, 1 << 20 // max(1, seg.world * self._spec(seg).batch_size))
+        for k in range(0, c.micro, block):
+            got = self._micro_positions(seg, c.epoch, k, min(block, c.micro - k))
+            if got is None:
+                continue
+            rank_a, micro_a, pos_a, plan = got
+            idx = order(self._spec(seg), c.epoch, pos_a, plan.cursor.base_world)
+            for j in np.flatnonzero(idx == g).tolist():
+                hits.append((int(rank_a[j]), k + int(micro_a[j]), int(pos_a[j])))
+        return hits
+
+    # ---------------------------------------------------------------- summaries
+
+    def timeline(self) -> list[dict[str, Any]]:
+        """Each segment: generation, world, first and last step trained, whether (and up to which step) it is kept."""
+        out = []
+        for seg in self.segments:
+            kr = self._kept_range(seg) if seg.step is not None else None
+            out.append({"generation": seg.generation, "incarnation": seg.incarnation, "world": seg.world,
+                        "epoch": seg.start.epoch, "from_step": seg.step, "parent": seg.parent,
+                        "to_step": self._reached_step(seg) if seg.step is not None else None,
+                        "kept_to": kr[1] if kr else None, "amendments": [a.to_list() for a in seg.amendments],
+                        "global_batch": seg.schedule.global_batch, "at_ms": seg.at_ms})
+        return out
+
+    def constant_batch(self) -> int | None:
+        """The samples per step when every kept step has the same number (an order file's batch), else None."""
+        sizes: set[int] = set()
+        for seg, _ in self._kept:
+            if seg.schedule.rampup is not None:
+                return None
+            if seg.schedule.global_batch:
+                sizes.add(seg.schedule.global_batch)
+            else:
+                sizes.add(self._spec(seg).batch_size * seg.world)
+        return sizes.pop() if len(sizes) == 1 and self.spec.max_tokens is None else None
+
+
+# --------------------------------------------------------------------------- fixed plans, vectorised
+
+
+def _fixed_positions(fp: FixedPlan, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, micro-batch, position) of every sample of micro-batches first .. first + count - 1 of every rank."""
+    b, w = fp.spec.batch_size, fp.world
+    local = np.arange(first * b, (first + count) * b, dtype=np.int64)
+    ranks = np.repeat(np.arange(w, dtype=np.int64), local.size)
+    loc = np.tile(local, w)
+    limit = np.minimum(fp.nb_r * b, fp.n_r)[ranks]
+    keep = loc < limit
+    ranks, loc = ranks[keep], loc[keep]
+    return ranks, loc // b - first, fp.positions(fp.virtual_all(ranks, loc))
+
+
+def _fixed_where(fp: FixedPlan, pos: int) -> list[tuple[int, int, int]]:
+    """Every (rank, micro-batch, position) at which `fp` deals position `pos` (padding repeats some)."""
+    b, left, t = fp.spec.batch_size, fp.left, fp.t
+    vs: list[int] = []
+    k = int(np.searchsorted(fp.starts, pos, side="right")) - 1
+    if k >= 0 and pos < int(fp.starts[k]) + int(fp.cum[k + 1] - fp.cum[k]):
+        v = int(fp.cum[k]) + pos - int(fp.starts[k])
+        if v < t:
+            vs.append(v)
+    if t > left:  # padding: virtual positions left .. t - 1 repeat positions
+        if fp.spec.tail == "pad_last":
+            if pos == fp.spec.n - 1:
+                vs.extend(range(left, t))
+        else:
+            vs.extend(range(left + pos, t, fp.spec.n))
+    out = []
+    for v in vs:
+        rank, loc = fp.owner(v)
+        if loc < min(int(fp.nb_r[rank]) * b, int(fp.n_r[rank])):
+            out.append((int(rank), int(loc // b), pos))
+    return out
+
+
+def fresh_segment(spec: Spec, generation: int, incarnation: str, world: int, **kw: Any) -> Segment:
+    """A segment of a job started fresh at epoch 0 (for tests and examples)."""
+    return Segment(generation, incarnation, world, fresh(spec, 0), 0, None, **kw)
