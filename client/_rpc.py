@@ -20,6 +20,7 @@ from croupier.core import errors as E
 from croupier.core import settings
 from croupier.core.amend import Amendment
 from croupier.core.api import MAX_MESSAGE_BYTES, CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
+from croupier.core.ledger import Ledger, unpack
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
 from croupier.core.wire import (
@@ -29,6 +30,7 @@ from croupier.core.wire import (
     cursor_from_proto,
     cursor_to_proto,
     record_from_proto,
+    schedule_to_proto,
     spec_from_proto,
     spec_to_proto,
     unpack_indices,
@@ -273,6 +275,11 @@ class CoordinatorClient:
         if req.epoch is not None:
             m.epoch = req.epoch
         m.amendments.extend(amendment_to_proto(a) for a in req.amendments)
+        if req.resume_step is not None:
+            m.resume_step = req.resume_step
+        if req.resume_generation is not None:
+            m.resume_generation = req.resume_generation
+        m.schedule.extend(schedule_to_proto(req.schedule))
         r = self._call("join", lambda: self.stub.Join(m, timeout=self.call_timeout + wait_s))
         return JoinResult(r.generation, r.world, cursor_from_proto(r.start) if r.started else None, tuple(r.waiting_for),
                           tuple(amendment_from_proto(a) for a in r.amendments),
@@ -388,20 +395,27 @@ class CoordinatorClient:
 
     def report(self, job: str, generation: int, rank: int, progress: tuple[int, int],
                checkpoint: tuple[int | None, Cursor | None, str] | None = None, timeout: float | None = None,
-               own: bool = False) -> Cursor | None:
+               own: bool = False, items: int | None = None) -> Cursor | None:
         """Reports how far the rank's loop got (epoch, batches of its share of the generation's plan)
         and, with `checkpoint` (step, cursor, origin), a checkpoint state it took; returns once the
         coordinator made the checkpoint durable, with the checkpoint's cursor as recorded (for
         dynamic dealing the cursor sent is None and the coordinator computes it, crediting only
-        this rank's progress and the others' commits when `own`). With `timeout`, asks once
+        this rank's progress and the others' commits when `own`). `items` names the checkpoint's
+        items of its epoch (what the rank's ``len()`` counted). With `timeout`, asks once
         (Unreachable if no answer)."""
         m = pb.ReportRequest(job=job, generation=generation, rank=rank, own=own)
         m.progress.epoch, m.progress.batches = progress
         if checkpoint is not None:
-            m.checkpoint.CopyFrom(checkpoint_to_proto(*checkpoint))
+            m.checkpoint.CopyFrom(checkpoint_to_proto(*checkpoint, items))
         r = self._call("report", lambda: self.stub.Report(m, timeout=self.call_timeout if timeout is None else timeout),
                        retry_for=None if timeout is None else 0.0)
         return cursor_from_proto(r.cursor) if r.HasField("cursor") else None
+
+    def ledger(self, job: str) -> Ledger:
+        """The job's step ledger (``croupier.core.ledger``): what each step trained, where each sample was
+        trained. Fetched once (a few bytes per generation); the questions are answered here."""
+        r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
+        return Ledger(job, spec_from_proto(r.spec), unpack(r.segments))
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and the checkpoint it recorded at training step `step`, or its latest

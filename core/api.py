@@ -16,6 +16,7 @@ from croupier.core.checks import check_int, check_name
 from croupier.core.cursor import Cursor, validate_cursor
 from croupier.core.errors import InvalidArgument
 from croupier.core.plan import Grant
+from croupier.core.schedule import Schedule
 from croupier.core.spec import Spec
 
 __all__ = [
@@ -60,6 +61,10 @@ class JoinRequest:
         epoch: The epoch given to ``set_epoch`` before the first batch, or None.
         amendments: The amendments of the checkpoint state this rank loaded (each with its
             position), in order; a job that lost its store takes them back from it.
+        resume_step: The trainer's step at the checkpoint state this rank loaded, if it named one.
+        resume_generation: The generation that took that state, if it names one.
+        schedule: The trainer's step schedule (``croupier.core.schedule``); every rank of a
+            generation MUST send the same.
     """
 
     job: str
@@ -70,6 +75,9 @@ class JoinRequest:
     resume: Cursor | None = None
     epoch: int | None = None
     amendments: tuple[Amendment, ...] = ()
+    resume_step: int | None = None
+    resume_generation: int | None = None
+    schedule: Schedule = Schedule()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +140,8 @@ class CheckpointRecord:
 
     ``step`` is the trainer's global step the checkpoint was named after (None when it named
     none); ``cursor`` and ``origin`` are the state's (``croupier.core.checkpoint``);
-    ``amendments`` those of a mixture the recording generation dealt with (the state's).
+    ``amendments`` those of a mixture the recording generation dealt with (the state's);
+    ``items`` the items of the cursor's epoch the checkpointing rank had taken (None: not named).
     """
 
     step: int | None
@@ -142,6 +151,7 @@ class CheckpointRecord:
     rank: int
     recorded_ms: int
     amendments: tuple[Amendment, ...] = ()
+    items: int | None = None  # the items of the cursor's epoch the checkpointing rank had taken
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,3 +184,12 @@ def validate_join(req: JoinRequest) -> None:
     for a in req.amendments:
         if not isinstance(a, Amendment) or a.at is None:
             raise InvalidArgument(f"a checkpoint's amendments hold from a position each (got {a!r})")
+    if req.resume_step is not None:
+        check_int("resume_step", req.resume_step, 0, MAX_COUNT, InvalidArgument)
+    if req.resume_generation is not None:
+        check_int("resume_generation", req.resume_generation, 1, MAX_COUNT, InvalidArgument)
+    if (req.resume_step is not None or req.resume_generation is not None) and req.resume is None:
+        raise InvalidArgument(f"resume_step={req.resume_step} and resume_generation={req.resume_generation} name the "
+                              "checkpoint a rank resumes from: they need its resume point")
+    if not isinstance(req.schedule, Schedule):
+        raise InvalidArgument(f"schedule must be a Schedule (got {type(req.schedule).__name__})")

@@ -33,6 +33,7 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from croupier.core.amend import Amendment
@@ -98,6 +99,81 @@ class Segment:
 
     def deal(self, epoch: int, rank: int, first: int, count: int) -> None:
         self.deals.setdefault(epoch, EpochDeals()).deal(rank, first, count)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The segment as a plain (msgpack-able) map: what a snapshot and GetLedger carry."""
+        return {
+            "generation": self.generation, "incarnation": self.incarnation, "world": self.world,
+            "start": [self.start.epoch, [list(iv) for iv in self.start.remaining], self.start.base_world],
+            "step": self.step, "parent": self.parent, "schedule": self.schedule.to_list(),
+            "amendments": [a.to_list() for a in self.amendments],
+            "reached": [[e, m] for e, m in sorted(self.reached.items())], "checkpoints": list(self.checkpoints),
+            "deals": [[e, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())]]
+                      for e, b in sorted(self.deals.items())],
+            "at_ms": self.at_ms,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Segment:
+        """Inverse of :meth:`to_dict`. Raises ValueError (naming the field) for a map it would not have written."""
+        if not isinstance(d, dict) or set(d) != set(_KEYS):
+            got = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"a segment must be a map with the fields {_KEYS} (got {got})")
+        try:
+            epoch, remaining, base = d["start"]
+            start = Cursor(_int("start epoch", epoch), tuple((_int("start", a), _int("start", b)) for a, b in remaining),
+                           _int("start base world", base))
+            seg = cls(_int("generation", d["generation"]), _str("incarnation", d["incarnation"]), _int("world", d["world"]),
+                      start, _opt_int("step", d["step"]), _opt_int("parent", d["parent"]),
+                      Schedule.from_list([_int("schedule", x) for x in d["schedule"]]),
+                      tuple(Amendment.from_list(a) for a in d["amendments"]), at_ms=_int("at_ms", d["at_ms"]))
+            for e, m in d["reached"]:
+                seg.reached[_int("reached epoch", e)] = _int("reached", m)
+            seg.checkpoints = [_int("checkpoints", x) for x in d["checkpoints"]]
+            for e, ranks in d["deals"]:
+                for r, runs in ranks:
+                    for first, count in runs:
+                        seg.deal(_int("deals epoch", e), _int("deals rank", r), _int("deals", first), _int("deals", count))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"segment is malformed: {exc}") from None
+        return seg
+
+
+_KEYS = ["generation", "incarnation", "world", "start", "step", "parent", "schedule", "amendments", "reached",
+         "checkpoints", "deals", "at_ms"]
+
+
+def _int(what: str, v: Any) -> int:
+    if not is_int(v):
+        raise ValueError(f"{what} must be an int (got {v!r})")
+    return int(v)
+
+
+def _opt_int(what: str, v: Any) -> int | None:
+    return None if v is None else _int(what, v)
+
+
+def _str(what: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{what} must be a str (got {v!r})")
+    return v
+
+
+def pack(segments: Sequence[Segment]) -> bytes:
+    """Segments as GetLedger sends them: msgpack of :meth:`Segment.to_dict`'s maps."""
+    out: bytes = msgpack.packb([s.to_dict() for s in segments], use_bin_type=True)
+    return out
+
+
+def unpack(blob: bytes) -> list[Segment]:
+    """Inverse of :func:`pack`. Raises ValueError for bytes it would not have written."""
+    try:
+        raw = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData) as exc:
+        raise ValueError(f"the ledger is not msgpack: {exc}") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"the ledger must be a list of segments (got {type(raw).__name__})")
+    return [Segment.from_dict(v) for v in raw]
 
 
 # --------------------------------------------------------------------------- answers

@@ -10,6 +10,7 @@ from croupier.core.amend import Amendment
 from croupier.core.api import CheckpointRecord
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument
+from croupier.core.schedule import Schedule
 from croupier.core.spec import TOKEN_WINDOW, Spec
 from croupier.v1 import coordinator_pb2 as pb
 
@@ -93,7 +94,7 @@ def cursor_from_proto(m: pb.Cursor) -> Cursor:
 
 def record_to_proto(r: CheckpointRecord) -> pb.CheckpointRecord:
     m = pb.CheckpointRecord(generation=r.generation, rank=r.rank, recorded_unix_ms=r.recorded_ms)
-    m.checkpoint.CopyFrom(checkpoint_to_proto(r.step, r.cursor, r.origin))
+    m.checkpoint.CopyFrom(checkpoint_to_proto(r.step, r.cursor, r.origin, r.items))
     m.amendments.extend(amendment_to_proto(a) for a in r.amendments)
     return m
 
@@ -103,11 +104,13 @@ def record_from_proto(m: pb.CheckpointRecord) -> CheckpointRecord:
     if cursor is None:
         raise InvalidArgument("a checkpoint record without its cursor")
     return CheckpointRecord(step, cursor, origin, m.generation, m.rank, m.recorded_unix_ms,
-                            tuple(amendment_from_proto(a) for a in m.amendments))
+                            tuple(amendment_from_proto(a) for a in m.amendments), items_from_proto(m.checkpoint))
 
 
-def checkpoint_to_proto(step: int | None, cursor: Cursor | None, origin: str) -> pb.Checkpoint:
+def checkpoint_to_proto(step: int | None, cursor: Cursor | None, origin: str, items: int | None = None) -> pb.Checkpoint:
     m = pb.Checkpoint(origin=origin)
+    if items is not None:
+        m.items = items
     if cursor is not None:
         m.cursor.CopyFrom(cursor_to_proto(cursor))
     if step is not None:
@@ -118,6 +121,25 @@ def checkpoint_to_proto(step: int | None, cursor: Cursor | None, origin: str) ->
 def checkpoint_from_proto(m: pb.Checkpoint) -> tuple[int | None, Cursor | None, str]:
     cursor = cursor_from_proto(m.cursor) if m.HasField("cursor") else None
     return (m.step if m.HasField("step") else None), cursor, m.origin
+
+
+def items_from_proto(m: pb.Checkpoint) -> int | None:
+    """The items a reported checkpoint names (None: not named)."""
+    return m.items if m.HasField("items") else None
+
+
+def schedule_to_proto(s: Schedule) -> list[int]:
+    """A step schedule as JoinRequest.schedule carries it (empty for the default)."""
+    return [] if s == Schedule() else s.to_list()
+
+
+def schedule_from_proto(values: Sequence[int]) -> Schedule:
+    """The schedule JoinRequest.schedule names; InvalidArgument (naming it) when it is not one."""
+    if not values or not any(values):
+        return Schedule()
+    if len(values) != 4:
+        raise InvalidArgument(f"schedule must be [global batch, ramp-up start, increment, steps] (got {list(values)})")
+    return Schedule.from_list([int(v) for v in values])
 
 
 def pack_runs(runs: Sequence[tuple[int, int]]) -> bytes:

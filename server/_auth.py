@@ -12,7 +12,7 @@ file, a JSON document::
 
 - ``name`` names the credential in errors and logs (the secret never appears in either).
 - ``sha256`` (preferred: the file then holds no secret) or ``secret``.
-- ``role``: ``read`` may call GetJob, GetCheckpoint and ListJobs; ``train`` also Join, Lease,
+- ``role``: ``read`` may call GetJob, GetCheckpoint, ListJobs and GetLedger; ``train`` also Join, Lease,
   Grant, Report and Amend (a trainer skips the samples it finds corrupt); ``admin`` may call everything, for every job.
 - ``jobs``: shell-style patterns (``fnmatch``, case-sensitive) of the job names the credential
   may use; default ``["*"]``. ListJobs lists only the jobs a credential may read.
@@ -50,7 +50,7 @@ log = logging.getLogger("croupier.server")
 #: Roles in increasing power; each may do what the ones before it may.
 ROLES = ("read", "train", "admin")
 #: The least role each RPC needs.
-NEEDS = {"GetJob": "read", "GetCheckpoint": "read", "ListJobs": "read",
+NEEDS = {"GetJob": "read", "GetCheckpoint": "read", "ListJobs": "read", "GetLedger": "read",
          "Join": "train", "Lease": "train", "Grant": "train", "Report": "train", "Amend": "train"}
 METADATA_KEY = "authorization"
 _SCHEME = "Bearer "

@@ -27,6 +27,7 @@ from croupier.core.api import (
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from croupier.core.ledger import pack
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
@@ -156,7 +157,8 @@ class Coordinator:
             return result
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int,
-               checkpoint: tuple[int | None, Cursor | None, str] | None = None, lockstep: bool = True) -> Cursor | None:
+               checkpoint: tuple[int | None, Cursor | None, str] | None = None, lockstep: bool = True,
+               items: int | None = None) -> Cursor | None:
         """Records how far a rank's loop got and, with `checkpoint` (step, cursor, origin), a
         checkpoint state it took; returns once the checkpoint is durable.
 
@@ -172,7 +174,8 @@ class Coordinator:
             if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches):
                 return None
             return self._commit(
-                lambda: self._state.decide_report(job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep),
+                lambda: self._state.decide_report(job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep,
+                                                  items),
                 durable=checkpoint is not None)
 
     def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
@@ -185,6 +188,15 @@ class Coordinator:
         with self._cond:
             self._fresh()
             return self._commit(lambda: self._state.decide_amend(job, kind, values), durable=True)
+
+    def ledger(self, job: str) -> tuple[Spec, bytes]:
+        """The job's spec and its step ledger's segments, packed (``croupier.server._ledger``); NotFound
+        for an unknown job."""
+        with self._cond:
+            self._fresh()
+            self._state.current(job)
+            j = self._state.jobs[job]
+            return j.spec, pack(j.ledger)
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest

@@ -52,15 +52,23 @@ class RankJoined:
     rank: int
     resume: Cursor | None
     epoch: int | None
+    step: int | None = None  # the trainer's step at the checkpoint it loaded, if named
+    parent: int | None = None  # the generation that took that checkpoint, if named
+    schedule: tuple[int, ...] | None = None  # its trainer's step schedule (Schedule.to_list); None: the default
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationStarted:
-    """Every rank joined: the generation deals from `start` (its resume point, bound to its world)."""
+    """Every rank joined: the generation deals from `start` (its resume point, bound to its world), its
+    trainer at `step` (None: not known), resumed from a checkpoint of generation `parent` (None: a fresh
+    start, or not named), with the step schedule `schedule` (None: the default)."""
 
     job: str
     generation: int
     start: Cursor
+    step: int | None = None
+    parent: int | None = None
+    schedule: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,7 @@ class CheckpointRecorded:
     cursor: Cursor
     origin: str
     at_ms: int
+    items: int | None = None  # the items of the cursor's epoch the rank had taken, if named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,9 +165,13 @@ Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | Pro
 #: version 2 journal is read as it is (its jobs have neither). Each event and snapshot also carries the
 #: ``ORDER_VERSION`` its specs' orders were computed with: the generations' resume points are
 #: positions of those orders, so a journal of another order version is refused, not re-mapped.
-FORMAT_VERSION = 5
+#: Version 6 added the step ledger's fields: the step, parent generation and step schedule of
+#: RankJoined and GenerationStarted, the items of CheckpointRecorded (records of older versions
+#: have none: the fields read as None), and each job's ``ledger`` and its generation's ``steps``
+#: in snapshots.
+FORMAT_VERSION = 6
 #: Every format version this croupier reads.
-READS = (2, 3, 4, 5)
+READS = (2, 3, 4, 5, 6)
 
 
 class FormatError(ValueError):
@@ -306,6 +319,7 @@ OPT_CURSOR = _optional(CURSOR)
 INTS = Codec("tuple[int, ...]", list, as_ints)
 AMENDMENTS = Codec("tuple[Amendment, ...]", amendments_to, as_amendments)
 OPT_AMENDMENTS = _optional(AMENDMENTS)
+OPT_INTS = _optional(INTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +331,9 @@ class EventSchema:
     fields: tuple[tuple[str, Codec], ...]
     #: field -> the key a record stores it under, for a field renamed since records were written
     keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: field -> the format version that added it: a record of an older version has no such key, and
+    #: the field reads as None
+    since: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def key(self, name: str) -> str:
         """The key a record stores field `name` under (its name unless :attr:`keys` maps it)."""
@@ -334,12 +351,17 @@ SCHEMA: tuple[EventSchema, ...] = (
     # differently), so the key is mapped here rather than the format version bumped.
     EventSchema("GenerationOpened", GenerationOpened, (_JOB, _GEN, ("world", INT), ("incarnation", STR)),
                 keys={"incarnation": "token"}),
-    EventSchema("RankJoined", RankJoined, (_JOB, _GEN, _RANK, ("resume", OPT_CURSOR), ("epoch", OPT_INT))),
-    EventSchema("GenerationStarted", GenerationStarted, (_JOB, _GEN, ("start", CURSOR))),
+    EventSchema("RankJoined", RankJoined, (_JOB, _GEN, _RANK, ("resume", OPT_CURSOR), ("epoch", OPT_INT),
+                                           ("step", OPT_INT), ("parent", OPT_INT), ("schedule", OPT_INTS)),
+                since={"step": 6, "parent": 6, "schedule": 6}),
+    EventSchema("GenerationStarted", GenerationStarted, (_JOB, _GEN, ("start", CURSOR), ("step", OPT_INT),
+                                                         ("parent", OPT_INT), ("schedule", OPT_INTS)),
+                since={"step": 6, "parent": 6, "schedule": 6}),
     EventSchema("ProgressReported", ProgressReported,
                 (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT), ("at_ms", INT))),
     EventSchema("CheckpointRecorded", CheckpointRecorded,
-                (_JOB, _GEN, _RANK, ("step", OPT_INT), ("cursor", CURSOR), ("origin", STR), ("at_ms", INT))),
+                (_JOB, _GEN, _RANK, ("step", OPT_INT), ("cursor", CURSOR), ("origin", STR), ("at_ms", INT),
+                 ("items", OPT_INT)), since={"items": 6}),
     EventSchema("BatchesDealt", BatchesDealt, (_JOB, _GEN, _RANK, ("epoch", INT), ("first", INT), ("count", INT))),
     EventSchema("BatchesCommitted", BatchesCommitted, (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT))),
     EventSchema("AmendmentRecorded", AmendmentRecorded, (_JOB, ("kind", STR), ("values", INTS))),
@@ -426,6 +448,8 @@ def decode_event(d: Any) -> Event:
     row = _BY_TAG.get(tag) if isinstance(tag, str) else None
     if row is None:
         raise FormatError(f"unknown event type {show(tag)} (known: {sorted(_BY_TAG)})")
-    body = as_map(f"a {tag} event", d, ["type", "version", "order", *(row.key(name) for name, _ in row.fields)])
-    values = {name: codec.decode(f"{tag}.{row.key(name)}", body[row.key(name)]) for name, codec in row.fields}
+    version = d["version"]
+    fields = [(name, codec) for name, codec in row.fields if row.since.get(name, 0) <= version]
+    body = as_map(f"a {tag} event", d, ["type", "version", "order", *(row.key(name) for name, _ in fields)])
+    values = {name: codec.decode(f"{tag}.{row.key(name)}", body[row.key(name)]) for name, codec in fields}
     return row.type(**values)  # type: ignore[no-any-return]

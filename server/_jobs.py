@@ -16,6 +16,7 @@ from croupier.core.api import CheckpointRecord, JoinRequest
 from croupier.core.cursor import Cursor, epoch_agrees, show
 from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition
+from croupier.core.ledger import Segment
 from croupier.core.spec import Spec
 from croupier.server._events import (
     AMENDMENTS,
@@ -24,12 +25,14 @@ from croupier.server._events import (
     OPT_AMENDMENTS,
     OPT_CURSOR,
     OPT_INT,
+    OPT_INTS,
     SPEC,
     STR,
     as_list,
     as_map,
     cursor_to,
 )
+from croupier.server._ledger import segment_from, segment_to
 
 #: How many of the ranks a generation waits for a join's answer names (the count is always given).
 WAITING_SHOWN = 16
@@ -99,6 +102,10 @@ class Generation:
     incarnation: str
     joined: dict[int, tuple[Cursor | None, int | None]] = dataclasses.field(default_factory=dict)
     start: Cursor | None = None
+    #: what the first rank that resumed says of its checkpoint (rank, step, parent generation), and the
+    #: first rank's step schedule (rank, schedule): every other rank must say the same
+    resumed: tuple[int, int | None, int | None] | None = None
+    schedule: tuple[int, tuple[int, ...] | None] | None = None
     _missing: list[int] | None = dataclasses.field(default=None, repr=False, compare=False)
     _agreement: Agreement | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -155,6 +162,8 @@ class Job:
     held: tuple[Amendment, ...] = ()
     #: the amendments of the checkpoint the current generation's ranks joined with (None: none yet)
     loaded: tuple[Amendment, ...] | None = None
+    #: the step ledger: one segment per generation that started, oldest first (``croupier.server._ledger``)
+    ledger: list[Segment] = dataclasses.field(default_factory=list)
 
     @property
     def dealing_spec(self) -> Spec:
@@ -183,30 +192,32 @@ def snapshot_job(j: Job) -> dict[str, Any]:
             "token": g.incarnation,
             "joined": [[r, cursor_to(c), e] for r, (c, e) in sorted(g.joined.items())],
             "start": cursor_to(g.start),
+            "steps": [None if g.resumed is None else list(g.resumed),
+                      None if g.schedule is None else [g.schedule[0], OPT_INTS.encode(g.schedule[1])]],
         }
     return {
         "name": j.name, "spec": SPEC.encode(j.spec), "generation": gd, "tokens": list(j.incarnations),
         "progress": [[r, e, b, t] for r, (e, b, t) in sorted(j.progress.items())],
         "checkpoints": [[c.step, cursor_to(c.cursor), c.origin, c.generation, c.rank, c.recorded_ms,
-                         AMENDMENTS.encode(c.amendments)] for c in j.checkpoints],
+                         AMENDMENTS.encode(c.amendments), c.items] for c in j.checkpoints],
         "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
         "amendments": AMENDMENTS.encode(tuple(j.amendments)), "held": AMENDMENTS.encode(j.held),
-        "loaded": OPT_AMENDMENTS.encode(j.loaded),
+        "loaded": OPT_AMENDMENTS.encode(j.loaded), "ledger": [segment_to(seg) for seg in j.ledger],
     }
 
 
 def restore_job(what: str, v: Any, version: int) -> Job:
     """One job of a snapshot of format `version`, read back (a version 2 job has no progress and
     no checkpoints, a version 3 job no deals, a version 4 job no amendments, its checkpoint
-    records none either).
+    records none either, a version 5 job no ledger, its checkpoint records no items).
 
     Raises:
         FormatError: `v` is not what :func:`snapshot_job` (of that version) writes; the message
             starts with `what` and names the field.
     """
     later = ((["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
-             + (["amendments", "held", "loaded"] if version >= 5 else []))
+             + (["amendments", "held", "loaded"] if version >= 5 else []) + (["ledger"] if version >= 6 else []))
     jd = as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = STR.decode(f"{what} name", jd["name"])
     incarnations = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
@@ -216,7 +227,11 @@ def restore_job(what: str, v: Any, version: int) -> Job:
         job.progress[r] = (e, b, t)
     for k, entry in enumerate(as_list(f"{what} checkpoints", jd.get("checkpoints", []))):
         w = f"{what} checkpoint {k}"
-        if version >= 5:
+        items = None
+        if version >= 6:
+            step, cursor, origin, gen, rank, t, held, items = as_list(
+                f"{w} ([step, cursor, origin, generation, rank, ms, amendments, items])", entry, 8)
+        elif version >= 5:
             step, cursor, origin, gen, rank, t, held = as_list(
                 f"{w} ([step, cursor, origin, generation, rank, ms, amendments])", entry, 7)
         else:
@@ -225,14 +240,16 @@ def restore_job(what: str, v: Any, version: int) -> Job:
         job.checkpoints.append(CheckpointRecord(
             OPT_INT.decode(f"{w} step", step), CURSOR.decode(f"{w} cursor", cursor), STR.decode(f"{w} origin", origin),
             INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t),
-            AMENDMENTS.decode(f"{w} amendments", held)))
+            AMENDMENTS.decode(f"{w} amendments", held), OPT_INT.decode(f"{w} items", items)))
     for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))):
         job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
     job.amendments = list(AMENDMENTS.decode(f"{what} amendments", jd.get("amendments", [])))
     job.held = AMENDMENTS.decode(f"{what} held", jd.get("held", []))
     job.loaded = OPT_AMENDMENTS.decode(f"{what} loaded", jd.get("loaded"))
+    job.ledger = [segment_from(f"{what} ledger segment {k}", v)
+                  for k, v in enumerate(as_list(f"{what} ledger", jd.get("ledger", [])))]
     if jd["generation"] is not None:
-        job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"])
+        job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"], version)
     return job
 
 
@@ -251,9 +268,9 @@ def _restore_deals(w: str, entry: Any) -> tuple[int, EpochDeals]:
     return INT.decode(f"{w} epoch", epoch), book
 
 
-def _restore_generation(where: str, v: Any) -> Generation:
+def _restore_generation(where: str, v: Any, version: int) -> Generation:
     """A snapshot's generation map, read back."""
-    g = as_map(where, v, ["number", "world", "token", "joined", "start"])
+    g = as_map(where, v, ["number", "world", "token", "joined", "start", *(["steps"] if version >= 6 else [])])
     joined: dict[int, tuple[Cursor | None, int | None]] = {}
     for k, entry in enumerate(as_list(f"{where} joined", g["joined"])):
         rank, resume, epoch = as_list(f"{where} joined entry {k} ([rank, resume, epoch])", entry, 3)
@@ -261,10 +278,19 @@ def _restore_generation(where: str, v: Any) -> Generation:
             OPT_CURSOR.decode(f"{where} rank {rank} resume", resume),
             OPT_INT.decode(f"{where} rank {rank} epoch", epoch),
         )
-    return Generation(
+    out = Generation(
         INT.decode(f"{where} number", g["number"]),
         INT.decode(f"{where} world", g["world"]),
         STR.decode(f"{where} token", g["token"]),
         joined,
         OPT_CURSOR.decode(f"{where} start", g["start"]),
     )
+    resumed, schedule = as_list(f"{where} steps", g.get("steps", [None, None]), 2)
+    if resumed is not None:
+        r, step, parent = as_list(f"{where} steps resumed", resumed, 3)
+        out.resumed = (INT.decode(f"{where} steps rank", r), OPT_INT.decode(f"{where} steps step", step),
+                       OPT_INT.decode(f"{where} steps parent", parent))
+    if schedule is not None:
+        r, sched = as_list(f"{where} steps schedule", schedule, 2)
+        out.schedule = (INT.decode(f"{where} schedule rank", r), OPT_INTS.decode(f"{where} schedule", sched))
+    return out

@@ -26,9 +26,11 @@ from croupier.core.wire import (
     checkpoint_from_proto,
     cursor_from_proto,
     cursor_to_proto,
+    items_from_proto,
     pack_indices,
     pack_runs,
     record_to_proto,
+    schedule_from_proto,
     spec_from_proto,
     spec_to_proto,
 )
@@ -80,7 +82,7 @@ MAX_PAGE = 10_000
 #: A join refused for a limit is answered after this long, up to _HELD_REFUSALS at a time.
 _HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
 #: The coordinator's RPCs, as the servicer names its methods.
-RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend")
+RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend", "GetLedger")
 
 
 class CoordinatorServicer:
@@ -125,6 +127,9 @@ class CoordinatorServicer:
             resume=cursor_from_proto(m.resume) if m.HasField("resume") else None,
             epoch=m.epoch if m.HasField("epoch") else None,
             amendments=tuple(amendment_from_proto(a) for a in m.amendments),
+            resume_step=m.resume_step if m.HasField("resume_step") else None,
+            resume_generation=m.resume_generation if m.HasField("resume_generation") else None,
+            schedule=schedule_from_proto(m.schedule),
         )
         if m.world > self.options.max_world:
             raise E.ResourceExhausted(f"world {m.world} is more than this coordinator's limit of {self.options.max_world} "
@@ -195,7 +200,7 @@ class CoordinatorServicer:
             raise E.InvalidArgument("a report needs the rank's progress")
         checkpoint = checkpoint_from_proto(m.checkpoint) if m.HasField("checkpoint") else None
         cursor = self.core.report(m.job, m.generation, m.rank, m.progress.epoch, m.progress.batches, checkpoint,
-                                  lockstep=not m.own)
+                                  lockstep=not m.own, items=items_from_proto(m.checkpoint) if checkpoint else None)
         out = pb.ReportResponse()
         if cursor is not None:
             out.cursor.CopyFrom(cursor_to_proto(cursor))
@@ -208,6 +213,13 @@ class CoordinatorServicer:
         spec, record = self.core.checkpoint(m.job, None if m.latest else m.step)
         return pb.GetCheckpointResponse(spec=spec_to_proto(spec), record=record_to_proto(record))
 
+
+    def GetLedger(self, raw: bytes, context: grpc.ServicerContext) -> pb.GetLedgerResponse:
+        who = self._caller(context)
+        m = _parse(pb.GetLedgerRequest, raw)
+        _allow(who, "GetLedger", m.job)
+        spec, segments = self.core.ledger(m.job)
+        return pb.GetLedgerResponse(spec=spec_to_proto(spec), segments=segments)
 
     def ListJobs(self, raw: bytes, context: grpc.ServicerContext) -> pb.ListJobsResponse:
         who = self._caller(context)

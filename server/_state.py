@@ -39,8 +39,10 @@ from croupier.core.checks import check_int, check_name
 from croupier.core.cursor import Cursor, bind, fresh, show, validate_cursor
 from croupier.core.deals import KEEP_EPOCHS, EpochDeals, dealt, kept
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from croupier.core.ledger import Segment
 from croupier.core.plan import Dealer, Runs
 from croupier.core.registry import kind_of, plan_epoch
+from croupier.core.schedule import Schedule
 from croupier.core.spec import ORDER_VERSION, Spec
 from croupier.server import _amendments
 from croupier.server._events import (
@@ -97,6 +99,7 @@ class State:
         elif req.spec != job.spec:  # a rank's sources as grown: the job's spec is what it deals
             req = dataclasses.replace(req, spec=job.spec)
         gen = job.generation if job else None
+        resumed, schedule = None, None
         if gen is not None and req.incarnation == gen.incarnation:
             if req.world != gen.world:
                 raise FailedPrecondition(
@@ -104,6 +107,7 @@ class State:
                     f"rank {req.rank} says world size {req.world}"
                 )
             number, world, joined, agreed = gen.number, gen.world, gen.joined, gen.agreement
+            resumed, schedule = gen.resumed, gen.schedule
         elif job is not None and req.incarnation in job.incarnations:
             current = gen.number if gen else 0
             raise Aborted(
@@ -124,11 +128,20 @@ class State:
                 )
             return events
         agreed.check(req, number)
-        events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch))
+        sched = None if req.schedule == Schedule() else tuple(req.schedule.to_list())
+        _check_steps(req, number, resumed, schedule, sched)
+        if req.resume is not None and resumed is None:
+            resumed = (req.rank, req.resume_step, req.resume_generation)
+        events.append(RankJoined(req.job, number, req.rank, req.resume, req.epoch,
+                                 req.resume_step, req.resume_generation, sched))
         start = None
         if len(joined) + 1 == world:
             start = _decide_start(req.spec, {**joined, req.rank: mine}, world)
-            events.append(GenerationStarted(req.job, number, start))
+            if resumed is not None:
+                step, parent = resumed[1], resumed[2]
+            else:  # a fresh start: step 0 at epoch 0; a start at a later epoch without a checkpoint names none
+                step, parent = (0 if start.epoch == 0 else None), None
+            events.append(GenerationStarted(req.job, number, start, step, parent, sched))
         # NOTE: a mixture's amendments are settled in this one step (those the checkpoint carries,
         # loaded, held from the start); a repeated join above has nothing of them left to settle.
         return events + _amendments.settle_join(req, job, number, start)
@@ -154,7 +167,7 @@ class State:
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
                       checkpoint: tuple[int | None, Cursor | None, str] | None = None,
-                      lockstep: bool = True) -> tuple[Cursor | None, list[Event]]:
+                      lockstep: bool = True, items: int | None = None) -> tuple[Cursor | None, list[Event]]:
         """The checkpoint's cursor and the events of a rank's report: its progress (when it changed),
         a checkpoint (when new) and, for dynamic dealing without lockstep, the batches the rank
         committed (when more than before).
@@ -163,6 +176,7 @@ class State:
             checkpoint: (step, cursor, origin) of a checkpoint state the rank took, or None. For
                 a job with dynamic dealing the cursor is None: the coordinator computes it from
                 its deals (the epoch's ``Dealer``), `lockstep` choosing the checkpoint's meaning.
+            items: The checkpoint's items of its epoch (what the rank's ``len()`` counted), if named.
 
         Returns:
             The checkpoint's cursor (the one computed, for dynamic dealing; None without a
@@ -205,6 +219,8 @@ class State:
                 raise InvalidArgument("a reported checkpoint needs its cursor")
             if step is not None:
                 check_int("step", step, 0, MAX_COUNT, InvalidArgument)
+            if items is not None:
+                check_int("items", items, 0, MAX_COUNT, InvalidArgument)
             if not isinstance(origin, str) or len(origin) > 4 * MAX_NAME:
                 raise InvalidArgument(f"origin must be a string of at most {4 * MAX_NAME} characters (got {origin!r})")
             try:
@@ -220,7 +236,7 @@ class State:
                     "take the same number of batches before this checkpoint"
                 )
             if not same:
-                events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms))
+                events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms, items))
             return cursor, events
         return None, events
 
@@ -358,20 +374,32 @@ class State:
             job.deals = {}
             job.held, job.loaded = (), None
         elif isinstance(ev, RankJoined):
-            self._generation(ev.job, ev.generation).add(ev.rank, ev.resume, ev.epoch)
+            gen = self._generation(ev.job, ev.generation)
+            gen.add(ev.rank, ev.resume, ev.epoch)
+            if ev.resume is not None and gen.resumed is None:
+                gen.resumed = (ev.rank, ev.step, ev.parent)
+            if gen.schedule is None:
+                gen.schedule = (ev.rank, ev.schedule)
         elif isinstance(ev, GenerationStarted):
-            self._generation(ev.job, ev.generation).start = ev.start
+            gen = self._generation(ev.job, ev.generation)
+            gen.start = ev.start
+            schedule = Schedule() if ev.schedule is None else Schedule.from_list(ev.schedule)
+            self.jobs[ev.job].ledger.append(Segment(gen.number, gen.incarnation, gen.world, ev.start, ev.step, ev.parent,
+                                                    schedule))
         elif isinstance(ev, ProgressReported):
             self._generation(ev.job, ev.generation)
             self.jobs[ev.job].progress[ev.rank] = (ev.epoch, ev.batches, ev.at_ms)
+            self._segment(ev.job, ev.generation).report(ev.epoch, ev.batches)
         elif isinstance(ev, CheckpointRecorded):
             self._generation(ev.job, ev.generation)
             job = self.jobs[ev.job]
             job.checkpoints = _record(job.checkpoints, CheckpointRecord(
-                ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms, job.held))
+                ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms, job.held, ev.items))
+            self._segment(ev.job, ev.generation).checkpoint(ev.step)
         elif isinstance(ev, BatchesDealt):
             self._generation(ev.job, ev.generation)
             dealt(self.jobs[ev.job].deals, ev.epoch, ev.rank, ev.first, ev.count)
+            self._segment(ev.job, ev.generation).deal(ev.epoch, ev.rank, ev.first, ev.count)
         elif isinstance(ev, AmendmentRecorded):
             self.jobs[ev.job].amendments.append(Amendment(ev.kind, ev.values))
         elif isinstance(ev, AmendmentsLoaded):
@@ -380,11 +408,21 @@ class State:
         elif isinstance(ev, GenerationAmended):
             self._generation(ev.job, ev.generation)
             self.jobs[ev.job].held = ev.amendments
+            self._segment(ev.job, ev.generation).amendments = ev.amendments
         elif isinstance(ev, BatchesCommitted):
             self._generation(ev.job, ev.generation)
             self.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals()).commit(ev.rank, ev.batches)
         else:  # pragma: no cover - the Event union is closed
             raise TypeError(f"not an event: {ev!r}")
+
+    def _segment(self, job: str, number: int) -> Segment:
+        """The ledger's segment of generation `number` (which started), or a detached one for a generation
+        the ledger does not hold (a snapshot written before the ledger existed): it is not kept."""
+        ledger = self.jobs[job].ledger
+        if ledger and ledger[-1].generation == number:
+            return ledger[-1]
+        gen = self._generation(job, number)
+        return Segment(number, gen.incarnation, gen.world, gen.start or Cursor(0, ()), None, None)
 
     def _generation(self, job: str, number: int) -> Generation:
         gen = self.jobs[job].generation
@@ -482,6 +520,29 @@ def _decide_start(spec: Spec, joined: Mapping[int, tuple[Cursor | None, int | No
             return bind(spec, c, world)
     epochs = [e for _, e in joined.values() if e is not None]
     return bind(spec, fresh(spec, epochs[0] if epochs else 0), world)
+
+
+def _check_steps(req: JoinRequest, number: int, resumed: tuple[int, int | None, int | None] | None,
+                 schedule: tuple[int, tuple[int, ...] | None] | None, sched: tuple[int, ...] | None) -> None:
+    """Refuses a join whose checkpoint's step or step schedule contradicts a rank already joined."""
+    where = f"generation {number} of job {req.job!r}"
+    if req.resume is not None and resumed is not None and (req.resume_step, req.resume_generation) != resumed[1:]:
+        raise FailedPrecondition(
+            f"rank {req.rank} resumes {where} from a checkpoint of step {req.resume_step} taken by generation "
+            f"{req.resume_generation}, but rank {resumed[0]} from one of step {resumed[1]} taken by generation "
+            f"{resumed[2]}: every rank must load the same checkpoint")
+    if schedule is not None and schedule[1] != sched:
+        raise FailedPrecondition(
+            f"rank {req.rank} joins {where} with the step schedule {_show_schedule(sched)}, but rank {schedule[0]} "
+            f"with {_show_schedule(schedule[1])}: every rank must count steps alike")
+    try:
+        req.schedule.check(req.spec, req.world)
+    except FailedPrecondition as e:
+        raise FailedPrecondition(f"rank {req.rank} joins {where} of {req.world} ranks: {e}") from None
+
+
+def _show_schedule(s: tuple[int, ...] | None) -> str:
+    return "(one micro-batch per step)" if s is None else f"global_batch={s[0]}, rampup={s[1:] if s[1] else None}"
 
 
 def _record(records: list[CheckpointRecord], new: CheckpointRecord) -> list[CheckpointRecord]:

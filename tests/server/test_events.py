@@ -57,20 +57,24 @@ GOLDEN: list[tuple[Event, dict[str, Any]]] = [
     (JobRegistered("j", SPEC), {"type": "JobRegistered", **HEAD, "job": "j", "spec": SPEC.to_dict()}),
     (GenerationOpened("j", 1, 2, "tok"),
      {"type": "GenerationOpened", **HEAD, "job": "j", "generation": 1, "world": 2, "token": "tok"}),
-    (RankJoined("j", 1, 0, CURSOR, 2),
-     {"type": "RankJoined", **HEAD, "job": "j", "generation": 1, "rank": 0, "resume": C, "epoch": 2}),
+    (RankJoined("j", 1, 0, CURSOR, 2, 40, 1, (64, 16, 16, 100)),
+     {"type": "RankJoined", **HEAD, "job": "j", "generation": 1, "rank": 0, "resume": C, "epoch": 2, "step": 40,
+      "parent": 1, "schedule": [64, 16, 16, 100]}),
     (RankJoined("j", 1, 1, None, None),
-     {"type": "RankJoined", **HEAD, "job": "j", "generation": 1, "rank": 1, "resume": None, "epoch": None}),
-    (GenerationStarted("j", 1, CURSOR), {"type": "GenerationStarted", **HEAD, "job": "j", "generation": 1, "start": C}),
+     {"type": "RankJoined", **HEAD, "job": "j", "generation": 1, "rank": 1, "resume": None, "epoch": None,
+      "step": None, "parent": None, "schedule": None}),
+    (GenerationStarted("j", 1, CURSOR, 40, 1, (64, 0, 0, 0)),
+     {"type": "GenerationStarted", **HEAD, "job": "j", "generation": 1, "start": C, "step": 40, "parent": 1,
+      "schedule": [64, 0, 0, 0]}),
     (ProgressReported("j", 1, 0, 2, 3, 1700),
      {"type": "ProgressReported", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "batches": 3,
       "at_ms": 1700}),
-    (CheckpointRecorded("j", 1, 1, 40, CURSOR, "rank 1", 1800),
+    (CheckpointRecorded("j", 1, 1, 40, CURSOR, "rank 1", 1800, 12),
      {"type": "CheckpointRecorded", **HEAD, "job": "j", "generation": 1, "rank": 1, "step": 40, "cursor": C,
-      "origin": "rank 1", "at_ms": 1800}),
+      "origin": "rank 1", "at_ms": 1800, "items": 12}),
     (CheckpointRecorded("j", 1, 1, None, CURSOR, "", 1800),
      {"type": "CheckpointRecorded", **HEAD, "job": "j", "generation": 1, "rank": 1, "step": None, "cursor": C,
-      "origin": "", "at_ms": 1800}),
+      "origin": "", "at_ms": 1800, "items": None}),
     (BatchesDealt("j", 1, 0, 2, 6, 3),
      {"type": "BatchesDealt", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "first": 6, "count": 3}),
     (BatchesCommitted("j", 1, 0, 2, 5),
@@ -122,6 +126,7 @@ _VALUES = {
     "Cursor": _CURSORS,
     "Cursor | None": st.none() | _CURSORS,
     "tuple[int, ...]": st.lists(_INTS, max_size=6).map(tuple),
+    "tuple[int, ...] | None": st.none() | st.lists(_INTS, max_size=6).map(tuple),
     "tuple[Amendment, ...]": st.lists(st.builds(Amendment, st.sampled_from(["weights", "grow", "skip"]),
                                                 st.lists(_INTS, max_size=4).map(tuple), st.none() | _INTS),
                                       max_size=3).map(tuple),
@@ -213,7 +218,7 @@ def test_the_schema_of_this_release_passes_its_check() -> None:
         (_replaced("BatchesDealt", fields=(*next(r for r in SCHEMA if r.tag == "BatchesDealt").fields, ("why", STR))),
          r"BatchesDealt .* \(not in the event: \['why'\]\)"),
         (_replaced("RankJoined", fields=(("job", STR), ("generation", INT), ("rank", INT), ("resume", OPT_CURSOR),
-                                         ("epoch", INT))),
+                                         ("epoch", INT), *next(r for r in SCHEMA if r.tag == "RankJoined").fields[5:])),
          r"writes RankJoined.epoch as int, but the field is int \| None"),
         (_replaced("RankJoined", tag="JobRegistered"), r"the tags \['JobRegistered'\] twice"),
         (tuple(row for row in SCHEMA if row.type is not BatchesCommitted), r"no row: \['BatchesCommitted'\]"),
@@ -223,3 +228,16 @@ def test_the_schema_of_this_release_passes_its_check() -> None:
 def test_a_schema_that_drifts_from_its_events_is_refused(schema: tuple[EventSchema, ...], why: str) -> None:
     with pytest.raises(TypeError, match=why):
         check_schema(schema)
+
+
+@pytest.mark.parametrize(("record", "ev"), [
+    ({"type": "RankJoined", "job": "j", "generation": 1, "rank": 0, "resume": C, "epoch": 2},
+     RankJoined("j", 1, 0, CURSOR, 2, None, None, None)),
+    ({"type": "GenerationStarted", "job": "j", "generation": 1, "start": C}, GenerationStarted("j", 1, CURSOR)),
+    ({"type": "CheckpointRecorded", "job": "j", "generation": 1, "rank": 1, "step": 40, "cursor": C, "origin": "o",
+      "at_ms": 1800}, CheckpointRecorded("j", 1, 1, 40, CURSOR, "o", 1800, None)),
+], ids=lambda x: x["type"] if isinstance(x, dict) else "")
+def test_a_version_5_record_reads_without_the_ledger_fields(record: dict[str, Any], ev: Event) -> None:
+    assert decode_event({**record, "version": 5, "order": ORDER_VERSION}) == ev
+    with pytest.raises(FormatError, match="missing"):  # the current version must have them
+        decode_event({**record, "version": FORMAT_VERSION, "order": ORDER_VERSION})

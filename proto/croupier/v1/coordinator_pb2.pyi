@@ -236,6 +236,9 @@ class JoinRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
     AMENDMENTS_FIELD_NUMBER: _builtins.int
+    RESUME_STEP_FIELD_NUMBER: _builtins.int
+    RESUME_GENERATION_FIELD_NUMBER: _builtins.int
+    SCHEDULE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Names this call; a retry carries the same id."""
     job: _builtins.str
@@ -249,6 +252,10 @@ class JoinRequest(_message.Message):
     """The epoch given to set_epoch before the first batch, if any."""
     wait_ms: _builtins.int
     """How long to wait for the other ranks before answering with started = false."""
+    resume_step: _builtins.int
+    """The trainer's step at the checkpoint state this rank loaded (its `step`), if it named one."""
+    resume_generation: _builtins.int
+    """The generation that took that checkpoint state, if it names one."""
     @_builtins.property
     def spec(self) -> Global___Spec: ...
     @_builtins.property
@@ -259,6 +266,12 @@ class JoinRequest(_message.Message):
     def amendments(self) -> _containers.RepeatedCompositeFieldContainer[Global___Amendment]:
         """The amendments the checkpoint state this rank loaded carries (a job whose store was lost
         takes them back from it).
+        """
+
+    @_builtins.property
+    def schedule(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The trainer's step schedule: [global batch, ramp-up start, increment, steps]; empty or all
+        zero: one micro-batch of every rank per step.
         """
 
     def __init__(
@@ -274,19 +287,30 @@ class JoinRequest(_message.Message):
         epoch: _builtins.int | None = ...,
         wait_ms: _builtins.int = ...,
         amendments: _abc.Iterable[Global___Amendment] | None = ...,
+        resume_step: _builtins.int | None = ...,
+        resume_generation: _builtins.int | None = ...,
+        schedule: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "epoch", b"epoch", "resume", b"resume", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "_resume_generation", b"_resume_generation", "_resume_step", b"_resume_step", "epoch", b"epoch", "resume", b"resume", "resume_generation", b"resume_generation", "resume_step", b"resume_step", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "amendments", b"amendments", "epoch", b"epoch", "incarnation", b"incarnation", "job", b"job", "rank", b"rank", "request_id", b"request_id", "resume", b"resume", "spec", b"spec", "wait_ms", b"wait_ms", "world", b"world"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_epoch", b"_epoch", "_resume", b"_resume", "_resume_generation", b"_resume_generation", "_resume_step", b"_resume_step", "amendments", b"amendments", "epoch", b"epoch", "incarnation", b"incarnation", "job", b"job", "rank", b"rank", "request_id", b"request_id", "resume", b"resume", "resume_generation", b"resume_generation", "resume_step", b"resume_step", "schedule", b"schedule", "spec", b"spec", "wait_ms", b"wait_ms", "world", b"world"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__epoch: _TypeAlias = _typing.Literal["epoch"]  # noqa: Y015
     _WhichOneofArgType__epoch: _TypeAlias = _typing.Literal["_epoch", b"_epoch"]  # noqa: Y015
     _WhichOneofReturnType__resume: _TypeAlias = _typing.Literal["resume"]  # noqa: Y015
     _WhichOneofArgType__resume: _TypeAlias = _typing.Literal["_resume", b"_resume"]  # noqa: Y015
+    _WhichOneofReturnType__resume_generation: _TypeAlias = _typing.Literal["resume_generation"]  # noqa: Y015
+    _WhichOneofArgType__resume_generation: _TypeAlias = _typing.Literal["_resume_generation", b"_resume_generation"]  # noqa: Y015
+    _WhichOneofReturnType__resume_step: _TypeAlias = _typing.Literal["resume_step"]  # noqa: Y015
+    _WhichOneofArgType__resume_step: _TypeAlias = _typing.Literal["_resume_step", b"_resume_step"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__epoch) -> _WhichOneofReturnType__epoch | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__resume) -> _WhichOneofReturnType__resume | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__resume_generation) -> _WhichOneofReturnType__resume_generation | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__resume_step) -> _WhichOneofReturnType__resume_step | None: ...
 
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
 
@@ -667,8 +691,11 @@ class Checkpoint(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
     ORIGIN_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     origin: _builtins.str
+    items: _builtins.int
+    """The items of the cursor's epoch the checkpointing rank had taken, as its len() counts them."""
     @_builtins.property
     def cursor(self) -> Global___Cursor: ...
     def __init__(
@@ -677,13 +704,19 @@ class Checkpoint(_message.Message):
         step: _builtins.int | None = ...,
         cursor: Global___Cursor | None = ...,
         origin: _builtins.str = ...,
+        items: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "cursor", b"cursor", "step", b"step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_items", b"_items", "_step", b"_step", "cursor", b"cursor", "items", b"items", "step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_step", b"_step", "cursor", b"cursor", "origin", b"origin", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_items", b"_items", "_step", b"_step", "cursor", b"cursor", "items", b"items", "origin", b"origin", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__items: _TypeAlias = _typing.Literal["items"]  # noqa: Y015
+    _WhichOneofArgType__items: _TypeAlias = _typing.Literal["_items", b"_items"]  # noqa: Y015
     _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
     _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__items) -> _WhichOneofReturnType__items | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
 
 Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
@@ -949,3 +982,50 @@ class AmendResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AmendResponse: _TypeAlias = AmendResponse  # noqa: Y015
+
+@_typing.final
+class GetLedgerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLedgerRequest: _TypeAlias = GetLedgerRequest  # noqa: Y015
+
+@_typing.final
+class GetLedgerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    segments: _builtins.bytes
+    """The segments, oldest first, msgpack-encoded as the coordinator's snapshot writes them
+    (croupier.server._ledger): the same codec on disk and on the wire.
+    """
+    @_builtins.property
+    def spec(self) -> Global___Spec:
+        """The job's spec as registered (without amendments)."""
+
+    def __init__(
+        self,
+        *,
+        spec: Global___Spec | None = ...,
+        segments: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segments", b"segments", "spec", b"spec"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLedgerResponse: _TypeAlias = GetLedgerResponse  # noqa: Y015

@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.AmendRequest.SerializeToString,
                 response_deserializer=croupier_dot_v1_dot_coordinator__pb2.AmendResponse.FromString,
                 _registered_method=True)
+        self.GetLedger = channel.unary_unary(
+                '/croupier.v1.Coordinator/GetLedger',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -147,6 +152,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLedger(self, request, context):
+        """A job's history as the step ledger reads it (read-only): one segment per generation that
+        started, with its world, resume point, the step it resumed at and the generation that took
+        that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
+        client answers step and sample questions from it (croupier.core.ledger).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +204,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Amend,
                     request_deserializer=croupier_dot_v1_dot_coordinator__pb2.AmendRequest.FromString,
                     response_serializer=croupier_dot_v1_dot_coordinator__pb2.AmendResponse.SerializeToString,
+            ),
+            'GetLedger': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLedger,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +427,33 @@ class Coordinator:
             '/croupier.v1.Coordinator/Amend',
             croupier_dot_v1_dot_coordinator__pb2.AmendRequest.SerializeToString,
             croupier_dot_v1_dot_coordinator__pb2.AmendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/GetLedger',
+            croupier_dot_v1_dot_coordinator__pb2.GetLedgerRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.GetLedgerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,12 @@ class CoordinatorStub:
     takes effect when the job's next generation starts, from the first stream position that
     generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
     """
+    GetLedger: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetLedgerRequest, _coordinator_pb2.GetLedgerResponse]
+    """A job's history as the step ledger reads it (read-only): one segment per generation that
+    started, with its world, resume point, the step it resumed at and the generation that took
+    that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
+    client answers step and sample questions from it (croupier.core.ledger).
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -107,6 +113,12 @@ class CoordinatorAsyncStub(CoordinatorStub):
     """Records a change of a running mixture (new weights, a source grown, samples skipped): it
     takes effect when the job's next generation starts, from the first stream position that
     generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
+    """
+    GetLedger: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetLedgerRequest, _coordinator_pb2.GetLedgerResponse]  # type: ignore[assignment]
+    """A job's history as the step ledger reads it (read-only): one segment per generation that
+    started, with its world, resume point, the step it resumed at and the generation that took
+    that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
+    client answers step and sample questions from it (croupier.core.ledger).
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -190,6 +202,18 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Records a change of a running mixture (new weights, a source grown, samples skipped): it
         takes effect when the job's next generation starts, from the first stream position that
         generation deals. Refused (FAILED_PRECONDITION) for a job that deals no mixture.
+        """
+
+    @_abc_1.abstractmethod
+    def GetLedger(
+        self,
+        request: _coordinator_pb2.GetLedgerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetLedgerResponse, _abc.Awaitable[_coordinator_pb2.GetLedgerResponse]]:
+        """A job's history as the step ledger reads it (read-only): one segment per generation that
+        started, with its world, resume point, the step it resumed at and the generation that took
+        that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
+        client answers step and sample questions from it (croupier.core.ledger).
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
