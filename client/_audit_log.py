@@ -3,7 +3,8 @@
 Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/INCARNATION-rRANK.audit``:
 
 * ``start``: the generation (number, world, its incarnation under the key ``token``), the spec's n / tail / partition, the wall
-  clock, and the ``origin`` of the checkpoint state it resumed from (None: a fresh start); for
+  clock, the ``origin`` of the checkpoint state it resumed from (its name; None: a fresh start)
+  and ``resumed``, where that state was taken (:func:`resumed_record`; None: a fresh start); for
   a mixture, its ``mixture`` (:func:`mixture_record`);
 * ``batch``: epoch, ``at`` (how many items of the epoch this rank had received before this
   chunk, counted from the epoch's start as ``len()`` counts them), and the chunk's indices
@@ -11,7 +12,11 @@ Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/INCARNATIO
 * ``end``: the rank's last item of the epoch was handed out;
 * ``cut``: the loop moved on to the next epoch (``set_epoch``) after ``items`` items of this one:
   the rest of the epoch is not trained;
-* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (incarnation/epoch/items), epoch, items.
+* ``ckpt``: a checkpoint state the sampler made: its ``origin`` (its name), epoch, items and the
+  trainer's ``step`` (None: not named).
+
+Logs written before ``resumed`` existed name the checkpoint only by its origin, which
+``croupier audit`` reads for them alone.
 
 ``croupier audit`` (:mod:`croupier.tools.audit`) reads them back.
 """
@@ -28,7 +33,23 @@ import numpy as np
 
 if TYPE_CHECKING:
     from croupier.core.amend import Amendment
+    from croupier.core.checkpoint import Taken
     from croupier.core.spec import Spec
+
+
+def resumed_record(taken: Taken, resumed: tuple[int, int | None] | None) -> dict[str, Any] | None:
+    """The start record's ``resumed``: the checkpoint state a generation resumed from, as fields.
+
+    ``incarnation`` and ``generation`` name who took it (None where the state does not: a state
+    of an earlier format, or one a coordinator's record gave back, which names the generation
+    alone), ``epoch`` and ``items`` how far the checkpointing rank had got (items None: not named),
+    ``step`` the trainer's step. None for a fresh start (no state loaded).
+    """
+    if resumed is None:
+        return None
+    epoch, items = resumed
+    return {"incarnation": taken.incarnation, "generation": taken.generation, "epoch": epoch, "items": items,
+            "step": taken.step}
 
 
 def mixture_record(spec: Spec, amendments: tuple[Amendment, ...]) -> dict[str, Any]:
@@ -60,8 +81,8 @@ class AuditLog:
     def batch(self, epoch: int, at: int, indices: np.ndarray) -> None:
         self.write(t="batch", epoch=epoch, at=at, idx=np.ascontiguousarray(indices, dtype="<i8").tobytes())
 
-    def ckpt(self, origin: str, epoch: int, items: int) -> None:
-        self.write(t="ckpt", origin=origin, epoch=epoch, items=items)
+    def ckpt(self, origin: str, epoch: int, items: int, step: int | None = None) -> None:
+        self.write(t="ckpt", origin=origin, epoch=epoch, items=items, step=step)
 
     def close(self) -> None:
         self._f.close()

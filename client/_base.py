@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import Sampler
 
 from croupier.client._amender import Amender, Amending
-from croupier.client._audit_log import AuditLog, mixture_record
+from croupier.client._audit_log import AuditLog, mixture_record, resumed_record
 from croupier.client._checkpointer import Checkpointer, Checkpointing, Session
 from croupier.client._epoch import EpochProgress
 from croupier.client._guard import check_callers
@@ -26,9 +26,11 @@ from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, is_fresh
 from croupier.core.errors import Aborted, NotFound
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import PlanKind, kind_of, plan_epoch
+from croupier.core.schedule import Schedule
 from croupier.core.spec import Spec
 
 log = logging.getLogger("croupier")
+_ONE_BATCH = Schedule()  # the default step schedule: one batch of every rank per step
 
 
 class _Base(Checkpointing, Amending, Sampler[Any]):
@@ -51,8 +53,9 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
                  job: str | None, incarnation: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, schedule: Schedule = _ONE_BATCH) -> None:
         self.spec = spec
+        self._schedule = schedule  # the trainer's step schedule, sent with the join
         self._kind: PlanKind = kind_of(spec)
         self._empty = empty  # N = 0: nothing to deal, no coordinator needed
         self._world = World(num_replicas, rank, _data_parallel_group(process_group, device_mesh, mesh_dim))
@@ -142,8 +145,12 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._world.check_still()
         client, incarnation = self._link.open(self.job, num_replicas)
         track(self)
-        p = self._progress
-        req = JoinRequest(self.job, self.spec, incarnation, num_replicas, rank, p.resume, p.hint, self._amendments)
+        p, taken = self._progress, self._checkpointer.taken
+        # the step and generation of the checkpoint loaded go with its resume point (a state loaded and
+        # cut by set_epoch before the join resumes at the next epoch's start, at the same step)
+        step, parent = (taken.step, taken.generation) if p.resume is not None else (None, None)
+        req = JoinRequest(self.job, self.spec, incarnation, num_replicas, rank, p.resume, p.hint, self._amendments,
+                          step, parent, self._schedule)
         try:
             r = client.join_started(req, timeout=self._join_timeout)
         except Aborted as e:
@@ -165,7 +172,8 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
             self._audit.start(job=self.job, token=incarnation, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
                               unit=self._unit if self._kind.fixed_batches else 0, origin=self._checkpointer.origin,
-                              epoch=r.start.epoch, dealing=self.spec.dealing, **mixture_record(self.spec, self._amendments))
+                              resumed=resumed_record(taken, self._checkpointer.resumed), epoch=r.start.epoch,
+                              dealing=self.spec.dealing, **mixture_record(self.spec, self._amendments))
             if p.cut_on_join is not None:
                 self._audit.write(t="cut", epoch=p.cut_on_join[0], items=p.cut_on_join[1])
 
@@ -214,9 +222,9 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
     def _taken_before(self, start: Cursor) -> int:
         """Items of `start`'s epoch taken before `start`, as the checkpointing rank counted them.
 
-        NOTE: the state's origin names that count, so that ``len()`` after a resume is what the
+        NOTE: the state's items name that count, so that ``len()`` after a resume is what the
         trainer's own restored batch counter expects, whatever the world was. A rank that loaded
-        no state (one added by a scale-up), or a state without an origin, counts the positions
+        no state (one added by a scale-up), or a state without items, counts the positions
         already dealt in this world's items; for a resume at the same world size that is the
         same number.
         """

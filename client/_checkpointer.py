@@ -11,7 +11,7 @@ from croupier.client._audit_log import AuditLog
 from croupier.client._epoch import EpochProgress
 from croupier.client._rpc import CoordinatorClient, Unreachable
 from croupier.core.amend import Amendment
-from croupier.core.checkpoint import amendments_of, from_state, items_of, spec_of, state_of_record, to_state
+from croupier.core.checkpoint import Taken, amendments_of, from_state, items_of, spec_of, state_of_record, taken_of, to_state
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, epoch_agrees, fresh, show
 from croupier.core.errors import CroupierError, NotFound
@@ -100,7 +100,10 @@ class Checkpointer:
         lockstep: With a coordinator that deals, every rank steps with this one (its count is theirs).
 
     Attributes:
-        origin: The origin of the state loaded (where it was made), for the audit log.
+        origin: The origin of the state loaded (its name), for the audit log.
+        taken: Where the state loaded was taken (the trainer's step, the generation and its incarnation,
+            as far as it names them): the join sends them, the audit log names them.
+        resumed: ``(epoch, items)`` of the state loaded (None: none was loaded, or an empty one).
         read_ahead: A known wrapper that reads the sampler ahead of the loop, if any (``consumed=`` needed).
     """
 
@@ -108,6 +111,8 @@ class Checkpointer:
         self._s = sampler
         self._empty, self._unit, self._deals, self._lockstep = empty, unit, coordinator_deals, lockstep
         self.origin: str | None = None
+        self.taken = Taken()
+        self.resumed: tuple[int, int | None] | None = None
         self.read_ahead: str | None = None
 
     def state_dict(self, consumed: int | None = None, *, step: int | None = None) -> dict[str, Any]:
@@ -125,10 +130,13 @@ class Checkpointer:
             )
         if at is None:
             # NOTE: the items key is there before the first batch too: a loader that fills a new
-            # sampler's state template (DCP) then carries the saved count.
+            # sampler's state template (DCP) then carries the saved count. Nothing was trained since
+            # the state loaded, so this is that state, taken where it was (at another step: not by
+            # the generation that took the state loaded).
             items = p.resume_items if p.resume is not None else 0
+            where = self.taken if step is None or step == self.taken.step else Taken(step)
             return to_state(s.job, s.spec, p.resume or fresh(s.spec, p.hint or 0), items, self.origin or None,
-                            s._amendments)
+                            s._amendments, where)
         # NOTE: an independent worker's (lockstep=False) state is the union of every worker's
         # commits, which only the coordinator knows: its epoch being over for this worker says
         # nothing of the others' batches in flight.
@@ -158,16 +166,18 @@ class Checkpointer:
 
     def _stamp(self, at: Session, cursor: Cursor, epoch: int, items: int, step: int | None,
                progress: tuple[int, int] | None) -> dict[str, Any]:
-        """The state of `cursor`, named after where this incarnation made it; logs it for the
-        audit and records it at the coordinator (with how far the loop got, `progress`)."""
+        """The state of `cursor`, named after where this incarnation made it, with the trainer's `step`
+        and this generation; logs it for the audit and records it at the coordinator with its items
+        (and how far the loop got, `progress`)."""
         s = self._s
-        state = to_state(s.job, s.spec, cursor, items, f"{at.incarnation}/{epoch}/{items}", s._amendments)
+        state = to_state(s.job, s.spec, cursor, items, f"{at.incarnation}/{epoch}/{items}", s._amendments,
+                         Taken(step, at.generation, at.incarnation))
         if at.audit is not None:
-            at.audit.ckpt(state["origin"], epoch, items)
+            at.audit.ckpt(state["origin"], epoch, items, step)
         if at.client is not None and not at.client.closed:
             try:
                 at.client.report(s.job, at.generation, s.rank, progress or (s._progress.epoch, 0),
-                                 (step, cursor, state["origin"]), timeout=_REPORT_TIMEOUT_S)
+                                 (step, cursor, state["origin"]), timeout=_REPORT_TIMEOUT_S, items=items)
             except (CroupierError, Unreachable) as e:
                 log.warning("croupier: rank %d of job %r could not record its checkpoint%s at the coordinator (%s); "
                             "the state dict alone resumes it", s.rank, s.job,
@@ -184,6 +194,10 @@ class Checkpointer:
         rank that ran out while the others step on (DDP's ``Join``), pass ``consumed=`` the
         loop's step in the epoch. ``lockstep=False``: this rank's own progress and the other
         ranks' last commits.
+
+        NOTE: the report names no items: the coordinator computes the cursor, which may be the next
+        epoch's start, so the rank cannot say which epoch its count is of before the answer (a
+        dealt plan counts a rank's items from its generation's start and reads none on resume).
         """
         s = self._s
         epoch = s._progress.epoch
@@ -205,9 +219,9 @@ class Checkpointer:
         assert cursor is not None
         same = cursor.epoch == epoch
         state = to_state(s.job, s.spec, cursor, items if same else 0, origin if same else f"{at.incarnation}/{cursor.epoch}/0",
-                         s._amendments)
+                         s._amendments, Taken(step, at.generation, at.incarnation))
         if at.audit is not None:
-            at.audit.ckpt(state["origin"], epoch, items)
+            at.audit.ckpt(state["origin"], epoch, items, step)
         return state
 
     def resume(self, step: int | None, what: str) -> bool:
@@ -229,7 +243,7 @@ class Checkpointer:
                     f"{e}. A relaunch finds its job's records under the same job name: pass job= or set CROUPIER_JOB "
                     f"(this sampler's job is {s.job!r})"
                 ) from None
-        self.load(state_of_record(s.job, spec, record.cursor, record.origin, record.amendments))
+        self.load(state_of_record(s.job, spec, record))
         return True
 
     def load(self, state_dict: dict[str, Any], job_named: bool = True) -> None:
@@ -253,8 +267,11 @@ class Checkpointer:
                 f"set_epoch({hint}) was called before load_state_dict, but the checkpoint state resumes "
                 f"{show(resume)}: call set_epoch with the checkpoint's epoch, or after load_state_dict"
             )
-        s._loaded(job, spec, amendments, s._progress.load(resume, items_of(state_dict, resume)))
+        items = items_of(state_dict, resume)
+        s._loaded(job, spec, amendments, s._progress.load(resume, items))
         self.origin = state_dict.get("origin") if resume is not None else None
+        self.taken = taken_of(state_dict) if resume is not None else Taken()
+        self.resumed = (resume.epoch, items) if resume is not None else None
 
     def _unjoined(self, what: str) -> None:
         at = self._s._session()
@@ -292,6 +309,9 @@ class Checkpointing:
             step: The trainer's global step at this checkpoint (the number of optimizer steps
                 taken since the job's start, as the HF Trainer's ``global_step``, Lightning's
                 ``global_step`` or torchtitan's ``step`` count it), naming the coordinator's record.
+                The state carries it, with the generation that took it (a state that names either
+                is format 5): a job resumed from it counts its steps on from there, and the
+                coordinator's step ledger (``CoordinatorClient.ledger``) places every step after it.
         """
         return self._checkpointer.state_dict(consumed, step=step)
 

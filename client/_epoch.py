@@ -64,7 +64,7 @@ class EpochProgress:
         chunk_len: The items `chunk` holds.
         hint: The epoch ``set_epoch`` named before the join, if any.
         resume: The cursor loaded from a checkpoint state, until the join.
-        resume_items: Items of the resumed epoch taken before that checkpoint (its origin's count).
+        resume_items: Items of the resumed epoch taken before that checkpoint (the state's items).
         cut_on_join: ``(epoch, items)`` of a resumed epoch that ``set_epoch`` cut before the join.
     """
 

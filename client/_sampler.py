@@ -15,7 +15,7 @@ from croupier.client._base import _Base
 from croupier.client._link import given_incarnation
 from croupier.client._rpc import Security
 from croupier.client._sample import tagged
-from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields
+from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields, step_schedule
 from croupier.core.checks import check_bool
 from croupier.core.registry import kind_for
 from croupier.core.spec import TOKEN_WINDOW
@@ -110,6 +110,15 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             its source, source epoch and per-sample seed (for augmentations that must be the
             same after any resume, on any world size and with any ``num_workers``).
         token: The old name of `incarnation` (deprecated: warns; giving both is a ``TypeError``).
+        global_batch: The trainer's global batch: samples per optimizer step over every rank
+            (``croupier.core.schedule``), for the coordinator's step ledger (which samples each
+            step trained). A step takes ``global_batch / (batch_size x world)`` batches of every
+            rank (gradient accumulation); this sampler's batch is one index, so give the samples
+            a step takes (the loader's batch size x world x accumulation). Default: one batch of
+            every rank per step. Every rank gives the same; it may change with a restart.
+        rampup: ``(start, increment, steps)``: the global batch starts at ``start`` samples and
+            grows by ``increment`` every ``steps`` steps up to `global_batch` (Megatron's
+            ``rampup_batch_size``, counted in steps). Needs `global_batch`.
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -130,7 +139,8 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
-                 max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None) -> None:
+                 max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None,
+                 global_batch: int | None = None, rampup: Sequence[int] | None = None) -> None:
         n = _dataset_size(dataset)
         _check_sampler_args(kind_for(dealing), drop_last, tail, lockstep, batches=False)
         self._tag = check_bool("tag", tag)
@@ -143,8 +153,8 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             lease_ahead = kind_for(dealing).lease_indices
         self._lockstep = bool(lockstep)
         super().__init__(spec, n == 0, num_replicas, rank, address, job, given_incarnation(incarnation, token),
-                         lease_ahead, prefetch, audit_dir,
-                         process_group, device_mesh, mesh_dim, join_timeout, security)
+                         lease_ahead, prefetch, audit_dir, process_group, device_mesh, mesh_dim, join_timeout, security,
+                         step_schedule(spec, global_batch, rampup))
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.dataset = dataset  # type: ignore[assignment]  # torch's attribute; an int N is allowed here
 
@@ -222,6 +232,9 @@ class DistributedBatchSampler(_Base, BatchSampler):
         token_window: Positions of the epoch's order one packing window holds (default 4,096).
         lease_ahead: Batches per lease (``len()``'s unit here). Default: 256 (16 with
             `max_tokens`, 2 with ``dealing="dynamic"``).
+        global_batch: The trainer's global batch: samples per optimizer step over every rank, a
+            multiple of ``batch_size x world`` (the quotient is the gradient accumulation: batches
+            of every rank per step). Default: one batch of every rank per step. Not with `max_tokens`.
 
     The other arguments are :class:`DistributedSampler`'s; ``lengths`` with
     ``permutation="bucket"``, ``buffer_size`` and ``pack_size`` gives d9d's length bucketing.
@@ -242,7 +255,8 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  security: Security | None = None, max_tokens: int | None = None, cost: str = "sum",
                  token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
-                 max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None) -> None:
+                 max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None,
+                 global_batch: int | None = None, rampup: Sequence[int] | None = None) -> None:
         n = _dataset_size(dataset)
         self._tag = check_bool("tag", tag)
         if batch_size is None and max_tokens is None:
@@ -262,8 +276,8 @@ class DistributedBatchSampler(_Base, BatchSampler):
         self._lockstep = bool(lockstep)
         self._unit = batch_size or 1
         super().__init__(spec, n == 0, num_replicas, rank, address, job, given_incarnation(incarnation, token),
-                         lease_ahead, prefetch, audit_dir,
-                         process_group, device_mesh, mesh_dim, join_timeout, security)
+                         lease_ahead, prefetch, audit_dir, process_group, device_mesh, mesh_dim, join_timeout, security,
+                         step_schedule(spec, global_batch, rampup))
         # torch's attributes; batch_size is None for token-budget batches, whose sizes vary
         self.batch_size = batch_size  # type: ignore[assignment]
         self.drop_last = drop_last

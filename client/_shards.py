@@ -15,6 +15,7 @@ from croupier.core.checks import check_bool, check_int
 from croupier.core.cursor import bind, epoch_agrees, fresh, show
 from croupier.core.mixture import parts_of
 from croupier.core.registry import PlanKind, kind_for, plan_epoch
+from croupier.core.schedule import Schedule
 from croupier.core.spec import MAX_N, TOKEN_WINDOW, Spec
 
 
@@ -170,6 +171,36 @@ def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None,
         else:
             out.append([b.tolist() for b in np.split(idx, np.cumsum(sizes)[:-1])] if sizes else [])
     return out
+
+
+def step_schedule(spec: Spec, global_batch: int | None, rampup: Sequence[int] | None) -> Schedule:
+    """The trainer's step schedule from the samplers' ``global_batch=`` and ``rampup=``.
+
+    Raises:
+        TypeError: `global_batch` is not an int, or `rampup` not three ints.
+        ValueError: a value out of range (named); a global batch (or a ramp's level) that is not a
+            whole number of this sampler's batches; `global_batch` with token-budget batches.
+    """
+    if global_batch is None:
+        if rampup is not None:
+            raise ValueError(f"rampup={rampup!r} needs global_batch= (the global batch it ramps up to)")
+        return Schedule()
+    g = check_int("global_batch", global_batch, 1, 2**62)
+    ramp = None
+    if rampup is not None:
+        if isinstance(rampup, (str, bytes)) or not isinstance(rampup, Sequence) or len(rampup) != 3:
+            raise TypeError(f"rampup must be (start, increment, steps) (got rampup={rampup!r})")
+        ramp = (check_int("rampup start", rampup[0], 1, 2**62), check_int("rampup increment", rampup[1], 1, 2**62),
+                check_int("rampup steps", rampup[2], 1, 2**62))
+    if spec.max_tokens is not None:
+        raise ValueError(f"global_batch={g}: token-budget batches have no fixed size, so a step is one batch of every "
+                         "rank (leave global_batch and rampup unset)")
+    schedule = Schedule(g, ramp)  # InvalidArgument (a ValueError) for a ramp that does not reach global_batch
+    for first, _, level in schedule.levels():
+        if level % spec.batch_size:
+            raise ValueError(f"a global batch of {level} samples (from step {first}) is not a whole number of batches "
+                             f"of batch_size={spec.batch_size}: a step takes whole batches of every rank")
+    return schedule
 
 
 def _no_effect(what: str, why: str) -> None:

@@ -326,7 +326,7 @@ def test_a_checkpoint_record_carries_the_amendments_its_generation_dealt_with() 
     assert record.amendments == (Amendment("skip", (0, 24), 20),)
     assert State.restore(st.snapshot()).checkpoint("j", 7) == record
     # Resumed from that record (resume_from_step), positions before 60 keep the skip at 20.
-    state = state_of_record("j", MIX, record.cursor, record.origin, record.amendments)
+    state = state_of_record("j", MIX, record)
     _started(resume=record.cursor, incarnation="t3", state=st, amendments=amendments_of(state))
     assert st.jobs["j"].held == (Amendment("skip", (0, 24), 20),)
 
