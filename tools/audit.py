@@ -4,8 +4,9 @@ The log's records are described in :mod:`croupier.client` (``_audit_log``): ``st
 ``end``, ``cut`` and ``ckpt``.
 
 The audit follows the chain backwards from the last incarnation to start: each resumed from a
-checkpoint that an earlier one made, so what counts of that earlier one is what it received up to
-that checkpoint. Everything it received after was lost with the restart (G1's rule). It then
+checkpoint that an earlier one made (its start record's ``resumed`` names it: the incarnation or
+generation that made it, its epoch and items), so what counts of that earlier one is what it
+received up to that checkpoint. Everything it received after was lost with the restart (G1's rule). It then
 prints, per epoch, the indices expected, trained, duplicated and missing, and whether G1 holds.
 """
 
@@ -48,6 +49,7 @@ class Incarnation:
     cuts: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> items taken when the trainer moved on
     dealing: str = "static"
     mixture: dict[str, Any] | None = None  # a mixture's sources, weights, caps, seed and shuffle
+    resumed: dict[str, Any] | None = None  # the start record's checkpoint resumed from, as fields (None: none named)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,7 @@ def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
             jobs[s["job"]][s["token"]] = inc
         inc.ts = min(inc.ts, s["ts"])
         inc.origin = inc.origin or s.get("origin")
+        inc.resumed = inc.resumed or s.get("resumed")
         rank = _Rank(s, [])
         for r in recs[1:]:
             if r["t"] == "batch":
@@ -144,19 +147,15 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
 
 def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     """Follows the checkpoint chain of one job and judges every epoch it covers."""
-    by_name = {i.name: i for i in incs}
     chain: list[tuple[Incarnation, int | None, int | None]] = []  # (incarnation, cut epoch, cut items)
-    cur, cut_epoch, cut_items = incs[-1], None, None
-    while True:
+    cur: Incarnation | None = incs[-1]
+    cut_epoch: int | None = None
+    cut_items: int | None = None
+    while cur is not None:
+        if any(cur is c for c, _, _ in chain):
+            raise ValueError(f"job {job!r}: the checkpoints' chain comes back to incarnation {cur.name}")
         chain.append((cur, cut_epoch, cut_items))
-        if not cur.origin:
-            break
-        incarnation, at_epoch, at_items = cur.origin.rsplit("/", 2)
-        prev = by_name.get(incarnation)
-        if prev is None:
-            raise ValueError(f"job {job!r}: incarnation {cur.name} resumed from checkpoint {cur.origin}, "
-                             f"made by an incarnation with no audit log")
-        cur, cut_epoch, cut_items = prev, int(at_epoch), int(at_items)
+        cur, cut_epoch, cut_items = _resumed_from(job, cur, incs)
     chain.reverse()
     in_chain = {inc.name for inc, _, _ in chain}
     # NOTE: an incarnation that made checkpoints before the chain began, when no later one
@@ -233,6 +232,50 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             f"UNVERIFIED: {len(orphans)} earlier incarnation(s) trained, but the chain starts afresh at "
             f"{chain[0][0].name}: a restart that did not load the sampler's checkpoint state?"))
     return reports
+
+
+def _resumed_from(job: str, inc: Incarnation,
+                  incs: list[Incarnation]) -> tuple[Incarnation | None, int | None, int | None]:
+    """The incarnation that made the checkpoint `inc` resumed from, with that checkpoint's epoch and
+    items; (None, None, None) for a fresh start.
+
+    The start record's ``resumed`` names it by its incarnation, or by its generation alone (a state a
+    coordinator's record gave back): then it is the latest incarnation of that generation before `inc`.
+
+    Raises:
+        ValueError: the checkpoint was made by an incarnation that left no audit log here.
+    """
+    r = inc.resumed or {}
+    if r.get("items") is not None and (r.get("incarnation") is not None or r.get("generation") is not None):
+        epoch, items = int(r["epoch"]), int(r["items"])
+        if r.get("incarnation") is not None:
+            made = f"incarnation {r['incarnation']}"
+            prev = next((i for i in incs if i.name == r["incarnation"]), None)
+        else:
+            made = f"generation {r['generation']}"
+            prev = next((i for i in reversed(incs) if i.generation == r["generation"] and i.ts < inc.ts), None)
+    elif inc.origin:  # a log written before the fields, or a state of an earlier format loaded
+        name, epoch, items = _legacy_origin(inc.origin)
+        made, prev = f"incarnation {name}", next((i for i in incs if i.name == name), None)
+    else:
+        return None, None, None
+    if prev is None:
+        raise ValueError(f"job {job!r}: incarnation {inc.name} resumed from a checkpoint at epoch {epoch}, item {items} "
+                         f"({inc.origin or 'no origin'}), made by {made}, which has no audit log")
+    return prev, epoch, items
+
+
+def _legacy_origin(origin: str) -> tuple[str, int, int]:
+    """(incarnation, epoch, items) an origin ``incarnation/epoch/items`` names.
+
+    NOTE: legacy only. Audit logs written before the start record named its checkpoint as fields
+    (``resumed``), and states of formats before 5, which name who made them only in their origin.
+    """
+    parts = origin.rsplit("/", 2)
+    try:
+        return parts[0], int(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        raise ValueError(f"the checkpoint's origin {origin!r} is not incarnation/epoch/items") from None
 
 
 def _amendments(mixture: dict[str, Any]) -> tuple[Any, ...]:

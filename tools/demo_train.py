@@ -119,7 +119,9 @@ def main() -> None:
     else:
         if cfg.get("mixture"):  # croupier chaos --mixture: the n samples as three sources (mixture_of)
             extra.update(cfg["mixture"])
-        sampler = DistributedSampler(data, shuffle=True, seed=1234, **extra)
+        # a step is one loader batch of every rank: the coordinator's step ledger counts it so (the
+        # index sampler's batch is one index)
+        sampler = DistributedSampler(data, shuffle=True, seed=1234, global_batch=cfg["batch_size"] * world, **extra)
         loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -135,7 +137,8 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])  # topology-free: any world size resumes from it
-        start_epoch, step = state["epoch"], state["step"]
+        # the sampler's state names the trainer's step it was taken at (saved with step=)
+        start_epoch, step = state["epoch"], state["sampler"].get("step", state["step"])
 
     status = work / "status"
     status.mkdir(exist_ok=True)
@@ -167,8 +170,12 @@ def main() -> None:
                                                        "restart": restart, "node": node})
                 if step % cfg["ckpt_every"] == 0:
                     # Every rank's sampler state is the same (lockstep); rank 0 saves it with the model.
+                    # NOTE: with dynamic dealing the ranks save one after the other (no barrier), each
+                    # credited by the coordinator with what it was dealt by then: the same step could
+                    # name two cursors, which the coordinator refuses; those states name no step.
+                    named = step if batching != "dynamic" else None
                     state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                             "sampler": sampler.state_dict(), "epoch": epoch, "step": step}
+                             "sampler": sampler.state_dict(step=named), "epoch": epoch, "step": step}
                     if rank == 0:
                         if history is not None:
                             history.mkdir(exist_ok=True)
