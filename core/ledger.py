@@ -297,8 +297,17 @@ class Ledger:
         return out
 
     def _parent(self, seg: Segment) -> Segment | None:
+        """The segment that took the checkpoint `seg` resumed from, when this history holds it.
+
+        NOTE: a generation number alone does not name it: a coordinator that lost its store numbers
+        its generations from 1 again, while a checkpoint of the old store names the old number. A
+        parent is taken only if it is older, began before the step and recorded a checkpoint at it.
+        """
         if seg.parent is not None:
-            return self._by_gen.get(seg.parent)
+            p = self._by_gen.get(seg.parent)
+            ok = (p is not None and p.generation < seg.generation and p.step is not None and seg.step is not None
+                  and p.step <= seg.step and (seg.step in p.checkpoints or seg.step == p.step))
+            return p if ok else None
         # A checkpoint that named its step but not its generation (a state of an older release): the
         # latest earlier segment that had begun by then made it.
         assert seg.step is not None
