@@ -27,7 +27,7 @@ from croupier.core.api import (
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
-from croupier.core.ledger import pack
+from croupier.core.ledger import Ledger, pack, unpack
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
@@ -197,6 +197,16 @@ class Coordinator:
             self._state.current(job)
             j = self._state.jobs[job]
             return j.spec, pack(j.ledger)
+
+    def step_ledger(self, job: str) -> Ledger:
+        """The job's step ledger (``croupier.core.ledger.Ledger``) as it stands now; NotFound for an unknown job.
+
+        NOTE: the segments are copied (packed) under the lock and the ledger is built outside it: a
+        question asked of it (the status page's timeline, a step's samples) computes without
+        holding the coordinator's other calls.
+        """
+        spec, blob = self.ledger(job)
+        return Ledger(job, spec, unpack(blob))
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest

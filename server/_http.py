@@ -1,9 +1,7 @@
-"""The read-only HTTP endpoint next to the gRPC port: ``/metrics``, the status page, ``/api/jobs``, ``/healthz``."""
+"""The read-only HTTP endpoint next to the gRPC port: ``/metrics``, the status page and its JSON, ``/healthz``."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import logging
 import socket
@@ -15,25 +13,35 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from croupier.core import api
+from croupier.core.errors import CroupierError
+from croupier.core.ledger import Ledger
+from croupier.server._ledger_view import STEP_SAMPLES, ledger_json, mix, step_json
+from croupier.server._page import PAGE, PAGE_CSP
 from croupier.server._standing import JobView, view_json
 
 log = logging.getLogger("croupier.server")
 
 #: A page of jobs: (after, limit) -> (the page's jobs, how many jobs there are).
 Views = Callable[[str, int], tuple[list[JobView], int]]
+#: A job's step ledger as it stands now (raises the coordinator's errors: NotFound for an unknown job).
+Ledgers = Callable[[str], Ledger]
 
 #: Jobs one ``/api/jobs`` answer names unless asked (``?limit=``), and at most.
 PAGE_JOBS, MAX_PAGE_JOBS = 50, 10_000
 #: The Prometheus text format.
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXT = "text/plain; charset=utf-8"
+#: The HTTP status of each domain error a ledger question may raise (anything else: 500).
+ERROR_STATUS = {"INVALID_ARGUMENT": HTTPStatus.BAD_REQUEST, "OUT_OF_RANGE": HTTPStatus.BAD_REQUEST,
+                "NOT_FOUND": HTTPStatus.NOT_FOUND, "FAILED_PRECONDITION": HTTPStatus.CONFLICT,
+                "UNAVAILABLE": HTTPStatus.SERVICE_UNAVAILABLE}
 
 
 class Endpoint:
     """An HTTP server in a daemon thread that only reads: every answer is computed from the callables it is given."""
 
     def __init__(self, host: str, port: int, metrics: Callable[[], bytes], views: Views,
-                 failed: Callable[[], str | None]) -> None:
+                 failed: Callable[[], str | None], ledgers: Ledgers) -> None:
         """Binds `host`:`port` (0: a free port) and serves until :meth:`stop`.
 
         Args:
@@ -43,6 +51,7 @@ class Endpoint:
             views: A page of jobs, summarised, from the name after which it starts and its length, and
                 how many jobs there are (``/api/jobs`` and the status page).
             failed: Why the coordinator stopped acknowledging, or None (``/healthz``).
+            ledgers: A job's step ledger (``/api/ledger``, ``/api/mix``, ``/api/step``: the status page's timeline).
 
         Raises:
             OSError: If the address cannot be bound; the message names it.
@@ -50,7 +59,7 @@ class Endpoint:
         host = host.strip("[]")
         cls = _Server6 if ":" in host else _Server
         try:
-            self._httpd = cls((host, port), _handler(metrics, views, failed))
+            self._httpd = cls((host, port), _handler(metrics, views, failed, ledgers))
         except OSError as e:
             raise OSError(e.errno, f"could not bind the metrics endpoint {host}:{port}: {e.strerror}") from None
         self.host, self.port = host, int(self._httpd.server_address[1])
@@ -78,8 +87,12 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _handler(metrics: Callable[[], bytes], views: Views,
-             failed: Callable[[], str | None]) -> type[BaseHTTPRequestHandler]:
+def _handler(metrics: Callable[[], bytes], views: Views, failed: Callable[[], str | None],
+             ledgers: Ledgers) -> type[BaseHTTPRequestHandler]:
+    # NOTE: one ledger question at a time: a realized mix computes up to MIX_WINDOWS x MIX_STEPS steps, and
+    # a burst of them (a page open in many tabs) must not take every core from the coordinator's calls.
+    asking = threading.Lock()
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "croupier"
 
@@ -114,6 +127,13 @@ def _handler(metrics: Callable[[], bytes], views: Views,
                     if page and len(page) == limit:
                         body["next_after"] = page[-1].name
                 self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
+            elif path == "/api/ledger":
+                self._ledger(query, ledger_json)
+            elif path == "/api/mix":
+                self._ledger(query, mix)
+            elif path == "/api/step":
+                step, samples = query.get("step", [None])[-1], query.get("samples", [str(STEP_SAMPLES)])[-1]
+                self._ledger(query, lambda led: step_json(led, step, samples))
             elif path == "/healthz":
                 why = failed()
                 if why is None:
@@ -121,7 +141,24 @@ def _handler(metrics: Callable[[], bytes], views: Views,
                 else:
                     self._send(HTTPStatus.SERVICE_UNAVAILABLE, TEXT, f"failed: {why}\n".encode())
             else:
-                self._send(HTTPStatus.NOT_FOUND, TEXT, b"not found: try /, /metrics, /api/jobs, /healthz\n")
+                self._send(HTTPStatus.NOT_FOUND, TEXT, b"not found: try /, /metrics, /api/jobs, /api/ledger?job=, "
+                           b"/api/mix?job=, /api/step?job=&step=, /healthz\n")
+
+        def _ledger(self, query: dict[str, list[str]], answer: Callable[[Ledger], dict[str, Any] | None]) -> None:
+            """``answer`` of the step ledger of the job named by ``?job=``, as JSON; a domain error as its
+            status (:data:`ERROR_STATUS`) with its message."""
+            job = query.get("job", [""])[-1]
+            if not job:
+                self._send(HTTPStatus.BAD_REQUEST, TEXT, f"job= is missing: {self.path.partition('?')[0]}?job=NAME\n".encode())
+                return
+            try:
+                with asking:
+                    body = answer(ledgers(job))
+            except CroupierError as e:
+                status = ERROR_STATUS.get(e.code, HTTPStatus.INTERNAL_SERVER_ERROR)
+                self._send(status, TEXT, f"{e}\n".encode())
+                return
+            self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
 
         def _send(self, status: HTTPStatus, kind: str, body: bytes, headers: dict[str, str] | None = None) -> None:
             self.send_response(status)
@@ -151,134 +188,3 @@ def _page(query: dict[str, list[str]]) -> tuple[str, int]:
     if not 1 <= limit <= MAX_PAGE_JOBS:
         raise ValueError(f"limit must be an int in [1, {MAX_PAGE_JOBS}] (got limit={raw!r})")
     return after, limit
-
-
-_SCRIPT = r"""
-"use strict";
-// Built with DOM calls and textContent only: job names are user input and never parsed as HTML.
-function el(tag, attrs, ...kids) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
-  for (const k of kids) e.append(k instanceof Node ? k : document.createTextNode(String(k)));
-  return e;
-}
-function pct(x) { return (100 * x).toFixed(1) + "%"; }
-function bar(x) {
-  const fill = el("div", {class: "fill"});
-  fill.style.width = pct(Math.max(0, Math.min(1, x)));
-  return el("div", {class: "bar"}, fill, el("span", {class: "pct"}, pct(x)));
-}
-function ago(s) {
-  if (s === null || s === undefined) return "-";
-  if (s < 1) return "just now";
-  if (s < 120) return Math.round(s) + " s ago";
-  if (s < 7200) return Math.round(s / 60) + " min ago";
-  return Math.round(s / 3600) + " h ago";
-}
-function render(data) {
-  const jobs = document.getElementById("jobs"), ranks = document.getElementById("ranks");
-  const note = document.getElementById("note");
-  note.textContent = data.coordinator_failed ? "The coordinator failed: " + data.coordinator_failed : "";
-  jobs.replaceChildren();
-  ranks.replaceChildren();
-  if (!data.jobs.length) jobs.append(el("tr", {}, el("td", {colspan: "7", class: "empty"}, "no jobs yet")));
-  for (const j of data.jobs) {
-    const epoch = j.started ? (j.epoch === null ? "-" : j.epoch) : "waiting for " + j.waiting_for + " of " + j.world;
-    const slow = j.slowest === null ? "-"
-      : j.slowest.lag === 0 ? "in step" : "rank " + j.slowest.rank + ", " + j.slowest.lag + " behind";
-    jobs.append(el("tr", {class: "job"}, el("td", {class: "name"}, j.name), el("td", {}, j.generation), el("td", {}, j.world),
-                   el("td", {}, epoch), el("td", {class: "progress"}, bar(j.progress)), el("td", {class: "slowest"}, slow),
-                   el("td", {}, ago(j.last_activity_age_s))));
-    const body = el("tbody", {});
-    for (const r of j.ranks) {
-      body.append(el("tr", {class: "rank", "data-rank": r.rank}, el("td", {}, r.rank), el("td", {}, r.epoch),
-                     el("td", {class: "batches"}, r.batches + " / " + r.batches_in_epoch),
-                     el("td", {class: "progress"}, bar(r.progress)), el("td", {class: "lag"}, r.lag),
-                     el("td", {}, ago(r.report_age_s))));
-    }
-    if (!j.ranks.length) body.append(el("tr", {}, el("td", {colspan: "6", class: "empty"}, "no rank has reported yet")));
-    const shown = j.ranks.length < j.reported ? " (the " + j.ranks.length + " slowest shown)" : "";
-    ranks.append(el("section", {class: "ranks"},
-      el("h2", {}, el("span", {class: "name"}, j.name), " \u00b7 generation " + j.generation + " \u00b7 " + j.reported +
-         " of " + j.world + " ranks reported" + shown),
-      el("table", {}, el("thead", {}, el("tr", {}, ...["rank", "epoch", "batches", "progress", "batches behind", "last report"]
-                                                          .map(h => el("th", {}, h)))), body)));
-  }
-}
-// The page of jobs shown: the name it starts after ("" for the first), as /api/jobs takes it.
-let after = "";
-function pages(data) {
-  const nav = document.getElementById("pages");
-  nav.replaceChildren();
-  if (data.total <= data.jobs.length && !after) return;
-  nav.append(el("span", {}, data.jobs.length + " of " + data.total + " jobs "));
-  if (after) {
-    const b = el("button", {type: "button", id: "first"}, "first page");
-    b.addEventListener("click", () => { after = ""; refresh(false); });
-    nav.append(b);
-  }
-  if (data.next_after !== null) {
-    const b = el("button", {type: "button", id: "next"}, "next page");
-    b.addEventListener("click", () => { after = data.next_after; refresh(false); });
-    nav.append(b);
-  }
-}
-async function refresh(again = true) {
-  const status = document.getElementById("updated");
-  try {
-    const r = await fetch("api/jobs?after=" + encodeURIComponent(after), {cache: "no-store"});
-    const data = await r.json();
-    render(data);
-    pages(data);
-    status.textContent = "updated " + new Date().toLocaleTimeString() + " \u00b7 refreshes every 2 s";
-  } catch (e) {
-    status.textContent = "cannot reach the coordinator (" + e + "); retrying";
-  }
-  if (again) setTimeout(refresh, 2000);
-}
-refresh();
-"""
-
-PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>croupier coordinator</title>
-<style>
-  body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2330; background: #f7f8fa; }
-  h1 { font-size: 20px; margin: 0 0 4px; }
-  h2 { font-size: 15px; margin: 24px 0 8px; }
-  #updated { color: #667; margin-bottom: 16px; }
-  #note { color: #b00020; font-weight: 600; }
-  table { border-collapse: collapse; width: 100%; background: #fff; box-shadow: 0 1px 2px #0002; }
-  th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #e4e6eb; white-space: nowrap; }
-  th { background: #eef0f4; font-weight: 600; }
-  td.progress { width: 40%; }
-  .bar { position: relative; height: 16px; background: #e4e6eb; border-radius: 3px; overflow: hidden; }
-  .fill { height: 100%; background: #3d7be0; }
-  .pct { position: absolute; top: 0; left: 6px; font-size: 12px; line-height: 16px; }
-  .empty { color: #667; font-style: italic; }
-  .name { font-family: ui-monospace, monospace; white-space: pre-wrap; word-break: break-all; }
-</style>
-</head>
-<body>
-<h1>croupier coordinator</h1>
-<div id="updated">loading&hellip;</div>
-<div id="note"></div>
-<noscript>This page needs JavaScript; the same data is at <a href="api/jobs">api/jobs</a>.</noscript>
-<table>
-<thead><tr><th>job</th><th>generation</th><th>world</th><th>epoch</th><th>progress</th><th>slowest rank</th>
-<th>last activity</th></tr></thead>
-<tbody id="jobs"></tbody>
-</table>
-<div id="pages"></div>
-<div id="ranks"></div>
-<script>""" + _SCRIPT + """</script>
-</body>
-</html>
-"""
-
-#: Only the page's own inline script may run, and it may only fetch from this endpoint.
-PAGE_CSP = ("default-src 'none'; style-src 'unsafe-inline'; connect-src 'self'; "
-            f"script-src 'sha256-{base64.b64encode(hashlib.sha256(_SCRIPT.encode()).digest()).decode()}'")

@@ -65,14 +65,16 @@ class Metrics:
         core.on_commit = self.on_commit
 
     def start(self) -> None:
-        """Serves ``/metrics``, the status page, ``/api/jobs`` and ``/healthz`` (see ``croupier.server._http``).
+        """Serves ``/metrics``, the status page and its JSON (``/api/jobs``, ``/api/ledger``, ``/api/mix``, ``/api/step``) and
+        ``/healthz`` (see ``croupier.server._http``).
 
         Raises:
             OSError: If the endpoint's address cannot be bound.
         """
         if self._endpoint is None:
             self._endpoint = Endpoint(self.host, self.port, lambda: generate_latest(self.registry),
-                                      lambda after, limit: job_page(self.core, after, limit), lambda: self.core.failed)
+                                      lambda after, limit: job_page(self.core, after, limit), lambda: self.core.failed,
+                                      self.core.step_ledger)
 
     def stop(self) -> None:
         """Stops the HTTP endpoint (the metrics themselves stay readable)."""
