@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from _ledger_run import JOB, SPEC, generation, run
 
+from croupier.core.api import JoinRequest
 from croupier.core.cursor import fresh
 from croupier.core.errors import InvalidArgument
 from croupier.core.ledger import Ledger, fresh_segment
@@ -187,6 +188,7 @@ def test_the_endpoints_answer_a_bad_question_with_its_status_and_message(server:
     run(server.core)
     # a job whose history starts at a checkpoint of step 5 (a coordinator rebuilt from checkpoints)
     generation(server.core, "late", 1, 2, (fresh(SPEC, 0), 5, None, ()), job="late")  # type: ignore[arg-type]
+    server.core.join(JoinRequest("waiting", SPEC, "a", 2, 0))  # one rank of two: no generation started
     before = server.core.snapshot_state()
     base = f"http://{server.metrics_address}"
     cases = [
@@ -201,10 +203,14 @@ def test_the_endpoints_answer_a_bad_question_with_its_status_and_message(server:
         (f"/api/step?job={JOB}&step=41", 400, f"step 41 is past the run: job {JOB!r} has trained 40 steps"),
         (f"/api/step?job={JOB}&step=3&samples=0", 400, "samples must be an int in [1, 1000] (got samples='0')"),
         ("/api/step?job=late&step=3", 409, "the history before step 6 is missing"),
+        ("/api/step?job=waiting&step=1", 409, "job 'waiting' has no generation that started: no step was trained yet"),
         ("/api/step?job=" + "x" * 5000 + "&step=1", 400, "job name"),
     ]
     for path, status, message in cases:
         got_status, got_body = _get(base + path)
         assert (got_status, message in got_body) == (status, True), (path, got_status, got_body)
     assert server.core.snapshot_state() == before  # a question changes nothing
+    status, body = _get(f"{base}/api/ledger?job=waiting")
+    assert status == 200 and (json.loads(body)["segments"], json.loads(body)["last_step"]) == ([], 0)
+    assert json.loads(_get(f"{base}/api/mix?job=waiting")[1])["series"] == []
     assert _get(f"{base}/api/step?job=late&step=7")[0] == 200
