@@ -33,7 +33,6 @@ import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from croupier.core.amend import Amendment
@@ -161,12 +160,16 @@ def _str(what: str, v: Any) -> str:
 
 def pack(segments: Sequence[Segment]) -> bytes:
     """Segments as GetLedger sends them: msgpack of :meth:`Segment.to_dict`'s maps."""
+    import msgpack  # NOTE: not at the top: the pure core imports no codec (tests/project/test_layout.py)
+
     out: bytes = msgpack.packb([s.to_dict() for s in segments], use_bin_type=True)
     return out
 
 
 def unpack(blob: bytes) -> list[Segment]:
     """Inverse of :func:`pack`. Raises ValueError for bytes it would not have written."""
+    import msgpack
+
     try:
         raw = msgpack.unpackb(blob, raw=False, strict_map_key=False)
     except (ValueError, msgpack.ExtraData) as exc:

@@ -22,11 +22,15 @@ from croupier.server._store import Recovered
 
 def _decisions(server: Server) -> Any:
     """The coordinator's state without the live ranks' progress and deals, which their prefetch
-    threads report and ask for in the background (so they may change while a zombie is refused)."""
+    threads report and ask for in the background (so they may change while a zombie is refused),
+    and without the ledger's record of them (each segment's reports and deals)."""
     state = msgpack.unpackb(server.core.snapshot_state())
     for job in state["jobs"]:
         job.pop("progress", None)
         job.pop("deals", None)
+        for seg in job.get("ledger", []):
+            seg.pop("reached", None)
+            seg.pop("deals", None)
     return state
 
 JOB = "job"
