@@ -16,6 +16,7 @@ from croupier.core.checks import check_int
 from croupier.core.order import fixed_plan, fresh
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
 from croupier.server import ServerOptions, StoreError
+from croupier.tools.provenance import SHOWN
 from croupier.tools.status import DEFAULT_WATCH_S, watch_seconds
 
 
@@ -102,12 +103,21 @@ def _amend_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.amend import main as amend
 
     if args.kind == "skip":
-        return amend(args.address, args.job, "skip", args.indices)
+        if not args.indices and args.from_file is None:
+            raise ValueError("croupier skip needs the indices to skip: INDEX ... or --from FILE")
+        return amend(args.address, args.job, "skip", args.indices, from_file=args.from_file)
     if (args.weights is None) == (args.grow is None):
         raise ValueError("croupier amend takes one change: --weights W,W,... or --grow SOURCE SIZE")
     if args.weights is not None:
         return amend(args.address, args.job, "weights", [args.weights])
     return amend(args.address, args.job, "grow", args.grow)
+
+
+def _provenance_cmd(args: argparse.Namespace) -> int:
+    from croupier.tools.provenance import main as provenance
+
+    return provenance(args.address, args.job, step=args.step, steps=args.steps, index=args.index, source=args.source,
+                      as_json=args.json, full=args.full, export_to=args.export)
 
 
 def _health_cmd(args: argparse.Namespace) -> int:
@@ -247,6 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--after", default="", metavar="NAME", help="the table of every job starts after this job")
     t.set_defaults(func=_status_cmd)
 
+    v = sub.add_parser("provenance", help="what a job's training steps trained (kept and abandoned versions), where a "
+                                          "sample was trained, or the run as an order file (docs/provenance.md)")
+    v.add_argument("job", metavar="JOB")
+    v.add_argument("--step", type=int, metavar="T", help="the samples of step T (steps count from 1)")
+    v.add_argument("--steps", metavar="A:B", help="the samples of steps A to B, both included (A: to the last step)")
+    v.add_argument("--index", type=int, metavar="I", help="every (epoch, step, rank, generation) that trained index I")
+    v.add_argument("--source", type=int, metavar="S", help="with --index: I is numbered within source S of a mixture")
+    v.add_argument("--json", action="store_true", help="print the answer as JSON (what `croupier skip --from` reads)")
+    v.add_argument("--full", action="store_true",
+                   help=f"print every sample of a step (default: the first {SHOWN} of each version)")
+    v.add_argument("--export", metavar="FILE.npy",
+                   help="write the kept timeline's steps as an OLMo-style global_indices.npy (batch N = step N + 1); "
+                        "a run whose global batch is constant only")
+    v.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
+    v.set_defaults(func=_provenance_cmd)
+
     m = sub.add_parser("amend", help="record a change of a running mixture: new weights, or a source grown; it holds "
                                      "from the job's next generation (docs/mixtures.md)")
     m.add_argument("job", metavar="JOB")
@@ -258,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("skip", help="take samples out of a running mixture for good (found corrupt): never dealt again "
                                     "from the job's next generation on, counted by the audit as skipped")
     k.add_argument("job", metavar="JOB")
-    k.add_argument("indices", nargs="+", metavar="INDEX", help="dataset indices, as the sampler hands them out")
+    k.add_argument("indices", nargs="*", metavar="INDEX", help="dataset indices, as the sampler hands them out")
+    k.add_argument("--from", dest="from_file", metavar="FILE",
+                   help="skip every sample of the kept versions of `croupier provenance --step/--steps --json`'s "
+                        "output saved in FILE, or the indices of a JSON list in FILE (docs/provenance.md)")
     k.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     k.set_defaults(func=_amend_cmd, kind="skip")
 

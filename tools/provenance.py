@@ -1,0 +1,346 @@
+"""`croupier provenance`: what a job's training steps trained, where a sample was trained, and the run as an order file.
+
+The coordinator sends the job's step ledger (a few bytes per generation, ``GetLedger``); every
+question is answered here by :class:`croupier.core.ledger.Ledger`. The formatting is pure (a ledger's
+answers in, lines out); :func:`ledger` is the only part that calls the coordinator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any, TextIO, overload
+
+import numpy as np
+
+from croupier.core import settings
+from croupier.core.errors import CroupierError, InvalidArgument, NotFound, Unavailable
+from croupier.core.ledger import Ledger, Occurrence, StepRecord, Version
+from croupier.tools.status import table
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+#: How long the command retries a coordinator that does not answer, and how long one call may take.
+RETRY_FOR_S = 3.0
+CALL_TIMEOUT_S = 30.0
+#: Samples a version shows without ``--full`` (a step of 1,024 ranks holds thousands).
+SHOWN = 16
+#: Steps an export asks the ledger for before it writes them out.
+EXPORT_CHUNK = 256
+
+
+class Refused(Exception):
+    """The run cannot answer as asked (an export of a run whose steps differ in size); the message says why."""
+
+
+# --------------------------------------------------------------------------- asking
+
+
+def ledger(address: str | None, job: str) -> Ledger:
+    """The job's step ledger, fetched once from its coordinator.
+
+    Args:
+        address: HOST:PORT of the coordinator; None for ``CROUPIER_ADDRESS``, else 127.0.0.1:50051.
+        job: The job's name.
+
+    Raises:
+        NotFound: no such job (the message names the jobs the coordinator holds).
+        Unavailable: the coordinator did not answer within a few seconds.
+    """
+    from croupier.client import CoordinatorClient
+
+    address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
+    with CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S) as client:
+        try:
+            return client.ledger(job)
+        except NotFound:
+            known = client.jobs()
+            raise NotFound(f"no job {job!r} at {address} (jobs: {', '.join(known) or 'none'})") from None
+
+
+@overload
+def provenance(address: str | None, job: str, *, step: int) -> StepRecord: ...
+@overload
+def provenance(address: str | None, job: str, *, steps: tuple[int, int]) -> list[StepRecord]: ...
+@overload
+def provenance(address: str | None, job: str, *, index: int, source: int | None = None) -> list[Occurrence]: ...
+
+
+def provenance(address: str | None, job: str, *, step: int | None = None, steps: tuple[int, int] | None = None,
+               index: int | None = None, source: int | None = None) -> StepRecord | list[StepRecord] | list[Occurrence]:
+    """What `croupier provenance` answers, for programs: one question of a job's step ledger.
+
+    Give one of `step`, `steps` or `index`. Steps count from 1, as the trainers log them (a
+    checkpoint saved after step s was given ``state_dict(step=s)``).
+
+    Args:
+        address: HOST:PORT of the coordinator; None for ``CROUPIER_ADDRESS``, else 127.0.0.1:50051.
+        job: The job's name.
+        step: The samples of step `step`: the version its timeline keeps and every abandoned one.
+        steps: ``(a, b)``: steps `a` to `b`, both included.
+        index: Every (epoch, step, rank, generation) at which dataset index `index` was trained.
+        source: With `index`: the index is numbered within this source of a mixture.
+
+    Returns:
+        A :class:`~croupier.core.ledger.StepRecord`, a list of them, or a list of
+        :class:`~croupier.core.ledger.Occurrence` (each has ``to_dict()`` for JSON).
+
+    Raises:
+        ValueError: not exactly one question, or `source` without `index`.
+        InvalidArgument: a step below 1, an empty range, an index or source out of the dataset.
+        OutOfRange: a step past the last the job trained.
+        FailedPrecondition: the history that would place a step is missing (the message says which part).
+        NotFound: no such job.
+    """
+    asked = [name for name, v in (("step", step), ("steps", steps), ("index", index)) if v is not None]
+    if len(asked) != 1:
+        raise ValueError(f"provenance asks one question: step=, steps= or index= (got {', '.join(asked) or 'none'})")
+    if source is not None and index is None:
+        raise ValueError(f"source={source} numbers an index within a source: it needs index=")
+    return answer(ledger(address, job), step=step, steps=steps, index=index, source=source)
+
+
+def answer(led: Ledger, *, step: int | None = None, steps: tuple[int, int] | None = None, index: int | None = None,
+           source: int | None = None) -> StepRecord | list[StepRecord] | list[Occurrence]:
+    """:func:`provenance`'s question asked of a ledger at hand."""
+    if step is not None:
+        return led.step(step)
+    if steps is not None:
+        return led.steps(*steps)
+    assert index is not None
+    return led.index(index, source)
+
+
+def step_range(text: str) -> tuple[int, int | None]:
+    """The argument of ``--steps``: ``A:B`` (both included), or ``A:`` for A to the last step.
+
+    Raises:
+        ValueError: not of that form (the message names the text).
+    """
+    a, sep, b = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(a), (int(b) if b.strip() else None)
+    except ValueError:
+        raise ValueError(f"--steps takes FIRST:LAST or FIRST: (steps count from 1; got {text!r})") from None
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _version_lines(v: Version, mixture: bool, full: bool) -> list[str]:
+    mark = "kept" if v.kept else "ABANDONED (a later generation resumed from a checkpoint before it)"
+    n = sum(b.indices.size for b in v.batches)
+    lines = [f"  generation {v.generation} ({v.incarnation}), world {v.world}, epoch {v.epoch}: {mark}; {n} samples"]
+    rows: list[list[str]] = []
+    for b in v.batches:
+        for k in range(b.indices.size):
+            if not full and len(rows) == SHOWN:
+                break
+            row = [str(b.rank), str(b.micro), str(int(b.indices[k]))]
+            if mixture:
+                row += [str(int(b.sources[k])), str(int(b.source_epochs[k]))]
+            rows.append([*row, str(int(b.seeds[k]))])
+    header = ["RANK", "MICRO", "INDEX", *(["SOURCE", "SOURCE EPOCH"] if mixture else []), "SEED"]
+    lines += [f"    {line}" for line in table(header, rows)]
+    if len(rows) < n:
+        lines.append(f"    ... {n - len(rows)} more samples (--full prints every one, --json all of it)")
+    return lines
+
+
+def step_lines(job: str, rec: StepRecord, mixture: bool, full: bool = False) -> list[str]:
+    """Step `rec.step` as text: each version (kept first) with its generation, world, epoch and samples.
+
+    Args:
+        mixture: Show each sample's source and source epoch (a job without a mixture has source 0
+            and its epochs).
+        full: Every sample; else the first :data:`SHOWN` of each version.
+    """
+    versions = ([rec.kept] if rec.kept is not None else []) + list(rec.abandoned)
+    lines = [f"job {job!r}, step {rec.step}: {len(versions)} version{'s' if len(versions) != 1 else ''}"
+             f"{'' if rec.kept is not None else ', none kept (every version was abandoned)'}"]
+    for v in versions:
+        lines += _version_lines(v, mixture, full)
+    return lines
+
+
+def index_lines(job: str, index: int, source: int | None, occurrences: Sequence[Occurrence]) -> list[str]:
+    """Every place sample `index` was trained, as a table (oldest epoch first)."""
+    what = f"index {index}" if source is None else f"sample {index} of source {source}"
+    kept = sum(o.kept for o in occurrences)
+    head = (f"job {job!r}, {what}: trained {len(occurrences)} times "
+            f"({kept} kept, {len(occurrences) - kept} abandoned)")
+    if not occurrences:
+        return [f"job {job!r}, {what}: never trained (as far as the ranks reported)"]
+    rows = [[str(o.epoch), str(o.step), str(o.rank), str(o.micro), str(o.generation), str(o.source),
+             str(o.source_epoch), "kept" if o.kept else "ABANDONED"] for o in occurrences]
+    return [head, *(f"  {line}" for line in
+                    table(["EPOCH", "STEP", "RANK", "MICRO", "GENERATION", "SOURCE", "SOURCE EPOCH", ""], rows))]
+
+
+def timeline_lines(led: Ledger) -> list[str]:
+    """The job's generations: the steps each trained, up to which the timeline keeps them, its world and batch."""
+    segs = led.timeline()
+    if not segs:
+        return [f"job {led.job!r}: no generation started yet"]
+    batch = led.constant_batch()
+    lines = [f"job {led.job!r}: {led.last_step} steps on its timeline"
+             + (f", {batch} samples each" if batch else ", of different sizes (a resize, a ramp-up or token budgets)")]
+    rows = []
+    for s in segs:
+        first = "?" if s["from_step"] is None else str(s["from_step"] + 1)
+        last = "?" if s["to_step"] is None else str(s["to_step"])
+        kept = "abandoned" if s["kept_to"] is None else f"to step {s['kept_to']}"
+        kinds = [a[0] for a in s["amendments"]]
+        amended = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "-"
+        rows.append([str(s["generation"]), s["incarnation"], str(s["world"]), str(s["epoch"]),
+                     f"{first}..{last}", kept, str(s["global_batch"] or "-"), amended])
+    return lines + [f"  {line}" for line in table(
+        ["GENERATION", "INCARNATION", "WORLD", "EPOCH", "STEPS", "KEPT", "GLOBAL BATCH", "AMENDMENTS"], rows)]
+
+
+# --------------------------------------------------------------------------- export
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """An order file written: `steps` batches of `batch` indices of `dtype`, batch N (from 0) being step N + 1."""
+
+    path: str
+    steps: int
+    batch: int
+    dtype: str
+
+
+def _why_not_constant(led: Ledger) -> str:
+    """Why the kept timeline's steps differ in size (for :class:`Refused`)."""
+    if led.spec.max_tokens is not None:
+        return "its batches are token budgets (max_tokens): a step holds as many samples as fit, so steps differ in size"
+    sizes = []
+    for s, seg in zip(led.timeline(), led.segments, strict=True):
+        if s["kept_to"] is None:
+            continue
+        if seg.schedule.rampup is not None:
+            start, inc, every = seg.schedule.rampup
+            return (f"generation {seg.generation} ramps its global batch up (from {start} by {inc} every {every} "
+                    f"steps to {seg.schedule.global_batch})")
+        sizes.append((seg.generation, seg.world, seg.schedule.global_batch or led.spec.batch_size * seg.world))
+    return "its global batch changed: " + ", ".join(f"generation {g} (world {w}) took {b} samples a step"
+                                                     for g, w, b in sizes)
+
+
+def export(led: Ledger, path: str | os.PathLike[str]) -> Exported:
+    """Writes the kept timeline's steps 1 .. last as an OLMo-style order file (``global_indices.npy``).
+
+    Entry ``N * B + k`` is sample k of step N + 1 (B samples a step, in rank then micro-batch order);
+    ``np.load(path, mmap_mode="r")`` reads it as OLMo's tools do. The indices are ``uint32`` when the
+    dataset's indices fit (OLMo's type), else ``uint64``. Written batch by batch through a memory map
+    (``numpy.lib.format.open_memmap``) into a temporary file beside `path`, renamed over it at the end:
+    a refusal half-way leaves no file.
+
+    Raises:
+        Refused: the run's global batch is not constant (a ramp-up, a resize that changed it, token
+            budgets), a step is short (an epoch's last) or none of its versions is kept, or it has no step.
+        FailedPrecondition: the history before some step is missing (the message says which).
+    """
+    batch = led.constant_batch()
+    if batch is None:
+        raise Refused(f"job {led.job!r} cannot be written as an order file of one global batch a step: "
+                      f"{_why_not_constant(led)}")
+    last = led.last_step
+    if last < 1:
+        raise Refused(f"job {led.job!r} has trained no step yet: there is nothing to write")
+    space = led.spec.space
+    dtype = np.dtype(np.uint32 if space <= 2**32 else np.uint64)
+    target = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(last * batch,))  # (steps * batch,)
+        for first in range(1, last + 1, EXPORT_CHUNK):
+            for rec in led.steps(first, min(last, first + EXPORT_CHUNK - 1)):
+                if rec.kept is None:
+                    raise Refused(f"step {rec.step} of job {led.job!r} has no kept version: every one was abandoned")
+                idx = rec.kept.indices
+                if idx.size != batch:
+                    raise Refused(f"step {rec.step} of job {led.job!r} trained {idx.size} samples, not {batch} (an "
+                                  "epoch's short last step): an order file needs every step full")
+                out[(rec.step - 1) * batch: rec.step * batch] = idx
+        out.flush()
+        del out
+        os.replace(tmp, target)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return Exported(str(target), last, batch, dtype.name)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def main(address: str | None, job: str, *, step: int | None = None, steps: str | None = None,
+         index: int | None = None, source: int | None = None, as_json: bool = False, full: bool = False,
+         export_to: str | None = None, out: TextIO | None = None) -> int:
+    """`croupier provenance`: prints the answer (text or JSON), or writes the order file.
+
+    Without a question it prints the job's timeline (its generations and the steps each trained).
+
+    Returns:
+        0; 2 for a bad argument (a step below 1, an empty range, an index out of the dataset, a
+        malformed ``--steps``, ``--source`` without ``--index``); 1 when the run cannot answer (a
+        step past it, an unknown job, missing history, an export refused, a coordinator that does
+        not answer). The message goes to stderr, never a traceback.
+    """
+    out = sys.stdout if out is None else out
+    address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
+    try:
+        asked = [a for a, v in (("--step", step), ("--steps", steps), ("--index", index), ("--export", export_to))
+                 if v is not None]
+        if len(asked) > 1:
+            raise ValueError(f"{' and '.join(asked)}: give one question at a time")
+        if source is not None and index is None:
+            raise ValueError(f"--source {source} numbers an index within a source: it needs --index")
+        span = step_range(steps) if steps is not None else None
+    except ValueError as e:
+        print(f"croupier provenance: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        led = ledger(address, job)
+        doc: Any
+        if export_to is not None:
+            done = export(led, export_to)
+            out.write(f"job {job!r}: wrote {done.path}: {done.steps} steps of {done.batch} samples "
+                      f"({done.dtype}; batch N is step N + 1)\n")
+            return 0
+        if span is not None:
+            recs = led.steps(span[0], max(led.last_step, span[0]) if span[1] is None else span[1])
+            doc = [r.to_dict() for r in recs]
+            lines = [line for r in recs for line in step_lines(job, r, led.spec.sources is not None, full)]
+        elif step is not None:
+            rec = led.step(step)
+            doc, lines = rec.to_dict(), step_lines(job, rec, led.spec.sources is not None, full)
+        elif index is not None:
+            occ = led.index(index, source)
+            doc, lines = [o.to_dict() for o in occ], index_lines(job, index, source, occ)
+        else:
+            doc = {"job": job, "last_step": led.last_step, "global_batch": led.constant_batch(),
+                   "timeline": led.timeline()}
+            lines = timeline_lines(led)
+    except InvalidArgument as e:
+        print(f"croupier provenance: error: {e}", file=sys.stderr)
+        return 2
+    except Unavailable as e:
+        detail = str(e).removeprefix(f"coordinator at {address}: ")
+        print(f"croupier provenance: the coordinator at {address} is unavailable (retried for {RETRY_FOR_S:g} s): "
+              f"{detail}", file=sys.stderr)
+        return 1
+    except (CroupierError, Refused, OSError, RuntimeError) as e:
+        print(f"croupier provenance: {e}", file=sys.stderr)
+        return 1
+    out.write(json.dumps(doc) + "\n" if as_json else "\n".join(lines) + "\n")
+    return 0
