@@ -101,7 +101,8 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
 
     dataset = synthetic(args.samples)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=7, job=args.job)
+    # a step is one loader batch of every rank (the index sampler's batch is one index)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=7, job=args.job, global_batch=args.batch_size * world)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, **worker_options(args.num_workers))
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -110,8 +111,9 @@ def train(args: argparse.Namespace) -> None:
     # A plain DataLoader with workers has taken more from the sampler than the loop trained on:
     # the checkpoint must say what the loop consumed. With num_workers=0 the two are the same.
     consumed = (lambda: steps_in_epoch * args.batch_size) if args.num_workers > 0 else None
-    dataloader_state: Stateful = sampler if args.plain_sampler else SamplerState(sampler, consumed=consumed)
     progress = {"step": 0}  # a plain dict: DCP fills it in place on load
+    dataloader_state: Stateful = sampler if args.plain_sampler else SamplerState(sampler, consumed=consumed,
+                                                                                 step=lambda: progress["step"])
     state: dict[str, Any] = {"model": ModelState(model), "optim": OptimState(model, optim), "train": progress,
                              "dataloader": dataloader_state}
 

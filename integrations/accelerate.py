@@ -56,6 +56,14 @@ What Accelerate does with a loader, read in accelerate 1.15 (``accelerator.py``,
   wrapper. With a device mesh (tensor parallelism), build the sampler with
   ``device_mesh=..., mesh_dim="dp"``: this loader is not re-sharded along the mesh either.
 
+The step: ``save_state`` calls the registered state's ``state_dict()`` with no argument, so the
+loader counts the optimizer steps itself: ``accelerator.gradient_accumulation_steps`` batches a
+step, and a short last step at an epoch's end (``accumulate`` syncs at the loader's end), from the
+job's start (a resumed state names the step it was saved at). The sampler's state carries it, and
+the coordinator's step ledger places each step on its samples: give the sampler
+``global_batch=`` (batch size x world x accumulation steps) to count steps alike. A checkpoint in
+the middle of an accumulation names the last step taken.
+
 Re-entering a loop over the loader in the middle of an epoch (``break`` and iterate again) loses
 the batches Accelerate read ahead: they were handed out and never trained. Save a checkpoint and
 stop, or go on to the next epoch (``set_epoch``), instead.
@@ -101,6 +109,8 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
     _count_epoch: int  # the epoch the count is for
     _count_items: int  # sampler items the loop took in _count_epoch, from its start
     _count_len: int  # len(sampler) for _count_epoch, taken when its pass began
+    _accumulation: int  # batches an optimizer step takes (the accelerator's gradient accumulation)
+    _steps_before: int | None  # optimizer steps of the job before _count_epoch (None: not known, a resume without one)
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.croupier_sampler
@@ -109,6 +119,7 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
         # sampler's epoch is the one to go through (a resumed sampler may be at epoch 3).
         self.iteration = epoch
         if self._count_epoch != epoch:
+            self._steps_before = self.steps()
             self._count_epoch, self._count_items = epoch, 0
         self._count_len = len(sampler)
         for batch in super().__iter__():
@@ -124,6 +135,15 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
         if self._count_epoch != self.iteration:
             return None
         return min(self._count_items, self._count_len)
+
+    def steps(self) -> int | None:
+        """Optimizer steps the loop took since the job's start, by its count of batches (see the module);
+        None when not known (resumed from a state that names no step)."""
+        if self._steps_before is None:
+            return None
+        batches, a = self._count_items // self._croupier_unit, self._accumulation
+        whole = self._count_len and self._count_items >= self._count_len  # the epoch's last batch was taken
+        return self._steps_before + (-(-batches // a) if whole else batches // a)
 
     def batches_left(self) -> int:
         """Batches this pass still yields in the current epoch (``len()`` minus those the loop took)."""
@@ -150,10 +170,11 @@ class CroupierLoaderState:
         self.loader = loader
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
-        """The state to save; `step` (the trainer's global step) also names the coordinator's record of it."""
+        """The state to save, at the trainer's global step `step` (default: the loader's count of optimizer
+        steps); the sampler's state carries it and the coordinator's record is named after it."""
         loader = self.loader
         consumed = loader.consumed()
-        state = loader.croupier_sampler.state_dict(consumed=consumed, step=step)
+        state = loader.croupier_sampler.state_dict(consumed=consumed, step=loader.steps() if step is None else step)
         epoch = loader._count_epoch if consumed is not None else loader.iteration
         return {"format": FORMAT, "sampler": state, "epoch": epoch, "items": consumed or 0}
 
@@ -172,6 +193,11 @@ class CroupierLoaderState:
         items = int(state_dict.get("items") or 0)
         loader._count_epoch, loader._count_items = epoch, items if state_dict.get("epoch") == epoch else 0
         loader.iteration = epoch
+        # NOTE: the steps of the epochs before are the saved step less the resumed epoch's (counted
+        # with this launch's accumulation: a launch that changes it mid-epoch counts from there on)
+        step = state_dict["sampler"].get("step") if isinstance(state_dict["sampler"], dict) else None
+        in_epoch = loader._count_items // loader._croupier_unit // loader._accumulation
+        loader._steps_before = step - in_epoch if isinstance(step, int) and step >= in_epoch else None
 
 
 def prepare_data_loader(accelerator: accelerate.Accelerator, data_loader: DataLoader[Any], *,
@@ -222,6 +248,7 @@ def prepare_data_loader(accelerator: accelerate.Accelerator, data_loader: DataLo
     loader.croupier_sampler = sampler
     loader._croupier_unit = unit
     loader._count_epoch, loader._count_items, loader._count_len = sampler.epoch, 0, 0
+    loader._accumulation, loader._steps_before = max(1, int(accelerator.gradient_accumulation_steps)), 0
     loader.iteration = sampler.epoch
     loader.croupier_state = CroupierLoaderState(loader)
     loader._is_accelerate_prepared = True  # a later accelerator.prepare(loader) returns it as it is

@@ -28,9 +28,9 @@ How DCP treats a ``Stateful`` whose ``state_dict()`` holds plain values (torch 2
 
 The last point is why the sampler is not handed to DCP directly, although it is a ``Stateful``
 (it has both methods) and would resume at the right position: a sampler that has loaded nothing
-returns a state without the optional ``origin`` key (the checkpoint's name: the incarnation, epoch
-and items that made it), so ``dcp.load`` drops ``origin`` and the resumed incarnation's audit log
-names no checkpoint: ``croupier audit`` then cannot follow the chain and fails the job
+returns a state without the optional ``origin``, ``generation`` and ``incarnation`` keys (the
+checkpoint's name, and who took it), so ``dcp.load`` drops them and the resumed incarnation's audit
+log names no checkpoint: ``croupier audit`` then cannot follow the chain and fails the job
 ("UNVERIFIED: ... a restart that did not load the sampler's checkpoint state?"). Any optional key
 a later release adds would be dropped the same way.
 
@@ -67,11 +67,17 @@ class SamplerState(Stateful):
             the batch sampler) this rank's loop has taken in the current epoch, from the epoch's
             start; it is called at every save. Leave it out with ``num_workers=0`` or a
             ``StatefulDataLoader``: the sampler has then yielded exactly what the loop took.
+        step: A callable that returns the trainer's global step (torchtitan's ``train_state.step``),
+            called at every save: DCP's ``state_dict()`` takes no argument, so this is how the
+            sampler's state names its step (``state_dict(step=...)``) for the coordinator's step
+            ledger and ``resume_from_step``. Leave it out to name none.
     """
 
-    def __init__(self, sampler: DistributedSampler | DistributedBatchSampler, consumed: Callable[[], int] | None = None) -> None:
+    def __init__(self, sampler: DistributedSampler | DistributedBatchSampler, consumed: Callable[[], int] | None = None,
+                 step: Callable[[], int] | None = None) -> None:
         self.sampler = sampler
         self.consumed = consumed
+        self.step = step
 
     def state_dict(self) -> dict[str, Any]:
         """``{KEY: json}``: the sampler's state, the same on every rank in lockstep (DCP saves it once).
@@ -81,7 +87,9 @@ class SamplerState(Stateful):
         template, which names nothing.
         """
         consumed = None if self.consumed is None else self.consumed()
-        return {KEY: json.dumps(self.sampler.state_dict(consumed=consumed), sort_keys=True, separators=(",", ":"))}
+        step = None if self.step is None else self.step()
+        state = self.sampler.state_dict(consumed=consumed, step=step)
+        return {KEY: json.dumps(state, sort_keys=True, separators=(",", ":"))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` saved, with any world size; before the sampler's first batch.

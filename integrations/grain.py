@@ -39,6 +39,12 @@ another by at most one batch, so the consumed records are a prefix of the epoch 
 the next epochs whole. When those extra batches straddle an epoch's end, the state holds the
 next epoch's cursor too.
 
+The step. A JAX loop takes one batch per process per step, so the iterator counts the batches it
+handed out since the job's start (a restored state names the step it was saved at) and its state
+names that step (``Iterator.step``; ``save(..., step=)`` to name another): the state says where
+the trainer was, as a sampler's ``state_dict(step=...)`` does. There is no coordinator here, so
+no generation is named.
+
 Saving and restoring. :func:`save` writes Grain's usual ``process_<i>-of-<n>.json`` files
 (Grain's ``grain.checkpoint.CheckpointHandler`` writes the same); :func:`restore` reads the
 files of whatever process count saved them, checks that they agree, and loads the state. Grain's
@@ -62,7 +68,7 @@ from grain._src.core import transforms as grain_transforms
 from grain._src.python.data_loader import DataLoader as _GrainDataLoader
 from grain._src.python.record import RecordMetadata
 
-from croupier.core.checkpoint import from_state, to_state
+from croupier.core.checkpoint import Taken, from_state, taken_of, to_state
 from croupier.core.checks import check_choice, check_int
 from croupier.core.cursor import Cursor, fresh
 from croupier.core.mixture import sample_seeds
@@ -275,11 +281,17 @@ class Iterator:
 
     ``get_state()`` / ``set_state()`` take bytes (JSON), as Grain's ``DataLoaderIterator`` does, so
     Grain's checkpoint handler saves it too; ``set_state`` must come before the first ``next()``.
+
+    Attributes:
+        step: The batches this process took since the job's start (a restored state's step, plus
+            this iterator's): the trainer's step when it takes one batch a step. None after
+            restoring a state that named no step. The state names it; assign it to name another.
     """
 
     def __init__(self, loader: DataLoader) -> None:
         self._loader = loader
         self._it: Any = None
+        self.step: int | None = 0
 
     def _grain(self) -> Any:
         if self._it is None:
@@ -290,7 +302,10 @@ class Iterator:
         return self
 
     def __next__(self) -> Any:
-        return next(self._grain())
+        batch = next(self._grain())
+        if self.step is not None:
+            self.step += 1
+        return batch
 
     def start_prefetch(self) -> None:
         self._grain().start_prefetch()
@@ -299,7 +314,7 @@ class Iterator:
         sampler = self._loader.sampler
         grain_state = json.loads(self._grain().get_state().decode())
         cursors = sampler.consumed(grain_state)
-        states = [to_state(sampler.job, sampler.spec, c) for c in cursors]
+        states = [to_state(sampler.job, sampler.spec, c, taken=Taken(self.step)) for c in cursors]
         return json.dumps({"croupier": {"format": _FORMAT, "cursors": states}, "grain": grain_state},
                           indent=1).encode()
 
@@ -317,10 +332,19 @@ class Iterator:
             c = from_state(sampler.job, sampler.spec, s)
             cursors.append(c if c is not None else fresh(sampler.spec, int(s["epoch"])))
         sampler.start_at(cursors)
+        self.step = taken_of(ours["cursors"][0]).step if ours["cursors"] else None
 
 
-def save(iterator: Iterator, directory: str | pathlib.Path) -> pathlib.Path:
-    """Writes `iterator`'s state as Grain's handler does (``process_<i>-of-<n>.json``); returns the file."""
+def save(iterator: Iterator, directory: str | pathlib.Path, step: int | None = None) -> pathlib.Path:
+    """Writes `iterator`'s state as Grain's handler does (``process_<i>-of-<n>.json``); returns the file.
+
+    Args:
+        step: The trainer's step the state names (default: the iterator's count, ``Iterator.step``);
+            from then on the iterator counts on from it.
+    """
+    if step is not None:
+        check_int("step", step, 0, None, ValueError)
+        iterator.step = step
     k, s = iterator._loader.sampler.shard_options.shard_index, iterator._loader.sampler.shard_options.shard_count
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)

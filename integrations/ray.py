@@ -112,7 +112,8 @@ def report(metrics: Mapping[str, Any], loader: CountedLoader | DistributedSample
             croupier sampler itself (then pass `consumed` if a loader reads it ahead).
         consumed: What the loop consumed of the epoch (``sampler.state_dict(consumed=...)``); by
             default the loader's count.
-        step: The trainer's global step, recorded with the state (``croupier audit`` names it).
+        step: The trainer's global step: the sampler's state carries it (``state_dict(step=...)``), the
+            coordinator's record is named after it, and its step ledger counts on from it on resume.
         files: More files for the checkpoint (name -> bytes), written by rank 0 only.
     """
     if isinstance(loader, CountedLoader):

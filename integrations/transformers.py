@@ -19,6 +19,8 @@ How the Trainer handles data, read in transformers 5.23 (``trainer.py``), and th
   ``dataloader_drop_last``, ``data_seed`` else ``seed``; pass ``croupier_sampler=`` for your own
   sampler, or ``croupier_sampler_kwargs=`` for ``job=``, ``tail=``, ...) and prepares it with
   :func:`croupier.integrations.accelerate.prepare_data_loader` (device placement, no re-sharding).
+  With ``gradient_accumulation_steps > 1`` it is given ``global_batch=`` (the batch size times the
+  world times the accumulation), so the coordinator's step ledger counts the Trainer's steps.
   The batch sampler is the default rather than the index sampler: the DataLoader's own batching
   would drop a short last batch (``dataloader_drop_last``) after the sampler handed it out. The
   dataset and the collator are prepared as the Trainer does (unused columns removed).
@@ -185,6 +187,8 @@ class CroupierTrainerMixin:
             a = self.args
             kw: dict[str, Any] = dict(shuffle=True, seed=a.data_seed if a.data_seed is not None else a.seed,
                                       drop_last=a.dataloader_drop_last)
+            if a.gradient_accumulation_steps > 1:  # an optimizer step takes that many batches of every rank
+                kw["global_batch"] = self._train_batch_size * a.world_size * a.gradient_accumulation_steps
             kw.update(self._croupier_sampler_kwargs)
             self.croupier_sampler = DistributedBatchSampler(dataset, self._train_batch_size, **kw)
         return self.croupier_sampler

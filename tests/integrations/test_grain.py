@@ -115,6 +115,30 @@ def test_save_and_restore_across_process_counts(tmp_path: pathlib.Path) -> None:
     assert not cg.restore(_loaders(1, 3)[0], tmp_path / "nothing")
 
 
+def test_the_state_names_the_step_and_a_restore_counts_on(tmp_path: pathlib.Path) -> None:
+    """A process takes a batch a step: the iterator counts them from the job's start, its state names the count."""
+    for it in _loaders(2, 3):
+        for _ in range(4):
+            next(it)
+        assert it.step == 4
+        cg.save(it, tmp_path / "ckpt")
+    (resumed,) = _loaders(1, 3)
+    assert cg.restore(resumed, tmp_path / "ckpt") and resumed.step == 4
+    next(resumed)
+    cursors = json.loads(resumed.get_state())["croupier"]["cursors"]
+    assert [c["step"] for c in cursors] == [5] * len(cursors) and "generation" not in cursors[0]
+    cg.save(resumed, tmp_path / "named", step=40)  # a step given: named, and counted on from
+    assert json.loads((tmp_path / "named" / "process_0-of-1.json").read_text())["croupier"]["cursors"][0]["step"] == 40
+    next(resumed)
+    assert resumed.step == 41
+    old = json.loads((tmp_path / "ckpt" / "process_0-of-2.json").read_text())
+    old["croupier"]["cursors"] = [{k: v for k, v in c.items() if k != "step"} | {"version": 3}
+                                  for c in old["croupier"]["cursors"]]
+    (again,) = _loaders(1, 3, json.dumps(old).encode())  # a state saved before the step was named: none counted
+    next(again)
+    assert again.step is None and "step" not in json.loads(again.get_state())["croupier"]["cursors"][0]
+
+
 def test_processes_saved_at_different_steps_are_refused(tmp_path: pathlib.Path) -> None:
     a, b = _loaders(2, 3)
     next(a)

@@ -136,7 +136,8 @@ def test_plain_sampler_through_dcp_loses_its_origin(tmp_path: pathlib.Path) -> N
         rest = list(b)
     finally:
         b.close()
-    assert received == [{k: v for k, v in saved.items() if k != "origin"}]  # the position survives, the origin does not
+    # the position survives; the origin and the generation that took the state do not
+    assert received == [{k: v for k, v in saved.items() if k not in ("origin", "generation", "incarnation")}]
     assert sorted(taken + rest) == list(range(64))
 
 
@@ -158,6 +159,29 @@ def test_sampler_state_through_dcp_keeps_everything(tmp_path: pathlib.Path) -> N
     finally:
         b.close()
     assert sorted(taken + rest) == list(range(64))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sampler_state_names_the_trainers_step(tmp_path: pathlib.Path) -> None:
+    """DCP's state_dict() takes no argument: SamplerState's `step` callable names the step at every save."""
+    a = _sampler("dcp-step")
+    progress = {"step": 0}
+    try:
+        it = iter(a)
+        for _ in range(5):
+            next(it)
+            progress["step"] += 1
+        dcp.save({"dataloader": SamplerState(a, step=lambda: progress["step"])}, checkpoint_id=str(tmp_path / "ckpt"))
+        generation = a.generation
+    finally:
+        a.close()
+    b = _sampler("dcp-step")
+    try:
+        dcp.load({"dataloader": SamplerState(b, step=lambda: 0)}, checkpoint_id=str(tmp_path / "ckpt"))
+        state = b.state_dict()  # before the first batch: the state loaded
+        assert (state["step"], state["generation"], state["items"]) == (5, generation, 5)
+    finally:
+        b.close()
 
 
 def test_sampler_state_consumed_and_errors() -> None:
