@@ -173,7 +173,7 @@ def index_lines(job: str, index: int, source: int | None, occurrences: Sequence[
     """Every place sample `index` was trained, as a table (oldest epoch first)."""
     what = f"index {index}" if source is None else f"sample {index} of source {source}"
     kept = sum(o.kept for o in occurrences)
-    head = (f"job {job!r}, {what}: trained {len(occurrences)} times "
+    head = (f"job {job!r}, {what}: trained {len(occurrences)} time{'s' if len(occurrences) != 1 else ''} "
             f"({kept} kept, {len(occurrences) - kept} abandoned)")
     if not occurrences:
         return [f"job {job!r}, {what}: never trained (as far as the ranks reported)"]
@@ -320,7 +320,8 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         if span is not None:
             recs = led.steps(span[0], max(led.last_step, span[0]) if span[1] is None else span[1])
             doc = [r.to_dict() for r in recs]
-            lines = [line for r in recs for line in step_lines(job, r, led.spec.sources is not None, full)]
+            lines = [line for k, r in enumerate(recs)
+                     for line in ([""] if k else []) + step_lines(job, r, led.spec.sources is not None, full)]
         elif step is not None:
             rec = led.step(step)
             doc, lines = rec.to_dict(), step_lines(job, rec, led.spec.sources is not None, full)
