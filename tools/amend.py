@@ -59,10 +59,10 @@ def read_skip_file(path: str) -> tuple[list[int], list[dict[str, Any]]]:
                          f"{', '.join(str(r['step']) for r in records)}): there is no sample to skip")
     try:
         for v in kept:
+            if not is_int(v["generation"]):
+                raise ValueError
             for b in v["batches"]:
                 if len(b["indices"]) != len(b["sources"]) or not all(is_int(i) for i in [*b["indices"], *b["sources"]]):
-                    raise ValueError
-                if not is_int(v["generation"]):
                     raise ValueError
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"--from {path}: a kept version is not as `croupier provenance --json` writes it (each has "

@@ -116,6 +116,8 @@ def test_a_job_without_a_mixture_is_told_how_to_make_one(server: Server, tmp_pat
     ('{"step": 3, "kept": null, "abandoned": []}', "no step in it has a kept version (steps 3)"),
     ('{"step": 3, "kept": {"generation": 1, "batches": [{"indices": [1, 2], "sources": [0]}]}, "abandoned": []}',
      "a kept version is not as `croupier provenance --json` writes it"),
+    ('{"step": 3, "kept": {"generation": [1], "batches": []}, "abandoned": []}',
+     "a kept version is not as `croupier provenance --json` writes it"),
 ])
 def test_a_file_it_cannot_read_is_refused_and_records_nothing(server: Server, tmp_path: pathlib.Path, text: str,
                                                               message: str) -> None:
