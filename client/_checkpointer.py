@@ -176,7 +176,7 @@ class Checkpointer:
             at.audit.ckpt(state["origin"], epoch, items, step)
         if at.client is not None and not at.client.closed:
             try:
-                at.client.report(s.job, at.generation, s.rank, progress or (s._progress.epoch, 0),
+                at.client.report(s.job, at.generation, s.rank, progress or (max(s._progress.epoch, at.start.epoch), 0),
                                  (step, cursor, state["origin"]), timeout=_REPORT_TIMEOUT_S, items=items)
             except (CroupierError, Unreachable) as e:
                 log.warning("croupier: rank %d of job %r could not record its checkpoint%s at the coordinator (%s); "

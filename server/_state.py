@@ -139,8 +139,8 @@ class State:
             start = _decide_start(req.spec, {**joined, req.rank: mine}, world)
             if resumed is not None:
                 step, parent = resumed[1], resumed[2]
-            else:  # a fresh start: step 0 at epoch 0; a start at a later epoch without a checkpoint names none
-                step, parent = (0 if start.epoch == 0 else None), None
+            else:  # no rank loaded a checkpoint: a timeline of its own begins, at step 0 (whatever its epoch)
+                step, parent = 0, None
             events.append(GenerationStarted(req.job, number, start, step, parent, sched))
         # NOTE: a mixture's amendments are settled in this one step (those the checkpoint carries,
         # loaded, held from the start); a repeated join above has nothing of them left to settle.

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _machine_steps import Steps, check_index, check_step
 from _machine_world import (
     DEALT,
     EXAMPLES,
@@ -66,6 +67,9 @@ class Elastic(RuleBasedStateMachine):
         self.end_worlds: dict[int, int] = {}  # epoch -> world of the generation that completed it
         self.finished: list[tuple[int, int]] = []  # (epoch, final world) of the epochs finished
         self.checkpoints: list[Checkpoint] = []
+        self.model = Steps()  # the loop's steps (tests/server/_machine_steps.py)
+        self.ck_steps: list[tuple[int, int, Any]] = []  # each checkpoint's step, store it was recorded in, timeline
+        self.stores = 0  # stores lost so far
         self.held: tuple[Amendment, ...] = ()  # a mixture's amendments held by the latest generation
         self.epoch = start or 0  # the training loop's epoch variable
         self.live: World | None = None
@@ -128,13 +132,17 @@ class Elastic(RuleBasedStateMachine):
             self._finish_epoch()
             return True
         trained = False
+        batches: dict[int, tuple[int, ...]] = {}
         for r in range(live.world):
             if live.ended[r]:
                 continue  # its part of the epoch is done; it waits for the others (e.g. torch's Join)
             b = live.take(r, self.setup.batch)
             if b:
                 self.log.append((self.epoch, live.incarnation, live.world, tuple(b)))
+                batches[r] = tuple(b)
                 trained = True
+        if trained:
+            self.model.record(live.name, batches)
         self.stats["train_steps"] += trained
         audit_partial(self.spec, self.trained(self.epoch), self.allowance(self.epoch)[1], self.epoch)
         return False
@@ -179,13 +187,13 @@ class Elastic(RuleBasedStateMachine):
         self.busy = True
         live = self.live
         assert live is not None
-        states = [s.state_dict() for s in live.samplers]
-        saved = states[0]
+        # NOTE: a rank that ran out (its loop waits, as under DDP's Join) counts fewer batches than the
+        # step; with dynamic dealing the trainer saves the state of a rank still stepping (they agree),
+        # else rank 0's. That one records it at the step (the others' states name no step).
+        keep = max(range(live.world), key=lambda r: live.taken[r]) if self.setup.kind in DEALT else 0
+        states = [s.state_dict(step=self.model.count) if r == keep else s.state_dict() for r, s in enumerate(live.samplers)]
+        saved = states[keep]
         done = self._done()
-        if self.setup.kind in DEALT:
-            # NOTE: a rank that ran out (its loop waits, as under DDP's Join) counts fewer batches
-            # than the step; the trainer saves the state of a rank still stepping (they agree).
-            saved = states[max(range(live.world), key=lambda r: live.taken[r])]
         for r, state in enumerate(states):
             if self.setup.kind in DEALT and done[r]:
                 continue
@@ -202,6 +210,8 @@ class Elastic(RuleBasedStateMachine):
             self.end_worlds.setdefault(self.epoch, live.world)
         self.checkpoints.append(
             Checkpoint(saved, tuple(self.log), tuple(self.end_worlds.items()), tuple(self.finished), self.epoch))
+        self.ck_steps.append((self.model.count, self.stores, self.model.saved()))
+        self.model.known = self.model.count
 
     @precondition(lambda self: bool(self.checkpoints))
     @rule(data=st.data(), world=st.integers(1, MAX_WORLD))
@@ -351,6 +361,7 @@ class Elastic(RuleBasedStateMachine):
         self.store = open_store("memory://")
         self.server = Server(_Handle(self.store), port=self.port).start()
         self.stats["stores_lost"] += 1
+        self.stores += 1
         self._restart(data, world, live.world)
 
     @precondition(lambda self: bool(self.setup.sources) and self.live is not None)
@@ -387,6 +398,20 @@ class Elastic(RuleBasedStateMachine):
             return
         self.stats[f"amendments_{kind}"] += 1
 
+    @precondition(lambda self: self.live is not None and self.model.known > 0)
+    @rule(data=st.data())
+    def provenance(self, data: st.DataObject) -> None:
+        """The coordinator's step ledger says what the loop trained at a step drawn up to the last checkpoint
+        (kept and abandoned versions), and finds an index it trained there."""
+        self.busy = True
+        ledger = self.client.ledger(JOB)
+        t = data.draw(st.integers(1, self.model.known), label="step")
+        self.stats[check_step(ledger, self.model, t)] += 1
+        if t > self.model.missing_to:
+            _, batches = self.model.timeline[t]
+            rank = data.draw(st.sampled_from(sorted(batches)), label="rank")
+            check_index(ledger, self.model, t, rank, data.draw(st.sampled_from(batches[rank]), label="index"))
+
     @invariant()
     def no_duplicates_so_far(self) -> None:
         if hasattr(self, "setup"):
@@ -409,6 +434,11 @@ class Elastic(RuleBasedStateMachine):
         assert self.live is None
         i = data.draw(st.integers(0, len(self.checkpoints) - 1), label="checkpoint")
         ck = self.checkpoints[i]
+        step, store, timeline = self.ck_steps[i]
+        if store != self.stores:  # a checkpoint recorded in a store that is gone: the ledger starts at it
+            self.model.lose_store(step, timeline)
+        else:
+            self.model.rollback(step, timeline)
         hint = data.draw(st.booleans(), label="set_epoch loop")
         hint_first = hint and data.draw(st.booleans(), label="set_epoch before load_state_dict")
         # Ranks that existed before load the state; ranks added by a scale-up have none. Every

@@ -120,8 +120,8 @@ class Setup:
             buffer_size=self.buffer_size, incarnation=incarnation, lease_ahead=self.lease_ahead, prefetch=self.prefetch,
             **self._mixture(),
         )
-        if self.kind == "index":
-            return DistributedSampler(self.n, **common)
+        if self.kind == "index":  # a step takes `batch` indices of every rank: the trainer's global batch
+            return DistributedSampler(self.n, global_batch=self.batch * world, **common)
         if self.kind in DEALT:
             return DistributedBatchSampler(self.n, self.batch, dealing=self.kind, **common)
         if self.kind == "tokens":
@@ -276,7 +276,8 @@ class World:
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint state without what names the checkpointing rank: its "origin" (incarnation and
-    progress) and its "items" (its own count, which ranks of uneven shares do not share)."""
-    return {k: v for k, v in state.items() if k not in ("origin", "items")}
+    progress), its "items" (its own count, which ranks of uneven shares do not share), and the step
+    and generation only the rank the trainer saves names (with the format version they bring)."""
+    return {k: v for k, v in state.items() if k not in ("origin", "items", "step", "generation", "version")}
 
 

@@ -28,7 +28,9 @@ from hypothesis.stateful import (
 from croupier.client import _sampler
 from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition, InvalidArgument
+from croupier.core.ledger import Ledger
 from croupier.core.order import FixedPlan
+from croupier.core.schedule import Schedule
 from croupier.core.tokens import TokenPlan
 
 
@@ -138,11 +140,26 @@ def test_state_dict_off_by_one_is_caught(monkeypatch: pytest.MonkeyPatch, off: i
     """The state machine can fail: a sampler whose state_dict counts one item (index or batch) too many or too few."""
     real = _sampler._Base.state_dict
 
-    def state_dict(self: Any, consumed: int | None = None) -> dict[str, Any]:
+    def state_dict(self: Any, consumed: int | None = None, *, step: int | None = None) -> dict[str, Any]:
         if consumed is None and self._start is not None and not self._progress.over:
             consumed = max(0, self.items_done + off)
-        return real(self, consumed)
+        return real(self, consumed, step=step)
 
     monkeypatch.setattr(_sampler._Base, "state_dict", state_dict)
+    with pytest.raises(CAUGHT):
+        run_state_machine_as_test(Elastic, settings=PLANTED)
+
+
+@pytest.mark.parametrize("plant", ["one-micro-batch-late", "parent-by-number"])
+def test_a_wrong_step_ledger_is_caught(monkeypatch: pytest.MonkeyPatch, plant: str) -> None:
+    """The state machine's provenance queries can fail: a ledger that places a step one micro-batch late,
+    or one that takes the generation before a resumed one as its parent (not the one that took the checkpoint)."""
+    if plant == "one-micro-batch-late":
+        real = Schedule.between
+        monkeypatch.setattr(Schedule, "between", lambda self, spec, world, after, upto:
+                            real(self, spec, world, after, upto) + (upto > after))
+    else:
+        monkeypatch.setattr(Ledger, "_parent", lambda self, seg: next(
+            (s for s in reversed(self.segments) if s.generation < seg.generation), None))
     with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
