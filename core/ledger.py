@@ -35,9 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from croupier.core.amend import Amendment
+from croupier.core.answers import Batch, Occurrence, StepRecord, Version
 from croupier.core.checks import check_int, is_int
-from croupier.core.cursor import Cursor, fresh
 from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from croupier.core.mixture import sample_seeds
@@ -46,210 +45,11 @@ from croupier.core.permute import position_of
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import fixed_plan_epoch, is_fixed, plan_epoch
 from croupier.core.schedule import Schedule
+from croupier.core.segments import Segment, fresh_segment, pack, unpack
 from croupier.core.spec import Spec
 
-__all__ = ["Batch", "Ledger", "Occurrence", "Schedule", "Segment", "StepRecord", "Version"]
-
-
-# --------------------------------------------------------------------------- a job's history
-
-
-@dataclasses.dataclass
-class Segment:
-    """One generation's stretch of a job's run, as the coordinator records it.
-
-    Attributes:
-        generation: The generation's number.
-        incarnation: The incarnation its ranks joined as.
-        world: Its world size.
-        start: Its resume point (bound to its world).
-        step: Optimizer steps taken before it (the step of the checkpoint it resumed from; 0 for a
-            fresh job); None when its ranks loaded a checkpoint that named no step.
-        parent: The generation that took that checkpoint (None: a fresh start, or not named).
-        schedule: Its trainer's step schedule.
-        amendments: A mixture's amendments it dealt with, each from its position.
-        reached: ``epoch -> micro-batches`` the furthest rank reported taking of each epoch.
-        checkpoints: Steps of the checkpoints its ranks recorded.
-        deals: Dynamic dealing: what the coordinator dealt it, by epoch.
-        at_ms: When it started (the coordinator's clock).
-    """
-
-    generation: int
-    incarnation: str
-    world: int
-    start: Cursor
-    step: int | None
-    parent: int | None
-    schedule: Schedule = Schedule()
-    amendments: tuple[Amendment, ...] = ()
-    reached: dict[int, int] = dataclasses.field(default_factory=dict)
-    checkpoints: list[int] = dataclasses.field(default_factory=list)
-    deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
-    at_ms: int = 0
-
-    def report(self, epoch: int, micro: int) -> None:
-        """A rank reported taking `micro` micro-batches of `epoch`."""
-        if micro > self.reached.get(epoch, 0):
-            self.reached[epoch] = micro
-
-    def checkpoint(self, step: int | None) -> None:
-        if step is not None and (not self.checkpoints or step > self.checkpoints[-1]):
-            self.checkpoints.append(step)
-
-    def deal(self, epoch: int, rank: int, first: int, count: int) -> None:
-        self.deals.setdefault(epoch, EpochDeals()).deal(rank, first, count)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The segment as a plain (msgpack-able) map: what a snapshot and GetLedger carry."""
-        return {
-            "generation": self.generation, "incarnation": self.incarnation, "world": self.world,
-            "start": [self.start.epoch, [list(iv) for iv in self.start.remaining], self.start.base_world],
-            "step": self.step, "parent": self.parent, "schedule": self.schedule.to_list(),
-            "amendments": [a.to_list() for a in self.amendments],
-            "reached": [[e, m] for e, m in sorted(self.reached.items())], "checkpoints": list(self.checkpoints),
-            "deals": [[e, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())]]
-                      for e, b in sorted(self.deals.items())],
-            "at_ms": self.at_ms,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> Segment:
-        """Inverse of :meth:`to_dict`. Raises ValueError (naming the field) for a map it would not have written."""
-        if not isinstance(d, dict) or set(d) != set(_KEYS):
-            got = sorted(d) if isinstance(d, dict) else type(d).__name__
-            raise ValueError(f"a segment must be a map with the fields {_KEYS} (got {got})")
-        try:
-            epoch, remaining, base = d["start"]
-            start = Cursor(_int("start epoch", epoch), tuple((_int("start", a), _int("start", b)) for a, b in remaining),
-                           _int("start base world", base))
-            seg = cls(_int("generation", d["generation"]), _str("incarnation", d["incarnation"]), _int("world", d["world"]),
-                      start, _opt_int("step", d["step"]), _opt_int("parent", d["parent"]),
-                      Schedule.from_list([_int("schedule", x) for x in d["schedule"]]),
-                      tuple(Amendment.from_list(a) for a in d["amendments"]), at_ms=_int("at_ms", d["at_ms"]))
-            for e, m in d["reached"]:
-                seg.reached[_int("reached epoch", e)] = _int("reached", m)
-            seg.checkpoints = [_int("checkpoints", x) for x in d["checkpoints"]]
-            for e, ranks in d["deals"]:
-                for r, runs in ranks:
-                    for first, count in runs:
-                        seg.deal(_int("deals epoch", e), _int("deals rank", r), _int("deals", first), _int("deals", count))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"segment is malformed: {exc}") from None
-        return seg
-
-
-_KEYS = ["generation", "incarnation", "world", "start", "step", "parent", "schedule", "amendments", "reached",
-         "checkpoints", "deals", "at_ms"]
-
-
-def _int(what: str, v: Any) -> int:
-    if not is_int(v):
-        raise ValueError(f"{what} must be an int (got {v!r})")
-    return int(v)
-
-
-def _opt_int(what: str, v: Any) -> int | None:
-    return None if v is None else _int(what, v)
-
-
-def _str(what: str, v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"{what} must be a str (got {v!r})")
-    return v
-
-
-def pack(segments: Sequence[Segment]) -> bytes:
-    """Segments as GetLedger sends them: msgpack of :meth:`Segment.to_dict`'s maps."""
-    import msgpack  # NOTE: not at the top: the pure core imports no codec (tests/project/test_layout.py)
-
-    out: bytes = msgpack.packb([s.to_dict() for s in segments], use_bin_type=True)
-    return out
-
-
-def unpack(blob: bytes) -> list[Segment]:
-    """Inverse of :func:`pack`. Raises ValueError for bytes it would not have written."""
-    import msgpack
-
-    try:
-        raw = msgpack.unpackb(blob, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.ExtraData) as exc:
-        raise ValueError(f"the ledger is not msgpack: {exc}") from None
-    if not isinstance(raw, list):
-        raise ValueError(f"the ledger must be a list of segments (got {type(raw).__name__})")
-    return [Segment.from_dict(v) for v in raw]
-
-
-# --------------------------------------------------------------------------- answers
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """One micro-batch of one rank in one step: its samples, each with its source, source epoch and seed."""
-
-    rank: int
-    micro: int  # which micro-batch of the step (0 .. A - 1)
-    indices: np.ndarray
-    sources: np.ndarray
-    source_epochs: np.ndarray
-    seeds: np.ndarray
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "micro": self.micro, "indices": self.indices.tolist(),
-                "sources": self.sources.tolist(), "source_epochs": self.source_epochs.tolist(),
-                "seeds": self.seeds.tolist()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Version:
-    """One version of a step: the segment that trained it, and whether the job's timeline keeps it."""
-
-    step: int
-    generation: int
-    incarnation: str
-    world: int
-    epoch: int
-    kept: bool
-    batches: tuple[Batch, ...]
-
-    @property
-    def indices(self) -> np.ndarray:
-        """Every sample of the step, in rank then micro-batch order."""
-        return np.concatenate([b.indices for b in self.batches]) if self.batches else np.zeros(0, dtype=np.int64)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "generation": self.generation, "incarnation": self.incarnation,
-                "world": self.world, "epoch": self.epoch, "kept": self.kept,
-                "batches": [b.to_dict() for b in self.batches]}
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """Step T: the version the timeline keeps (None when every version was abandoned) and the abandoned ones."""
-
-    step: int
-    kept: Version | None
-    abandoned: tuple[Version, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "kept": None if self.kept is None else self.kept.to_dict(),
-                "abandoned": [v.to_dict() for v in self.abandoned]}
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Occurrence:
-    """One place where a sample was trained: (epoch, step, rank, generation), kept or abandoned."""
-
-    epoch: int
-    step: int
-    rank: int
-    generation: int
-    micro: int
-    kept: bool
-    source: int
-    source_epoch: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+__all__ = ["Batch", "Ledger", "Occurrence", "Schedule", "Segment", "StepRecord", "Version", "fresh_segment", "pack",
+           "unpack"]
 
 
 # --------------------------------------------------------------------------- the ledger
@@ -659,8 +459,3 @@ def _fixed_where(fp: FixedPlan, pos: int) -> list[tuple[int, int, int]]:
         if loc < min(int(fp.nb_r[rank]) * b, int(fp.n_r[rank])):
             out.append((int(rank), int(loc // b), pos))
     return out
-
-
-def fresh_segment(spec: Spec, generation: int, incarnation: str, world: int, **kw: Any) -> Segment:
-    """A segment of a job started fresh at epoch 0 (for tests and examples)."""
-    return Segment(generation, incarnation, world, fresh(spec, 0), 0, None, **kw)

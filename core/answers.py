@@ -1,0 +1,80 @@
+"""The step ledger's answers: a step's versions (per rank and micro-batch, with sources and seeds) and a sample's places."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Batch", "Occurrence", "StepRecord", "Version"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One micro-batch of one rank in one step: its samples, each with its source, source epoch and seed."""
+
+    rank: int
+    micro: int  # which micro-batch of the step (0 .. A - 1)
+    indices: np.ndarray
+    sources: np.ndarray
+    source_epochs: np.ndarray
+    seeds: np.ndarray
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "micro": self.micro, "indices": self.indices.tolist(),
+                "sources": self.sources.tolist(), "source_epochs": self.source_epochs.tolist(),
+                "seeds": self.seeds.tolist()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    """One version of a step: the segment that trained it, and whether the job's timeline keeps it."""
+
+    step: int
+    generation: int
+    incarnation: str
+    world: int
+    epoch: int
+    kept: bool
+    batches: tuple[Batch, ...]
+
+    @property
+    def indices(self) -> np.ndarray:
+        """Every sample of the step, in rank then micro-batch order."""
+        return np.concatenate([b.indices for b in self.batches]) if self.batches else np.zeros(0, dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "generation": self.generation, "incarnation": self.incarnation,
+                "world": self.world, "epoch": self.epoch, "kept": self.kept,
+                "batches": [b.to_dict() for b in self.batches]}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """Step T: the version the timeline keeps (None when every version was abandoned) and the abandoned ones."""
+
+    step: int
+    kept: Version | None
+    abandoned: tuple[Version, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "kept": None if self.kept is None else self.kept.to_dict(),
+                "abandoned": [v.to_dict() for v in self.abandoned]}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Occurrence:
+    """One place where a sample was trained: (epoch, step, rank, generation), kept or abandoned."""
+
+    epoch: int
+    step: int
+    rank: int
+    generation: int
+    micro: int
+    kept: bool
+    source: int
+    source_epoch: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
