@@ -14,7 +14,7 @@ from croupier.core.checkpoint import from_state
 from croupier.core.checks import check_bool, check_int
 from croupier.core.cursor import bind, epoch_agrees, fresh, show
 from croupier.core.mixture import parts_of
-from croupier.core.registry import PlanKind, kind_for, plan_epoch
+from croupier.core.registry import PlanKind, kind_for, plan_epoch, sized_batches
 from croupier.core.schedule import Schedule
 from croupier.core.spec import MAX_N, TOKEN_WINDOW, Spec
 
@@ -192,7 +192,7 @@ def step_schedule(spec: Spec, global_batch: int | None, rampup: Sequence[int] | 
             raise TypeError(f"rampup must be (start, increment, steps) (got rampup={rampup!r})")
         ramp = (check_int("rampup start", rampup[0], 1, 2**62), check_int("rampup increment", rampup[1], 1, 2**62),
                 check_int("rampup steps", rampup[2], 1, 2**62))
-    if spec.max_tokens is not None:
+    if not sized_batches(spec):
         raise ValueError(f"global_batch={g}: token-budget batches have no fixed size, so a step is one batch of every "
                          "rank (leave global_batch and rampup unset)")
     schedule = Schedule(g, ramp)  # InvalidArgument (a ValueError) for a ramp that does not reach global_batch

@@ -43,7 +43,7 @@ from croupier.core.mixture import sample_seeds
 from croupier.core.order import FixedPlan, order, tags
 from croupier.core.permute import position_of
 from croupier.core.plan import EpochPlan
-from croupier.core.registry import fixed_plan_epoch, is_fixed, plan_epoch
+from croupier.core.registry import fixed_plan_epoch, is_fixed, plan_epoch, sized_batches
 from croupier.core.schedule import Schedule
 from croupier.core.segments import Segment, fresh_segment, pack, unpack
 from croupier.core.spec import Spec
@@ -420,7 +420,7 @@ class Ledger:
                 sizes.add(seg.schedule.global_batch)
             else:
                 sizes.add(self._spec(seg).batch_size * seg.world)
-        return sizes.pop() if len(sizes) == 1 and self.spec.max_tokens is None else None
+        return sizes.pop() if len(sizes) == 1 and sized_batches(self.spec) else None
 
 
 # --------------------------------------------------------------------------- fixed plans, vectorised

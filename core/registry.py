@@ -104,6 +104,11 @@ def kind_of(spec: Spec) -> PlanKind:
     return kind_for(spec.dealing, spec.max_tokens)
 
 
+def sized_batches(spec: Spec) -> bool:
+    """Whether `spec`'s batches are of ``batch_size`` (a global batch counts them); token budgets size their own."""
+    return kind_of(spec).fixed_batches
+
+
 def is_fixed(spec: Spec) -> bool:
     """Whether `spec` is dealt by fixed plans (:func:`fixed_plan_epoch` answers for it)."""
     return kind_of(spec) is FIXED

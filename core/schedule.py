@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from croupier.core.checks import check_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument
+from croupier.core.registry import sized_batches
 from croupier.core.spec import Spec
 
 __all__ = ["Schedule"]
@@ -82,7 +83,7 @@ class Schedule:
 
     def check(self, spec: Spec, world: int) -> None:
         """Refuses a world on which some step's global batch does not divide (FailedPrecondition)."""
-        if self.global_batch and spec.max_tokens is not None:
+        if self.global_batch and not sized_batches(spec):
             raise FailedPrecondition("token-budget batches have no fixed size: their global batch is one batch per "
                                      "rank per step (leave global_batch unset)")
         for _, _, g in self.levels():

@@ -21,6 +21,7 @@ import numpy as np
 from croupier.core import settings
 from croupier.core.errors import CroupierError, InvalidArgument, NotFound, Unavailable
 from croupier.core.ledger import Ledger, Occurrence, StepRecord, Version
+from croupier.core.registry import sized_batches
 from croupier.tools.status import table
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -219,7 +220,7 @@ class Exported:
 
 def _why_not_constant(led: Ledger) -> str:
     """Why the kept timeline's steps differ in size (for :class:`Refused`)."""
-    if led.spec.max_tokens is not None:
+    if not sized_batches(led.spec):
         return "its batches are token budgets (max_tokens): a step holds as many samples as fit, so steps differ in size"
     sizes = []
     for s, seg in zip(led.timeline(), led.segments, strict=True):
