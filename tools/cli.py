@@ -57,17 +57,26 @@ def _serve_cmd(args: argparse.Namespace) -> int:
 def _audit_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.audit import audit, by_source, render, render_sources, verdict
 
+    if not args.by_step and (args.logdir is None or args.address is not None or args.job):
+        raise ValueError("croupier audit takes LOGDIR; --address and --job go with --by-step (without LOGDIR it "
+                         "audits the coordinator's ledger alone)")
+    ok = True
     try:
-        reports = audit(args.logdir)
+        if args.logdir is not None:
+            reports = audit(args.logdir)
+            print(render(reports))
+            for job in sorted({r.job for r in reports if r.sources}):
+                print(f"\n{job}: by source and source epoch")
+                print(render_sources(by_source(r for r in reports if r.job == job)))
+            ok, summary = verdict(reports, allow_unfinished=args.allow_unfinished, allow_cut=args.allow_cut)
+            print(f"\n{summary}\n" if args.by_step else f"\n{summary}")
+        if args.by_step:
+            from croupier.tools.audit_steps import main as by_step
+
+            ok = by_step(args.address, args.logdir, args.job or (), allow_unfinished=args.allow_unfinished) and ok
     except FileNotFoundError as e:
         print(f"croupier: error: {e}", file=sys.stderr)
         return 2
-    print(render(reports))
-    for job in sorted({r.job for r in reports if r.sources}):
-        print(f"\n{job}: by source and source epoch")
-        print(render_sources(by_source(r for r in reports if r.job == job)))
-    ok, summary = verdict(reports, allow_unfinished=args.allow_unfinished, allow_cut=args.allow_cut)
-    print(f"\n{summary}")
     return 0 if ok else 1
 
 
@@ -291,8 +300,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     k.set_defaults(func=_amend_cmd, kind="skip")
 
-    a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing")
-    a.add_argument("logdir", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR")
+    a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing; "
+                                     "--by-step: every kept step along the timeline, and the first that diverged")
+    a.add_argument("logdir", nargs="?", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR "
+                                             "(with --by-step it may be left out: the coordinator's ledger alone)")
+    a.add_argument("--by-step", action="store_true",
+                   help="also check each kept step of the coordinator's step ledger along the job's timeline (each "
+                        "sample at most once per epoch) and against LOGDIR, naming the first step that diverged")
+    a.add_argument("--address", help="--by-step: HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else "
+                                     "127.0.0.1:50051)")
+    a.add_argument("--job", action="append", metavar="JOB",
+                   help="--by-step: audit this job (repeatable; default: every job of LOGDIR, or without it every job "
+                        "the coordinator holds)")
     a.add_argument("--allow-unfinished", action="store_true",
                    help="pass although the last epoch did not end (a job still running); default: fail")
     a.add_argument("--allow-cut", action="store_true",
