@@ -37,8 +37,15 @@ class Streams:
             if r is None:
                 return None
             unit = int(r.start.get("unit", 1))  # indices per item; 0: each record is one item of its own size
-            records = sorted(((at, idx) for e, at, idx in r.batches if e == epoch), key=lambda x: x[0])
-            self._streams[key] = _by_items(records) if unit == 0 else _by_positions(records, unit)
+            # NOTE: a rank logs whole leases, read ahead of the loop; what it handed out of an epoch the trainer
+            # cut (set_epoch of the next epoch) ends at the items taken then, as the per-epoch audit counts them.
+            cut = inc.cuts.get(epoch)
+            records = sorted(((at, idx) for e, at, idx in r.batches if e == epoch and (cut is None or at < cut)),
+                             key=lambda x: x[0])
+            got = _by_items(records) if unit == 0 else _by_positions(records, unit)
+            if cut is not None and unit and records:
+                got = got[:max(0, (cut - records[0][0]) * unit)]
+            self._streams[key] = got
         return self._streams[key]
 
     def mismatch(self, t: int, v: Version) -> str | None:
@@ -62,9 +69,12 @@ class Streams:
             if part.size == b.indices.size and np.array_equal(part, b.indices):
                 continue
             j = next(j for j in range(b.indices.size) if j >= part.size or part[j] != b.indices[j])
+            cut = inc.cuts.get(v.epoch)
+            logged = (f"nothing more: the trainer cut the epoch after {cut} items (set_epoch of the next epoch)"
+                      if cut is not None and off + j >= got.size else f"{_at(got, off + j)} there")
             return (f"step {t}, rank {b.rank}, micro-batch {b.micro}: the ledger says sample {b.indices[j]} (position "
                     f"{off + j} of the rank's share of epoch {v.epoch} in generation {v.generation}); the rank logged "
-                    f"{_at(got, off + j)} there (logged: {_around(got, off + j)})")
+                    f"{logged} (logged: {_around(got, off + j)})")
         return None
 
 

@@ -148,16 +148,19 @@ def _rewrite(path: pathlib.Path, fn: Any) -> None:
     path.write_bytes(b"".join(msgpack.packb(r) for r in fn(recs)))
 
 
-@pytest.mark.parametrize("plant", ["altered", "dropped"])
+@pytest.mark.parametrize("plant", ["altered", "dropped", "cut"])
 def test_a_planted_log_record_is_named_at_its_step(indices: Run, tmp_path: pathlib.Path, plant: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    """An index of a record changed, or a record taken out: the step that trained that position is named."""
+    """An index of a record changed, a record taken out, or epoch 1 cut by the trainer after 7 items (the rank
+    handed out nothing more of it, whatever it had leased): the step the ledger places there is named."""
     logdir = tmp_path / "audit"
     shutil.copytree(indices.logdir, logdir)
     (log,) = (logdir / indices.job).glob("g3-r0.audit")
     planted: dict[str, int] = {}
 
     def alter(recs: list[dict]) -> list[dict]:
+        if plant == "cut":
+            return [*recs, {"t": "cut", "epoch": 1, "items": 7}]
         batches = [r for r in recs if r["t"] == "batch" and r["epoch"] == 0]
         rec = batches[2]
         planted["item"] = rec["at"] - batches[0]["at"] + (1 if plant == "altered" else 0)  # of generation 3's share
@@ -169,15 +172,17 @@ def test_a_planted_log_record_is_named_at_its_step(indices: Run, tmp_path: pathl
         return recs
 
     _rewrite(log, alter)
-    step = 10 + planted["item"] + 1  # generation 3 resumed at step 10 on 1 rank: a step is one index
     ledger = indices.ledger()
+    epoch, end0 = (1, audit_steps(ledger).epochs[0].last) if plant == "cut" else (0, 10)
+    step = end0 + planted.get("item", 7) + 1  # from step 10, or epoch 1's first, on 1 rank: a step is one index
     a = audit_steps(ledger, load(logdir)[indices.job])
     assert a.divergence is not None and (a.divergence.step, a.divergence.kind, a.divergence.generation) == (step, "log", 3)
     assert "rank 0" in a.divergence.why
     assert ("nothing (no record holds it)" in a.divergence.why) == (plant == "dropped"), a.divergence.why
+    assert ("the trainer cut the epoch after 7 items" in a.divergence.why) == (plant == "cut"), a.divergence.why
     assert audit_steps(ledger).ok  # the ledger alone knows nothing of the log
     assert cli(["audit", str(logdir), "--by-step", "--address", indices.server.address]) == 1
-    assert f"DIVERGED at step {step} (epoch 0, generation 3)" in capsys.readouterr().out
+    assert f"DIVERGED at step {step} (epoch {epoch}, generation 3)" in capsys.readouterr().out
 
 
 def _moved(ledger: Ledger, generation: int, by: int) -> Ledger:
