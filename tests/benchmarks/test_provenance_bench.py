@@ -14,6 +14,8 @@ import pytest
 
 from croupier.core.ledger import Ledger
 
+pytestmark = pytest.mark.exhaustive  # a benchmark's quick run: in make test, not in make check
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "provenance_bench.py"
 
 

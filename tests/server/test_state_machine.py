@@ -150,6 +150,7 @@ def test_state_dict_off_by_one_is_caught(monkeypatch: pytest.MonkeyPatch, off: i
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
 
+@pytest.mark.exhaustive  # 200 examples each: in make test, not in make check
 @pytest.mark.parametrize("plant", ["one-micro-batch-late", "lineage-lost"])
 def test_a_wrong_step_ledger_is_caught(monkeypatch: pytest.MonkeyPatch, plant: str) -> None:
     """The state machine's provenance queries can fail: a ledger that places a step one micro-batch late,
