@@ -71,7 +71,8 @@ class Ledger:
     Args:
         job: The job's name (for messages).
         spec: The job's spec (without amendments).
-        segments: Every generation that started, oldest first.
+        segments: Every generation that started, oldest first. They MUST NOT change while the ledger
+            is used: it keeps what it computed of them (a coordinator's copy, or GetLedger's).
     """
 
     def __init__(self, job: str, spec: Spec, segments: Sequence[Segment]) -> None:
@@ -79,6 +80,7 @@ class Ledger:
         self.segments = list(segments)
         self._by_gen = {s.generation: s for s in self.segments}
         self._chunks: dict[int, list[_Chunk]] = {}
+        self._reached: dict[int, int] = {}  # generation -> its last step (a Ledger answers for segments that do not change)
         self._kept = self._timeline()
 
     # ---------------------------------------------------------------- the timeline
@@ -165,6 +167,11 @@ class Ledger:
 
     def _reached_step(self, seg: Segment) -> int:
         """The last step `seg` trained: its last checkpoint's, or the last step its reports cover wholly."""
+        if seg.generation not in self._reached:
+            self._reached[seg.generation] = self._reached_uncached(seg)
+        return self._reached[seg.generation]
+
+    def _reached_uncached(self, seg: Segment) -> int:
         assert seg.step is not None
         best = max([seg.step, *seg.checkpoints])
         for e, micro in sorted(seg.reached.items()):
@@ -236,7 +243,7 @@ class Ledger:
         return [self.step(t) for t in range(a, b + 1)]
 
     def _kept_range(self, seg: Segment) -> tuple[int, int] | None:
-        for s, end in self._kept:
+        for s, end in self._kept:  # NOTE: the timeline is short (one segment per generation it kept)
             if s is seg:
                 assert s.step is not None
                 return s.step, (self._reached_step(s) if end is None else end)
