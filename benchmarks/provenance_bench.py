@@ -321,10 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"croupier provenance benchmark ({'quick' if args.quick else 'full'} run)")
     print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, {os.cpu_count()} cores")
     folder = Path(tempfile.mkdtemp(prefix="provenance-bench-"))
+    before, t0 = os.getloadavg()[0], time.perf_counter()
     try:
         return _run(p, args.quick, rng, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        print(f"({time.perf_counter() - t0:.0f} s in all; load average {before:.2f} before, "
+              f"{os.getloadavg()[0]:.2f} after, on {os.cpu_count()} cores; a query is CPU-bound)")
 
 
 def _run(p: Params, quick: bool, rng: np.random.Generator, folder: Path) -> int:
