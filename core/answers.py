@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,12 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Version:
-    """One version of a step: the segment that trained it, and whether the job's timeline keeps it."""
+    """One version of a step: the segment that trained it, and whether the job's timeline keeps it.
+
+    NOTE: the step's samples are kept as flat arrays in rank then micro-batch order (`samples`:
+    rank, micro-batch, index, source, source epoch, seed); :attr:`batches` cuts them into one
+    :class:`Batch` per rank and micro-batch when asked (thousands of objects for a big world).
+    """
 
     step: int
     generation: int
@@ -37,12 +43,25 @@ class Version:
     world: int
     epoch: int
     kept: bool
-    batches: tuple[Batch, ...]
+    samples: tuple[np.ndarray, ...] = dataclasses.field(repr=False, compare=False, default=())
+
+    @functools.cached_property
+    def batches(self) -> tuple[Batch, ...]:
+        """The step's micro-batches, one per rank and micro-batch, in rank then micro-batch order."""
+        if not self.samples or self.samples[0].size == 0:
+            return ()
+        rank, micro, idx, src, sep, seeds = self.samples
+        key = rank * (int(micro.max()) + 2) + micro
+        cut = np.flatnonzero(np.diff(key)) + 1
+        starts, ends = np.r_[0, cut].tolist(), np.r_[cut, key.size].tolist()
+        ranks, micros = rank[starts].tolist(), micro[starts].tolist()
+        return tuple(Batch(r, m, idx[s:e], src[s:e], sep[s:e], seeds[s:e])
+                     for r, m, s, e in zip(ranks, micros, starts, ends, strict=True))
 
     @property
     def indices(self) -> np.ndarray:
         """Every sample of the step, in rank then micro-batch order."""
-        return np.concatenate([b.indices for b in self.batches]) if self.batches else np.zeros(0, dtype=np.int64)
+        return self.samples[2] if self.samples else np.zeros(0, dtype=np.int64)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "generation": self.generation, "incarnation": self.incarnation,

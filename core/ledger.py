@@ -266,8 +266,8 @@ class Ledger:
         sp = self._spec(seg)
         k0 = seg.schedule.between(sp, seg.world, chunk.first, t - 1)
         a = seg.schedule.at(sp, seg.world, t)
-        batches = self._micro_batches(seg, chunk.epoch, k0, a)
-        return Version(t, seg.generation, seg.incarnation, seg.world, chunk.epoch, kept, batches)
+        return Version(t, seg.generation, seg.incarnation, seg.world, chunk.epoch, kept,
+                       self._micro_samples(seg, chunk.epoch, k0, a))
 
     def _chunk_of(self, seg: Segment, t: int) -> _Chunk | None:
         for c in self._chunks_to(seg, step=t):
@@ -306,8 +306,9 @@ class Ledger:
             return None
         return np.concatenate(ranks), np.concatenate(micros), np.concatenate(positions), plan
 
-    def _micro_batches(self, seg: Segment, epoch: int, first: int, count: int) -> tuple[Batch, ...]:
-        """Micro-batches first .. first + count - 1 of every rank of `seg` in `epoch`."""
+    def _micro_samples(self, seg: Segment, epoch: int, first: int, count: int) -> tuple[np.ndarray, ...]:
+        """Micro-batches first .. first + count - 1 of every rank of `seg` in `epoch`, as flat arrays
+        (rank, micro-batch, index, source, source epoch, seed: :class:`Version`'s samples); () for none."""
         got = self._micro_positions(seg, epoch, first, count)
         if got is None or got[2].size == 0:
             return ()
@@ -315,13 +316,7 @@ class Ledger:
         sp = self._spec(seg)
         idx = order(sp, epoch, pos_a, plan.cursor.base_world)
         src, sep = tags(sp, epoch, pos_a)
-        seeds = sample_seeds(sp.seed, src, sep, idx)
-        out = []
-        key = rank_a * (count + 1) + micro_a
-        cut = np.flatnonzero(np.diff(key)) + 1
-        for s, e in zip(np.r_[0, cut].tolist(), np.r_[cut, key.size].tolist(), strict=True):
-            out.append(Batch(int(rank_a[s]), int(micro_a[s]), idx[s:e], src[s:e], sep[s:e], seeds[s:e]))
-        return tuple(out)
+        return rank_a, micro_a, idx, src, sep, sample_seeds(sp.seed, src, sep, idx)
 
     # ---------------------------------------------------------------- samples
 

@@ -154,9 +154,10 @@ def step_json(ledger: Ledger, step: Any, samples: Any = STEP_SAMPLES) -> dict[st
 
 def _version(v: Version, k: int) -> dict[str, Any]:
     shown = v.batches[:MAX_STEP_BATCHES]
-    d = dataclasses.replace(v, batches=tuple(
-        dataclasses.replace(b, indices=b.indices[:k], sources=b.sources[:k], source_epochs=b.source_epochs[:k],
-                            seeds=b.seeds[:k]) for b in shown)).to_dict()
+    d: dict[str, Any] = {"step": v.step, "generation": v.generation, "incarnation": v.incarnation, "world": v.world,
+                         "epoch": v.epoch, "kept": v.kept}
+    d["batches"] = [dataclasses.replace(b, indices=b.indices[:k], sources=b.sources[:k],
+                                        source_epochs=b.source_epochs[:k], seeds=b.seeds[:k]).to_dict() for b in shown]
     for bd, b in zip(d["batches"], shown, strict=True):
         bd["count"] = int(b.indices.size)
     d["batch_count"] = len(v.batches)
