@@ -92,6 +92,7 @@ def _forget_one_rank(self: FixedPlan, consumed):  # type: ignore[no-untyped-def]
 _real_virtual_left = FixedPlan._virtual_left
 
 
+@pytest.mark.exhaustive  # in make test, not in make check
 def test_broken_restriping_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state machine can fail: a re-striping (behind the samplers' state_dict) that drops a rank's remainder is found."""
     monkeypatch.setattr(FixedPlan, "_virtual_left", _forget_one_rank)

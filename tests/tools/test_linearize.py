@@ -98,6 +98,7 @@ def histories(draw: st.DrawFn) -> list[Call]:
     return out
 
 
+@pytest.mark.exhaustive  # 3,000 histories: in make test, not in make check
 @settings(max_examples=3000, deadline=None)
 @given(histories())
 def test_the_checker_agrees_with_the_brute_force_oracle(h: list[Call]) -> None:
