@@ -363,6 +363,7 @@ class Elastic(RuleBasedStateMachine):
         self.stats["stores_lost"] += 1
         self.stores += 1
         self._restart(data, world, live.world)
+        self.model.abandoned.clear()  # what the lost store knew of them
 
     @precondition(lambda self: bool(self.setup.sources) and self.live is not None)
     @rule(data=st.data())
@@ -436,7 +437,7 @@ class Elastic(RuleBasedStateMachine):
         ck = self.checkpoints[i]
         step, store, timeline = self.ck_steps[i]
         if store != self.stores:  # a checkpoint recorded in a store that is gone: the ledger starts at it
-            self.model.lose_store(step, timeline)
+            self.model.resume_unknown(step, timeline)
         else:
             self.model.rollback(step, timeline)
         hint = data.draw(st.booleans(), label="set_epoch loop")

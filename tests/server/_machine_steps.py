@@ -50,10 +50,11 @@ class Steps:
             self.abandoned.pop((t, name), None)
         self.count = self.known = step
 
-    def lose_store(self, step: int, timeline: dict[int, Trained]) -> None:
+    def resume_unknown(self, step: int, timeline: dict[int, Trained]) -> None:
+        """A rollback to a checkpoint recorded in a store that is gone: the coordinator's history starts
+        at it (the versions its own store recorded, abandoned ones included, it still knows)."""
         self.rollback(step, timeline)
         self.missing_to = step
-        self.abandoned.clear()  # the new store knows nothing of them
 
 
 def _per_rank(v: Version) -> dict[int, tuple[int, ...]]:
