@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 from _provenance_run import generation, run_cli
 
 from croupier.client import CoordinatorClient
 from croupier.server import Server
 from croupier.tools import provenance as prov
-
-
-@pytest.fixture
-def server(tmp_path: pathlib.Path) -> Iterator[Server]:
-    s = Server(f"sqlite:///{tmp_path}/c.db").start()
-    try:
-        yield s
-    finally:
-        s.stop(grace=0.5)
 
 
 def test_a_run_resized_and_rolled_back_at_one_global_batch_is_written_and_read_back(server: Server,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
 
 import pytest
 from _provenance_run import generation, run_cli
@@ -13,15 +12,6 @@ from croupier.client import CoordinatorClient
 from croupier.server import Server
 
 SOURCES = (64, 32)
-
-
-@pytest.fixture
-def server(tmp_path: pathlib.Path) -> Iterator[Server]:
-    s = Server(f"sqlite:///{tmp_path}/c.db").start()
-    try:
-        yield s
-    finally:
-        s.stop(grace=0.5)
 
 
 def _save(server: Server, tmp_path: pathlib.Path, job: str, *question: str) -> pathlib.Path:
