@@ -138,9 +138,10 @@ class Ledger:
     def _chunks_to(self, seg: Segment, step: int | None = None, epoch: int | None = None) -> list[_Chunk]:
         """`seg`'s chunks, computed up to the one holding `step` (or epoch `epoch`), cached."""
         assert seg.step is not None
-        chunks = self._chunks.setdefault(seg.generation, [])
         sp = self._spec(seg)
-        seg.schedule.check(sp, seg.world)
+        if seg.generation not in self._chunks:
+            seg.schedule.check(sp, seg.world)  # once per segment: its world and schedule do not change
+        chunks = self._chunks.setdefault(seg.generation, [])
         while True:
             if chunks:
                 last = chunks[-1]
@@ -156,13 +157,18 @@ class Ledger:
             plan = self._plan(seg, e)
             micro = self._epoch_micro(seg, e, plan) if plan is not None else 0
             n = seg.schedule.covering(sp, seg.world, first, micro) if micro else 0
-            if not n and e > max([*seg.reached, *seg.deals, seg.start.epoch]):
+            if not n and e > self._known_epoch(seg):
                 return chunks  # nothing dealt past what the segment reported
             chunks.append(_Chunk(first, n, e, micro))
 
+    @staticmethod
+    def _known_epoch(seg: Segment) -> int:
+        """The last epoch `seg`'s reports or deals name (its start's when none)."""
+        return max([*seg.reached, *seg.deals, seg.start.epoch])
+
     def _last_epoch(self, seg: Segment) -> int:
         """The last epoch `seg` may have reached (its reports', its deals', or unbounded for a kept open segment)."""
-        known = max([*seg.reached, *seg.deals, seg.start.epoch])
+        known = self._known_epoch(seg)
         return known if seg is not self.segments[-1] else max(known, 2**62)
 
     def _reached_step(self, seg: Segment) -> int:
