@@ -32,7 +32,7 @@ from croupier.server._events import (
     as_map,
     cursor_to,
 )
-from croupier.server._ledger import segment_from, segment_to
+from croupier.server._ledger import segment_from
 
 #: How many of the ranks a generation waits for a join's answer names (the count is always given).
 WAITING_SHOWN = 16
@@ -203,7 +203,7 @@ def snapshot_job(j: Job) -> dict[str, Any]:
         "deals": [[e, b.next, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())],
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
         "amendments": AMENDMENTS.encode(tuple(j.amendments)), "held": AMENDMENTS.encode(j.held),
-        "loaded": OPT_AMENDMENTS.encode(j.loaded), "ledger": [segment_to(seg) for seg in j.ledger],
+        "loaded": OPT_AMENDMENTS.encode(j.loaded), "ledger": [seg.to_dict() for seg in j.ledger],
     }
 
 

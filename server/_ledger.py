@@ -14,11 +14,6 @@ from croupier.core.ledger import Segment
 from croupier.server._events import FormatError
 
 
-def segment_to(s: Segment) -> dict[str, Any]:
-    """One segment as a snapshot writes it."""
-    return s.to_dict()
-
-
 def segment_from(what: str, v: Any) -> Segment:
     """A segment of a snapshot, read back. Raises FormatError naming `what` and the field."""
     try:
