@@ -78,3 +78,12 @@ def get_float(name: str) -> float:
 def flag(name: str) -> bool:
     """The variable as a switch: true for ``1``, ``true`` or ``yes`` (any case)."""
     return (get(name) or "").strip().lower() in ("1", "true", "yes")
+
+
+#: Where the command-line tools find a coordinator when neither ``--address`` nor ``CROUPIER_ADDRESS`` names one.
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def coordinator_address(address: str | None) -> str:
+    """The coordinator a tool talks to: `address` if given, else ``CROUPIER_ADDRESS``, else :data:`DEFAULT_ADDRESS`."""
+    return address or get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS

@@ -16,8 +16,6 @@ from croupier.core.mixture import parts_of
 if TYPE_CHECKING:
     from croupier.client import CoordinatorClient
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
-
 
 def values_of(kind: str, raw: Sequence[str]) -> tuple[int, ...]:
     """The request's values from the command line's words: weights as parts, a grow's (source, size), indices.
@@ -133,7 +131,7 @@ def main(address: str | None, job: str, kind: str, raw: Sequence[str], out: Text
         values = tuple(listed)
     else:
         values = values_of(kind, raw)
-    with CoordinatorClient(address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS, retry_for=10.0) as client:
+    with CoordinatorClient(settings.coordinator_address(address), retry_for=10.0) as client:
         try:
             if versions:
                 values = kept_indices(client, job, versions)

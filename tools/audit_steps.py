@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Divergence", "EpochSteps", "StepAudit", "audit_by_step", "audit_steps", "main", "render_steps"]
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 #: How long the command retries a coordinator that does not answer, and how long one call may take.
 RETRY_FOR_S = 5.0
 CALL_TIMEOUT_S = 30.0
@@ -338,7 +337,7 @@ def audit_by_step(address: str | None, logdir: str | None = None, jobs: Sequence
         if not logs:
             raise FileNotFoundError(f"no audit logs (*/*.audit) under {logdir}")
     out = []
-    with CoordinatorClient(address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS, retry_for=RETRY_FOR_S,
+    with CoordinatorClient(settings.coordinator_address(address), retry_for=RETRY_FOR_S,
                            call_timeout=CALL_TIMEOUT_S) as client:
         names = list(jobs) or (sorted(logs) if logs is not None else sorted(client.jobs()))
         for job in names:

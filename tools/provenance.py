@@ -24,7 +24,6 @@ from croupier.core.ledger import Ledger, Occurrence, StepRecord, Version
 from croupier.core.registry import sized_batches
 from croupier.tools.status import table
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 #: How long the command retries a coordinator that does not answer, and how long one call may take.
 RETRY_FOR_S = 3.0
 CALL_TIMEOUT_S = 30.0
@@ -54,7 +53,7 @@ def ledger(address: str | None, job: str) -> Ledger:
     """
     from croupier.client import CoordinatorClient
 
-    address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
+    address = settings.coordinator_address(address)
     with CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S) as client:
         try:
             return client.ledger(job)
@@ -298,7 +297,7 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         not answer). The message goes to stderr, never a traceback.
     """
     out = sys.stdout if out is None else out
-    address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
+    address = settings.coordinator_address(address)
     try:
         asked = [a for a, v in (("--step", step), ("--steps", steps), ("--index", index), ("--export", export_to))
                  if v is not None]

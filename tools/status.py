@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from croupier.client import CoordinatorClient
     from croupier.server import RankView
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 #: Seconds between two tables of ``--watch`` when it names none.
 DEFAULT_WATCH_S = 2.0
 #: How long the command retries a coordinator that does not answer, and how long one call may take.
@@ -262,7 +261,7 @@ def main(address: str | None, job: str | None = None, watch: float | None = None
     from croupier.client import CoordinatorClient
 
     out = sys.stdout if out is None else out
-    address = address or settings.get("CROUPIER_ADDRESS") or DEFAULT_ADDRESS
+    address = settings.coordinator_address(address)
     tty = out.isatty()
     client = CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S)
     # NOTE: Ctrl-C ends --watch between two tables. A KeyboardInterrupt raised inside a gRPC call
