@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import msgpack
 import numpy as np
 
 from croupier.client import _resolve
@@ -20,6 +21,7 @@ from croupier.core import errors as E
 from croupier.core import settings
 from croupier.core.amend import Amendment
 from croupier.core.api import MAX_MESSAGE_BYTES, CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
+from croupier.core.ftsteps import CommittedStep, StepRun, Steps
 from croupier.core.ledger import Ledger, unpack
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
@@ -416,6 +418,22 @@ class CoordinatorClient:
         trained. Fetched once (a few bytes per generation); the questions are answered here."""
         r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
         return Ledger(job, spec_from_proto(r.spec), unpack(r.segments))
+
+    def steps(self, job: str) -> tuple[Spec, Steps]:
+        """A fault-tolerant job's spec and record of committed steps (``croupier.core.ftsteps``)."""
+        r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
+        runs = msgpack.unpackb(r.steps) if r.steps else []
+        return spec_from_proto(r.spec), Steps([StepRun.from_dict(v) for v in runs])
+
+    def commit_step(self, job: str, spec: Spec, run: str, parent: str, resumed: int, mode: str, batch: int,
+                    step: CommittedStep, timeout: float | None = None) -> bool:
+        """Records a fault-tolerant job's committed step; False when another group's report recorded it first."""
+        m = pb.CommitStepRequest(job=job, spec=spec_to_proto(spec), run=run, parent=parent, resumed=resumed, mode=mode,
+                                 batch=batch, step=step.step, start=step.start, stop=step.stop, quorum=step.quorum,
+                                 participants=step.participants)
+        r = self._call("commit_step", lambda: self.stub.CommitStep(m, timeout=self.call_timeout if timeout is None
+                                                                    else timeout))
+        return bool(r.recorded)
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and the checkpoint it recorded at training step `step`, or its latest

@@ -51,7 +51,8 @@ log = logging.getLogger("croupier.server")
 ROLES = ("read", "train", "admin")
 #: The least role each RPC needs.
 NEEDS = {"GetJob": "read", "GetCheckpoint": "read", "ListJobs": "read", "GetLedger": "read",
-         "Join": "train", "Lease": "train", "Grant": "train", "Report": "train", "Amend": "train"}
+         "Join": "train", "Lease": "train", "Grant": "train", "Report": "train", "Amend": "train",
+         "CommitStep": "train"}
 METADATA_KEY = "authorization"
 _SCHEME = "Bearer "
 

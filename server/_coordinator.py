@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import msgpack
 import numpy as np
 
 from croupier.core.amend import Amendment
@@ -27,6 +28,7 @@ from croupier.core.api import (
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from croupier.core.ftsteps import CommittedStep
 from croupier.core.ledger import Ledger, pack, unpack
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import plan_epoch
@@ -189,14 +191,26 @@ class Coordinator:
             self._fresh()
             return self._commit(lambda: self._state.decide_amend(job, kind, values), durable=True)
 
-    def ledger(self, job: str) -> tuple[Spec, bytes]:
-        """The job's spec and its step ledger's segments, packed (``croupier.server._ledger``); NotFound
-        for an unknown job."""
+    def ledger(self, job: str) -> tuple[Spec, bytes, bytes]:
+        """The job's spec, its step ledger's segments, packed (``croupier.server._ledger``), and a
+        fault-tolerant job's committed steps, packed (``croupier.core.ftsteps``); NotFound for an unknown job."""
         with self._cond:
             self._fresh()
-            self._state.current(job)
-            j = self._state.jobs[job]
-            return j.spec, pack(j.ledger)
+            j = self._state.jobs.get(job)
+            if j is None or (j.generation is None and not j.steps.runs):
+                self._state.current(job)  # NotFound, as for any call naming an unknown job
+            assert j is not None
+            steps = msgpack.packb([r.to_dict() for r in j.steps.runs]) if j.steps.runs else b""
+            return j.spec, pack(j.ledger), steps
+
+    def commit_step(self, job: str, spec: Spec, run: str, parent: str, resumed: int, mode: str, batch: int,
+                    step: CommittedStep) -> bool:
+        """Records a fault-tolerant job's committed step (``croupier.core.ftsteps``); answers once it is
+        durable, False when it was recorded already."""
+        with self._cond:
+            self._fresh(force=True)
+            return self._commit(lambda: self._state.decide_step(job, spec, run, parent, resumed, mode, batch, step),
+                                durable=True)
 
     def step_ledger(self, job: str) -> Ledger:
         """The job's step ledger (``croupier.core.ledger.Ledger``) as it stands now; NotFound for an unknown job.
@@ -205,7 +219,7 @@ class Coordinator:
         question asked of it (the status page's timeline, a step's samples) computes without
         holding the coordinator's other calls.
         """
-        spec, blob = self.ledger(job)
+        spec, blob, _ = self.ledger(job)
         return Ledger(job, spec, unpack(blob))
 
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:

@@ -148,8 +148,27 @@ class GenerationAmended:
     amendments: tuple[Amendment, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepCommitted:
+    """A fault-tolerant job's step committed (``croupier.core.ftsteps``): `run` (a start of the job that
+    resumed step `resumed` of run `parent`, sizing steps by `mode` and `batch`) trained stream
+    positions [start, stop) in `step`, split over `participants` groups of quorum `quorum`."""
+
+    job: str
+    run: str
+    parent: str
+    resumed: int
+    mode: str
+    batch: int
+    step: int
+    start: int
+    stop: int
+    quorum: int
+    participants: int
+
+
 Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
-         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsLoaded | GenerationAmended)
+         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsLoaded | GenerationAmended | StepCommitted)
 
 # --------------------------------------------------------------------------- versions
 
@@ -168,10 +187,11 @@ Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | Pro
 #: Version 6 added the step ledger's fields: the step, parent generation and step schedule of
 #: RankJoined and GenerationStarted, the items of CheckpointRecorded (records of older versions
 #: have none: the fields read as None), and each job's ``ledger`` and its generation's ``steps``
-#: in snapshots.
-FORMAT_VERSION = 6
+#: in snapshots. Version 7 added the StepCommitted event (a fault-tolerant job's committed steps) and
+#: each job's ``steps`` in snapshots.
+FORMAT_VERSION = 7
 #: Every format version this croupier reads.
-READS = (2, 3, 4, 5, 6)
+READS = (2, 3, 4, 5, 6, 7)
 
 
 class FormatError(ValueError):
@@ -367,6 +387,9 @@ SCHEMA: tuple[EventSchema, ...] = (
     EventSchema("AmendmentRecorded", AmendmentRecorded, (_JOB, ("kind", STR), ("values", INTS))),
     EventSchema("AmendmentsLoaded", AmendmentsLoaded, (_JOB, _GEN, ("amendments", AMENDMENTS))),
     EventSchema("GenerationAmended", GenerationAmended, (_JOB, _GEN, ("amendments", AMENDMENTS))),
+    EventSchema("StepCommitted", StepCommitted,
+                (_JOB, ("run", STR), ("parent", STR), ("resumed", INT), ("mode", STR), ("batch", INT), ("step", INT),
+                 ("start", INT), ("stop", INT), ("quorum", INT), ("participants", INT))),
 )
 
 

@@ -16,6 +16,7 @@ from croupier.core.api import CheckpointRecord, JoinRequest
 from croupier.core.cursor import Cursor, epoch_agrees, show
 from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition
+from croupier.core.ftsteps import StepRun, Steps
 from croupier.core.ledger import Segment
 from croupier.core.spec import Spec
 from croupier.server._events import (
@@ -28,6 +29,7 @@ from croupier.server._events import (
     OPT_INTS,
     SPEC,
     STR,
+    FormatError,
     as_list,
     as_map,
     cursor_to,
@@ -164,6 +166,8 @@ class Job:
     loaded: tuple[Amendment, ...] | None = None
     #: the step ledger: one segment per generation that started, oldest first (``croupier.server._ledger``)
     ledger: list[Segment] = dataclasses.field(default_factory=list)
+    #: a fault-tolerant job's committed steps, per run (``croupier.core.ftsteps``)
+    steps: Steps = dataclasses.field(default_factory=Steps)
 
     @property
     def dealing_spec(self) -> Spec:
@@ -204,6 +208,7 @@ def snapshot_job(j: Job) -> dict[str, Any]:
                    [[r, k] for r, k in sorted(b.committed.items())]] for e, b in sorted(j.deals.items())],
         "amendments": AMENDMENTS.encode(tuple(j.amendments)), "held": AMENDMENTS.encode(j.held),
         "loaded": OPT_AMENDMENTS.encode(j.loaded), "ledger": [seg.to_dict() for seg in j.ledger],
+        "steps": [r.to_dict() for r in j.steps.runs],
     }
 
 
@@ -217,7 +222,8 @@ def restore_job(what: str, v: Any, version: int) -> Job:
             starts with `what` and names the field.
     """
     later = ((["progress", "checkpoints"] if version >= 3 else []) + (["deals"] if version >= 4 else [])
-             + (["amendments", "held", "loaded"] if version >= 5 else []) + (["ledger"] if version >= 6 else []))
+             + (["amendments", "held", "loaded"] if version >= 5 else []) + (["ledger"] if version >= 6 else [])
+             + (["steps"] if version >= 7 else []))
     jd = as_map(what, v, ["name", "spec", "generation", "tokens", *later])
     name = STR.decode(f"{what} name", jd["name"])
     incarnations = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
@@ -248,9 +254,18 @@ def restore_job(what: str, v: Any, version: int) -> Job:
     job.loaded = OPT_AMENDMENTS.decode(f"{what} loaded", jd.get("loaded"))
     job.ledger = [segment_from(f"{what} ledger segment {k}", v)
                   for k, v in enumerate(as_list(f"{what} ledger", jd.get("ledger", [])))]
+    job.steps = Steps([_step_run(f"{what} step run {k}", v)
+                       for k, v in enumerate(as_list(f"{what} steps", jd.get("steps", [])))])
     if jd["generation"] is not None:
         job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"], version)
     return job
+
+
+def _step_run(what: str, v: Any) -> StepRun:
+    try:
+        return StepRun.from_dict(v)
+    except (ValueError, TypeError) as e:
+        raise FormatError(f"{what}: {e}") from None
 
 
 def _restore_deals(w: str, entry: Any) -> tuple[int, EpochDeals]:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from croupier.core import errors as E
 from croupier.core.amend import KINDS
 from croupier.core.api import JoinRequest, JoinResult
+from croupier.core.ftsteps import CommittedStep
 from croupier.core.wire import (
     SERVICE,
     amendment_from_proto,
@@ -82,7 +83,7 @@ MAX_PAGE = 10_000
 #: A join refused for a limit is answered after this long, up to _HELD_REFUSALS at a time.
 _HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
 #: The coordinator's RPCs, as the servicer names its methods.
-RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend", "GetLedger")
+RPCS = ("Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend", "GetLedger", "CommitStep")
 
 
 class CoordinatorServicer:
@@ -218,8 +219,20 @@ class CoordinatorServicer:
         who = self._caller(context)
         m = _parse(pb.GetLedgerRequest, raw)
         _allow(who, "GetLedger", m.job)
-        spec, segments = self.core.ledger(m.job)
-        return pb.GetLedgerResponse(spec=spec_to_proto(spec), segments=segments)
+        spec, segments, steps = self.core.ledger(m.job)
+        return pb.GetLedgerResponse(spec=spec_to_proto(spec), segments=segments, steps=steps)
+
+    def CommitStep(self, raw: bytes, context: grpc.ServicerContext) -> pb.CommitStepResponse:
+        who = self._caller(context)
+        m = _parse(pb.CommitStepRequest, raw)
+        _allow(who, "CommitStep", m.job)
+        if not m.HasField("spec"):
+            raise E.InvalidArgument("a step report needs the job's spec")
+        if m.stop < m.start:
+            raise E.InvalidArgument(f"a step report's span [{m.start}, {m.stop}) is empty or reversed")
+        step = CommittedStep(m.step, m.start, m.stop, m.quorum, m.participants)
+        new = self.core.commit_step(m.job, spec_from_proto(m.spec), m.run, m.parent, m.resumed, m.mode, m.batch, step)
+        return pb.CommitStepResponse(recorded=new)
 
     def ListJobs(self, raw: bytes, context: grpc.ServicerContext) -> pb.ListJobsResponse:
         who = self._caller(context)

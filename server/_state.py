@@ -39,12 +39,13 @@ from croupier.core.checks import check_int, check_name
 from croupier.core.cursor import Cursor, bind, fresh, show, validate_cursor
 from croupier.core.deals import KEEP_EPOCHS, EpochDeals, dealt, kept
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from croupier.core.ftsteps import CommittedStep
 from croupier.core.ledger import Segment
 from croupier.core.plan import Dealer, Runs
 from croupier.core.registry import kind_of, plan_epoch
 from croupier.core.schedule import Schedule
 from croupier.core.spec import ORDER_VERSION, Spec
-from croupier.server import _amendments
+from croupier.server import _amendments, _ftsteps
 from croupier.server._events import (
     FORMAT_VERSION,
     AmendmentRecorded,
@@ -60,6 +61,7 @@ from croupier.server._events import (
     JobRegistered,
     ProgressReported,
     RankJoined,
+    StepCommitted,
     as_list,
     as_map,
     check_version,
@@ -91,6 +93,9 @@ class State:
         job = self.jobs.get(req.job)
         if job is None:
             events.append(JobRegistered(req.job, req.spec))
+        elif job.steps.runs:
+            raise FailedPrecondition(f"job {req.job!r} is a fault-tolerant job (its steps are reported, not dealt to "
+                                     "joining ranks); a sampler must join a job of another name")
         elif req.spec not in job.spec.as_grown(job.amendments):
             raise FailedPrecondition(
                 f"job {req.job!r} was registered with spec ({job.spec.describe()}); this rank sent a "
@@ -164,6 +169,12 @@ class State:
         self.current(job)
         a = _amendments.decide(self.jobs[job], kind, values)
         return a, [AmendmentRecorded(job, a.kind, a.values)]
+
+    def decide_step(self, job: str, spec: Spec, run: str, parent: str, resumed: int, mode: str, batch: int,
+                    step: CommittedStep) -> tuple[bool, list[Event]]:
+        """Whether a fault-tolerant job's committed step is new, and its events (``croupier.server._ftsteps``)."""
+        check_name("job name", job, MAX_NAME, InvalidArgument)
+        return _ftsteps.decide_commit(self.jobs, job, spec, run, parent, resumed, mode, batch, step)
 
     def decide_report(self, job: str, generation: int, rank: int, epoch: int, batches: int, at_ms: int,
                       checkpoint: tuple[int | None, Cursor | None, str] | None = None,
@@ -400,6 +411,9 @@ class State:
             self._generation(ev.job, ev.generation)
             dealt(self.jobs[ev.job].deals, ev.epoch, ev.rank, ev.first, ev.count)
             self._segment(ev.job, ev.generation).deal(ev.epoch, ev.rank, ev.first, ev.count)
+        elif isinstance(ev, StepCommitted):
+            self.jobs[ev.job].steps.record(ev.run, ev.parent, ev.resumed, ev.mode, ev.batch, CommittedStep(
+                ev.step, ev.start, ev.stop, ev.quorum, ev.participants))
         elif isinstance(ev, AmendmentRecorded):
             self.jobs[ev.job].amendments.append(Amendment(ev.kind, ev.values))
         elif isinstance(ev, AmendmentsLoaded):

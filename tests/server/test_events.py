@@ -42,6 +42,7 @@ from croupier.server._events import (
     JobRegistered,
     ProgressReported,
     RankJoined,
+    StepCommitted,
     check_schema,
     decode_event,
     encode_event,
@@ -86,6 +87,9 @@ GOLDEN: list[tuple[Event, dict[str, Any]]] = [
     (GenerationAmended("j", 2, (Amendment("grow", (1, 10, 12), 96), Amendment("weights", (PARTS,), 120))),
      {"type": "GenerationAmended", **HEAD, "job": "j", "generation": 2,
       "amendments": [["grow", [1, 10, 12], 96], ["weights", [PARTS], 120]]}),
+    (StepCommitted("j", "run-b", "run-a", 7, "global", 12, 9, 108, 120, 4, 3),
+     {"type": "StepCommitted", **HEAD, "job": "j", "run": "run-b", "parent": "run-a", "resumed": 7, "mode": "global",
+      "batch": 12, "step": 9, "start": 108, "stop": 120, "quorum": 4, "participants": 3}),
 ]
 
 

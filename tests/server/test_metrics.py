@@ -149,7 +149,7 @@ def test_calls_are_counted_by_method_and_status_code(mserver: Server, monkeypatc
     assert 0 < delta("croupier_rpc_latency_seconds_sum", method="GetJob") < 30
     # Only the service's own methods: health checks and unknown names make no series.
     assert {dict(k)["method"] for k in series(after, "croupier_rpc_latency_seconds_count")} == {
-        "Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend", "GetLedger"}
+        "Join", "Lease", "Grant", "GetJob", "Report", "GetCheckpoint", "ListJobs", "Amend", "GetLedger", "CommitStep"}
 
 
 def test_journal_commits_are_timed_and_counted(mserver: Server) -> None:

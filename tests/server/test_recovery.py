@@ -126,11 +126,11 @@ BAD_RECORDS: dict[str, tuple[bytes, str]] = {
     "not a map": (_packed([1, 2, 3]), r"an event must be a map \(got list\)"),
     "unknown event type": (
         _packed({"type": "JobDeleted", "version": 2, "order": 2, "job": "j"}),
-        r"unknown event type 'JobDeleted' \(known: \['AmendmentRecorded', 'AmendmentsLoaded', 'BatchesCommitted', 'BatchesDealt', 'CheckpointRecorded', 'GenerationAmended', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined'\]\)",
+        r"unknown event type 'JobDeleted' \(known: \['AmendmentRecorded', 'AmendmentsLoaded', 'BatchesCommitted', 'BatchesDealt', 'CheckpointRecorded', 'GenerationAmended', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined', 'StepCommitted'\]\)",
     ),
     "newer format version": (
         _packed({**_rank_1(), "version": FORMAT_VERSION + 1}),
-        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6\); a newer croupier wrote it",
+        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\); a newer croupier wrote it",
     ),
     "no format version": (_packed(_without(_rank_1(), "version")), r"the event has no format version"),
     "missing field": (_packed(_without(_rank_1(), "rank")), r"missing \['rank'\], unknown \[\]"),
@@ -163,7 +163,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     "not msgpack": (b"\xc1\xc1\xc1", r"its 3 bytes are not msgpack"),
     "newer format version": (
         _packed({"version": FORMAT_VERSION + 1, "order": 2, "jobs": [], "quotas": {}}),
-        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6\)",
+        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\)",
     ),
     "no format version": (_packed({"jobs": []}), r"the snapshot has no format version"),
     "unknown field": (_packed({"version": 2, "order": 2, "jobs": [], "quotas": {}}), r"unknown \['quotas'\]"),
@@ -173,7 +173,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     ),
     "croupier 0.1's snapshot": (
         _packed({"version": 1, "jobs": []}),
-        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6\)",
+        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\)",
     ),
     "mistyped job": (
         _packed({"version": 2, "order": 2, "jobs": [{"name": 7, "spec": {}, "generation": None, "tokens": []}]}),
@@ -249,7 +249,7 @@ def _mutated(ev: Any, **changes: Any) -> dict[str, Any]:
     ("d", "why"),
     [
         (_mutated(EVENTS[1], version=True), r"event format version must be an int \(got event format version=True\)"),
-        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6\)$"),
+        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\)$"),
         (_without(encode_event(EVENTS[1]), "type"), r"unknown event type None"),
         (_mutated(EVENTS[1], type=["RankJoined"]), r"unknown event type \['RankJoined'\]"),
         (_mutated(EVENTS[1], job=7), r"GenerationOpened.job must be a str \(got GenerationOpened.job=7\)"),

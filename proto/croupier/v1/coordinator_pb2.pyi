@@ -1008,9 +1008,14 @@ class GetLedgerResponse(_message.Message):
 
     SPEC_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
     segments: _builtins.bytes
     """The segments, oldest first, msgpack-encoded as the coordinator's snapshot writes them
     (croupier.server._ledger): the same codec on disk and on the wire.
+    """
+    steps: _builtins.bytes
+    """A fault-tolerant job's committed steps (CommitStep), one map per run, msgpack-encoded as the
+    snapshot writes them (croupier.core.ftsteps.StepRun); empty for a job of generations.
     """
     @_builtins.property
     def spec(self) -> Global___Spec:
@@ -1021,11 +1026,94 @@ class GetLedgerResponse(_message.Message):
         *,
         spec: Global___Spec | None = ...,
         segments: _builtins.bytes = ...,
+        steps: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["segments", b"segments", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segments", b"segments", "spec", b"spec", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetLedgerResponse: _TypeAlias = GetLedgerResponse  # noqa: Y015
+
+@_typing.final
+class CommitStepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    QUORUM_FIELD_NUMBER: _builtins.int
+    PARTICIPANTS_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    run: _builtins.str
+    """This start of the job (an incarnation); `parent` the run whose checkpoint it resumed from
+    ("" for a fresh start) and `resumed` the step it resumed at.
+    """
+    parent: _builtins.str
+    resumed: _builtins.int
+    mode: _builtins.str
+    """"global" (`batch` is the global batch) or "group" (`batch` is each group's)."""
+    batch: _builtins.int
+    step: _builtins.int
+    """The step that committed (the number of steps committed before it), the stream positions
+    [start, stop) it trained, its quorum and how many groups took part in it.
+    """
+    start: _builtins.int
+    stop: _builtins.int
+    quorum: _builtins.int
+    participants: _builtins.int
+    @_builtins.property
+    def spec(self) -> Global___Spec:
+        """The order the job's stream is made of: every report of the job sends the same."""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        spec: Global___Spec | None = ...,
+        run: _builtins.str = ...,
+        parent: _builtins.str = ...,
+        resumed: _builtins.int = ...,
+        mode: _builtins.str = ...,
+        batch: _builtins.int = ...,
+        step: _builtins.int = ...,
+        start: _builtins.int = ...,
+        stop: _builtins.int = ...,
+        quorum: _builtins.int = ...,
+        participants: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "job", b"job", "mode", b"mode", "parent", b"parent", "participants", b"participants", "quorum", b"quorum", "resumed", b"resumed", "run", b"run", "spec", b"spec", "start", b"start", "step", b"step", "stop", b"stop"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitStepRequest: _TypeAlias = CommitStepRequest  # noqa: Y015
+
+@_typing.final
+class CommitStepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDED_FIELD_NUMBER: _builtins.int
+    recorded: _builtins.bool
+    """False when the step had been recorded already (by another group's report)."""
+    def __init__(
+        self,
+        *,
+        recorded: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["recorded", b"recorded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitStepResponse: _TypeAlias = CommitStepResponse  # noqa: Y015

@@ -79,6 +79,11 @@ class CoordinatorStub:
                 request_serializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerRequest.SerializeToString,
                 response_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerResponse.FromString,
                 _registered_method=True)
+        self.CommitStep = channel.unary_unary(
+                '/croupier.v1.Coordinator/CommitStep',
+                request_serializer=croupier_dot_v1_dot_coordinator__pb2.CommitStepRequest.SerializeToString,
+                response_deserializer=croupier_dot_v1_dot_coordinator__pb2.CommitStepResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -162,6 +167,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitStep(self, request, context):
+        """A fault-tolerant job (replica groups that leave and heal between steps, croupier.core.ftsteps)
+        records a step that committed: which stream positions it trained and the quorum that split
+        them. Idempotent (a step reported again by another group changes nothing); answers once the
+        record is durable. The job's first report registers it with the spec. Refused
+        (FAILED_PRECONDITION) when it contradicts the run's record or the job's spec.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +225,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetLedger,
                     request_deserializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerRequest.FromString,
                     response_serializer=croupier_dot_v1_dot_coordinator__pb2.GetLedgerResponse.SerializeToString,
+            ),
+            'CommitStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitStep,
+                    request_deserializer=croupier_dot_v1_dot_coordinator__pb2.CommitStepRequest.FromString,
+                    response_serializer=croupier_dot_v1_dot_coordinator__pb2.CommitStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -454,6 +475,33 @@ class Coordinator:
             '/croupier.v1.Coordinator/GetLedger',
             croupier_dot_v1_dot_coordinator__pb2.GetLedgerRequest.SerializeToString,
             croupier_dot_v1_dot_coordinator__pb2.GetLedgerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/croupier.v1.Coordinator/CommitStep',
+            croupier_dot_v1_dot_coordinator__pb2.CommitStepRequest.SerializeToString,
+            croupier_dot_v1_dot_coordinator__pb2.CommitStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,13 @@ class CoordinatorStub:
     that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
     client answers step and sample questions from it (croupier.core.ledger).
     """
+    CommitStep: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CommitStepRequest, _coordinator_pb2.CommitStepResponse]
+    """A fault-tolerant job (replica groups that leave and heal between steps, croupier.core.ftsteps)
+    records a step that committed: which stream positions it trained and the quorum that split
+    them. Idempotent (a step reported again by another group changes nothing); answers once the
+    record is durable. The job's first report registers it with the spec. Refused
+    (FAILED_PRECONDITION) when it contradicts the run's record or the job's spec.
+    """
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -119,6 +126,13 @@ class CoordinatorAsyncStub(CoordinatorStub):
     started, with its world, resume point, the step it resumed at and the generation that took
     that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
     client answers step and sample questions from it (croupier.core.ledger).
+    """
+    CommitStep: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CommitStepRequest, _coordinator_pb2.CommitStepResponse]  # type: ignore[assignment]
+    """A fault-tolerant job (replica groups that leave and heal between steps, croupier.core.ftsteps)
+    records a step that committed: which stream positions it trained and the quorum that split
+    them. Idempotent (a step reported again by another group changes nothing); answers once the
+    record is durable. The job's first report registers it with the spec. Refused
+    (FAILED_PRECONDITION) when it contradicts the run's record or the job's spec.
     """
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -214,6 +228,19 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         started, with its world, resume point, the step it resumed at and the generation that took
         that checkpoint, how far its ranks reported, and (dynamic dealing) what was dealt to it. The
         client answers step and sample questions from it (croupier.core.ledger).
+        """
+
+    @_abc_1.abstractmethod
+    def CommitStep(
+        self,
+        request: _coordinator_pb2.CommitStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.CommitStepResponse, _abc.Awaitable[_coordinator_pb2.CommitStepResponse]]:
+        """A fault-tolerant job (replica groups that leave and heal between steps, croupier.core.ftsteps)
+        records a step that committed: which stream positions it trained and the quorum that split
+        them. Idempotent (a step reported again by another group changes nothing); answers once the
+        record is durable. The job's first report registers it with the spec. Refused
+        (FAILED_PRECONDITION) when it contradicts the run's record or the job's spec.
         """
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
