@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,20 @@ log = logging.getLogger("croupier")
 _ONE_BATCH = Schedule()  # the default step schedule: one batch of every rank per step
 
 
+def _refuse_torchft() -> None:
+    """Refuses a sampler in a torchft job (``TORCHFT_LIGHTHOUSE`` set): there, each replica group is a
+    world of its own to torch.distributed, so every group would be dealt the whole epoch, and a step
+    torchft throws away would count as trained. ``croupier.integrations.torchft.StepLoader`` deals
+    by the quorum and the committed steps instead."""
+    lighthouse = os.environ.get("TORCHFT_LIGHTHOUSE")
+    if lighthouse:
+        raise RuntimeError(
+            f"TORCHFT_LIGHTHOUSE is set ({lighthouse!r}): under torchft each replica "
+            "group is its own torch.distributed world, so this sampler would deal every group the whole epoch "
+            "(each sample trained once per group) and count aborted steps as trained; use "
+            "croupier.integrations.torchft.StepLoader, which deals each step by its quorum and the committed steps")
+
+
 class _Base(Checkpointing, Amending, Sampler[Any]):
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state.
 
@@ -54,6 +69,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
                  process_group: Any | None = None, device_mesh: Any | None = None,
                  mesh_dim: str | int | None = None, join_timeout: float | None = None,
                  security: Security | None = None, schedule: Schedule = _ONE_BATCH) -> None:
+        _refuse_torchft()
         self.spec = spec
         self._schedule = schedule  # the trainer's step schedule, sent with the join
         self._kind: PlanKind = kind_of(spec)

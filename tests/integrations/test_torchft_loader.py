@@ -239,3 +239,11 @@ def test_a_step_committed_again_by_a_later_quorum_supersedes_the_lost_updates(cl
     assert [c.to_list() for c in record.runs[0].steps] == [[0, 0, 12, 1, 2], [1, 12, 24, 3, 1]]
     assert record.kept(2) is None
     assert [c.to_list() for _, c in record.abandoned(1)] == [[1, 12, 24, 1, 2]]
+
+
+def test_the_plain_sampler_is_refused_under_torchft(monkeypatch: pytest.MonkeyPatch) -> None:
+    from croupier.client import DistributedSampler
+
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    with pytest.raises(RuntimeError, match=r"TORCHFT_LIGHTHOUSE is set \('http://lighthouse:29510'\).*StepLoader"):
+        DistributedSampler(N, num_replicas=2, rank=0, address="127.0.0.1:1")
