@@ -20,6 +20,7 @@ import numpy as np
 
 from croupier.core import settings
 from croupier.core.errors import CroupierError, InvalidArgument, NotFound, Unavailable
+from croupier.core.ftsteps import Steps
 from croupier.core.ledger import Ledger, Occurrence, StepRecord, Version
 from croupier.core.registry import sized_batches
 from croupier.tools.status import table
@@ -283,6 +284,43 @@ def export(led: Ledger, path: str | os.PathLike[str]) -> Exported:
 # --------------------------------------------------------------------------- the command
 
 
+def ft_record(address: str | None, job: str) -> Steps:
+    """A fault-tolerant job's record of committed steps (empty for a job of generations)."""
+    from croupier.client import CoordinatorClient
+
+    with CoordinatorClient(settings.coordinator_address(address), retry_for=RETRY_FOR_S,
+                           call_timeout=CALL_TIMEOUT_S) as client:
+        return client.steps(job)[1]
+
+
+def _main_ft(job: str, spec: Any, record: Steps, step: int | None, span: tuple[int, int | None] | None,
+             index: int | None, as_json: bool, full: bool, export_to: str | None, out: TextIO) -> int:
+    """`main`'s answers for a fault-tolerant job (``croupier.tools.provenance_ft``)."""
+    from croupier.tools import provenance_ft as ft
+
+    doc: Any
+    if export_to is not None:
+        raise Refused("a fault-tolerant job's steps are split by their quorums: ask --step or --steps")
+    if span is not None or step is not None:
+        first, last = (step, step) if step is not None else (span[0], span[1])  # type: ignore[index]
+        last = max(ft.last_step(record), first) if last is None else last
+        versions = [v for t in range(first, last + 1) for v in ft.ft_step(spec, record, t)]
+        doc = [v.to_dict() for v in versions]
+        lines = ft.ft_lines(job, versions, SHOWN, full)
+    elif index is not None:
+        doc = ft.ft_index(spec, record, index)
+        lines = [f"job {job!r} index {index}:"] + [
+            f"  epoch {o['epoch']}: step {o['step']} (run {o['run']!r}, quorum {o['quorum']}, group {o['group']})"
+            for o in doc] if doc else [f"job {job!r} index {index}: not trained in a kept step yet"]
+    else:
+        doc = ft.ft_summary(job, record)
+        lines = [f"job {job!r}: fault-tolerant, {doc['last_step']} committed steps kept"] + [
+            f"  run {r['run']!r}: from step {r['resumed']} of {r['parent'] or 'a fresh start'!r}, {r['mode']} batch "
+            f"{r['batch']}, {r['steps']} steps recorded, {r['superseded']} superseded" for r in doc["runs"]]
+    out.write(json.dumps(doc) + "\n" if as_json else "\n".join(lines) + "\n")
+    return 0
+
+
 def main(address: str | None, job: str, *, step: int | None = None, steps: str | None = None,
          index: int | None = None, source: int | None = None, as_json: bool = False, full: bool = False,
          export_to: str | None = None, out: TextIO | None = None) -> int:
@@ -312,6 +350,10 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
     try:
         led = ledger(address, job)
         doc: Any
+        if not led.segments:
+            record = ft_record(address, job)
+            if record.runs:
+                return _main_ft(job, led.spec, record, step, span, index, as_json, full, export_to, out)
         if export_to is not None:
             done = export(led, export_to)
             out.write(f"job {job!r}: wrote {done.path}: {done.steps} steps of {done.batch} samples "
