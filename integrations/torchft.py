@@ -51,12 +51,15 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 from torch.utils.data import default_collate
@@ -104,12 +107,17 @@ class StepLoader:
         collate_fn: Makes a batch of the samples (default torch's ``default_collate``).
         group_rank, group_world: This rank in its group (default torch.distributed, else RANK and WORLD_SIZE).
         run: The name of this start of the job (default ``CROUPIER_RUN``, else derived: see the module).
+        audit_dir: Where to write this rank's audit log of every attempted step (default
+            ``CROUPIER_AUDIT_DIR``; None: none): ``croupier audit LOGDIR`` checks the committed steps
+            exactly once per epoch from the logs of every rank of every group.
+        group: This replica group's name in the audit log (default ``REPLICA_GROUP_ID``, else the pid).
     """
 
     def __init__(self, manager: Any, dataset: Any, *, global_batch: int | None = None, group_batch: int | None = None,
                  job: str | None = None, address: str | None = None, seed: int = 0, shuffle: bool = True,
                  collate_fn: Callable[[list[Any]], Any] | None = None, group_rank: int | None = None,
-                 group_world: int | None = None, run: str | None = None) -> None:
+                 group_world: int | None = None, run: str | None = None, audit_dir: str | None = None,
+                 group: str | None = None) -> None:
         if (global_batch is None) == (group_batch is None):
             raise ValueError(f"give exactly one of global_batch and group_batch (got global_batch={global_batch!r}, "
                              f"group_batch={group_batch!r})")
@@ -150,6 +158,9 @@ class StepLoader:
         self._queue: queue.Queue[tuple[str, str, int, CommittedStep] | None] = queue.Queue()
         self._reporter: threading.Thread | None = None
         self._refused = False
+        audit_dir = audit_dir or os.environ.get("CROUPIER_AUDIT_DIR")
+        self._audit = _FtAudit(audit_dir, self.job, group or os.environ.get("REPLICA_GROUP_ID") or str(os.getpid()),
+                               self.group_rank) if audit_dir else None
 
     # ------------------------------------------------------------------ torchft's calls
 
@@ -170,6 +181,8 @@ class StepLoader:
         def should_commit(*args: Any, **kwargs: Any) -> bool:
             ok = bool(commit(*args, **kwargs))
             self._quorum_open = False
+            if self._audit is not None and self.deal is not None:
+                self._audit.step(self, ok)
             if ok and self.counted and self.deal is not None and self._client is not None:
                 self._send(CommittedStep(self.step, self.deal.first, self.deal.last, self.quorum, self.participants))
             return ok
@@ -293,6 +306,35 @@ class StepLoader:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
+
+
+class _FtAudit:
+    """One rank's audit log of attempted steps: msgpack records in ``LOGDIR/JOB/ft-GROUP-rRANK-PID.ftaudit``,
+    each flushed (a kill -9 loses at most the last). Read by ``croupier.tools.audit_ft``."""
+
+    def __init__(self, root: str, job: str, group: str, rank: int) -> None:
+        d = pathlib.Path(root) / job
+        d.mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in group)
+        self.group, self.rank = group, rank
+        self._f = open(d / f"ft-{safe}-r{rank}-{os.getpid()}.ftaudit", "ab")
+
+    def step(self, lo: StepLoader, committed: bool) -> None:
+        assert lo.deal is not None
+        rec = {"t": "step", "ts": time.time(), "group": self.group, "rank": self.rank, "world": lo.group_world,
+               "run": lo.run, "parent": lo.parent, "resumed": lo.resumed, "mode": lo.mode, "batch": lo.batch,
+               "n": lo.spec.n, "step": lo.step, "quorum": lo.quorum, "participants": lo.participants,
+               "counted": lo.counted, "committed": committed, "first": lo.deal.first, "last": lo.deal.last,
+               "start": lo.deal.start, "stop": lo.deal.stop,
+               "idx": np.asarray(lo.indices, dtype="<i8").tobytes()}
+        self._f.write(msgpack.packb(rec))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def new_run() -> str:

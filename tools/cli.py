@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +55,18 @@ def _serve_cmd(args: argparse.Namespace) -> int:
     return serve(args.host, args.port, args.store, grace=args.grace, options=options)
 
 
+def _audit_ft(logdir: str) -> dict[str, bool]:
+    """Audits the fault-tolerant (torchft) jobs' logs under `logdir` (``croupier.tools.audit_ft``), printing each."""
+    from croupier.tools.audit_ft import audit_ft, load_ft, render_ft
+
+    out = {}
+    for job, records in sorted(load_ft(logdir).items()):
+        a = audit_ft(job, records)
+        print(render_ft(a))
+        out[job] = a.ok
+    return out
+
+
 def _audit_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.audit import audit, by_source, render, render_sources, verdict
 
@@ -62,13 +75,17 @@ def _audit_cmd(args: argparse.Namespace) -> int:
                          "audits the coordinator's ledger alone)")
     ok = True
     try:
-        if args.logdir is not None:
+        ft_jobs = {} if args.logdir is None else _audit_ft(args.logdir)
+        if ft_jobs:
+            ok = all(ft_jobs.values())
+        if args.logdir is not None and (not ft_jobs or any(pathlib.Path(args.logdir).glob("*/*.audit"))):
             reports = audit(args.logdir)
             print(render(reports))
             for job in sorted({r.job for r in reports if r.sources}):
                 print(f"\n{job}: by source and source epoch")
                 print(render_sources(by_source(r for r in reports if r.job == job)))
-            ok, summary = verdict(reports, allow_unfinished=args.allow_unfinished, allow_cut=args.allow_cut)
+            fine, summary = verdict(reports, allow_unfinished=args.allow_unfinished, allow_cut=args.allow_cut)
+            ok = fine and ok
             print(f"\n{summary}\n" if args.by_step else f"\n{summary}")
         if args.by_step:
             from croupier.tools.audit_steps import main as by_step
