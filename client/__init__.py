@@ -9,18 +9,20 @@ from croupier.client._rpc import CHANNEL_OPTIONS, CoordinatorClient, Security
 from croupier.client._sample import Sample
 
 if TYPE_CHECKING:
+    from croupier.client._packed import Indexed, PackedLoader
+    from croupier.client._packing import Packed
     from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
     from croupier.client._shards import shards
     from croupier.client._workers import worker_options
 
-__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "MissingCallbackWarning",
-           "Sample", "Security",
+__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Indexed",
+           "MissingCallbackWarning", "Packed", "PackedLoader", "Sample", "Security",
            "shards", "worker_options"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator
 #: (``croupier status``, ``croupier health``: a probe runs often) should not wait for.
-_SAMPLERS = {"DistributedBatchSampler": "_sampler", "DistributedSampler": "_sampler", "shards": "_shards",
-             "worker_options": "_workers"}
+_SAMPLERS = {"DistributedBatchSampler": "_sampler", "DistributedSampler": "_sampler", "Indexed": "_packed",
+             "Packed": "_packing", "PackedLoader": "_packed", "shards": "_shards", "worker_options": "_workers"}
 
 
 def __getattr__(name: str) -> Any:
