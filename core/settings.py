@@ -26,6 +26,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("CROUPIER_ADDRESS", None, "HOST:PORT (or several, comma-separated replicas) of the coordinator the "
             "samplers and `croupier status` / `croupier health` call; unset: samplers start an embedded one"),
     Setting("CROUPIER_JOB", None, "the job's name, when a sampler is given no `job=`"),
+    Setting("CROUPIER_RUN", None, "names this start of a fault-tolerant (torchft) job, when its `StepLoader` is "
+            "given no `run=` (default: derived from the checkpoint state it loaded)"),
     Setting("CROUPIER_INCARNATION", None, "names the incarnation of the job's world, when a sampler is given no "
             "`incarnation=` (default: from torchrun / torch.distributed)", old="CROUPIER_TOKEN"),
     Setting("CROUPIER_TOKEN", None, "the old name of `CROUPIER_INCARNATION`, read when that is unset"),

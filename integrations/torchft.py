@@ -65,6 +65,7 @@ import torch
 from torch.utils.data import default_collate
 
 from croupier.client import CoordinatorClient
+from croupier.core import settings
 from croupier.core.checks import check_bool, check_int
 from croupier.core.ftsteps import CommittedStep, StepDeal, rank_deal, stream_runs
 from croupier.core.order import order
@@ -131,11 +132,11 @@ class StepLoader:
         check_int("len(dataset)", n, 1)
         self.dataset = None if isinstance(dataset, int) else dataset
         self.spec = Spec(n=n, seed=seed, permutation="feistel" if shuffle else "none", batch_size=self.batch)
-        self.job = job or os.environ.get("CROUPIER_JOB") or f"torchft.{self.spec.fingerprint[:12]}"
+        self.job = job or settings.get("CROUPIER_JOB") or f"torchft.{self.spec.fingerprint[:12]}"
         self.group_rank, self.group_world = _group_topology(group_rank, group_world)
         self._collate = collate_fn or default_collate
         self._manager = manager
-        self._named_run = run or os.environ.get("CROUPIER_RUN")
+        self._named_run = run or settings.get("CROUPIER_RUN")
         self.run = self._named_run or "fresh"
         self.parent, self.resumed = "", 0
         self._expect_step: int | None = None  # a loaded state's step, checked against the manager's at the first deal
@@ -150,7 +151,7 @@ class StepLoader:
         self.reports = 0  # steps this loader reported (one per committed step, on a group's rank 0)
         self._quorum_open = False
         self._hook(manager)
-        address = address or os.environ.get("CROUPIER_ADDRESS")
+        address = address or settings.get("CROUPIER_ADDRESS")
         self._client = CoordinatorClient(address, retry_for=30.0) if address and self.group_rank == 0 else None
         if not address and self.group_rank == 0:
             log.warning("no coordinator address (address= or CROUPIER_ADDRESS): job %r's steps are dealt but not "
@@ -158,7 +159,7 @@ class StepLoader:
         self._queue: queue.Queue[tuple[str, str, int, CommittedStep] | None] = queue.Queue()
         self._reporter: threading.Thread | None = None
         self._refused = False
-        audit_dir = audit_dir or os.environ.get("CROUPIER_AUDIT_DIR")
+        audit_dir = audit_dir or settings.get("CROUPIER_AUDIT_DIR")
         self._audit = _FtAudit(audit_dir, self.job, group or os.environ.get("REPLICA_GROUP_ID") or str(os.getpid()),
                                self.group_rank) if audit_dir else None
 

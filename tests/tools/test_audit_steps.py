@@ -241,7 +241,7 @@ def test_a_mixture_counts_each_source_epoch_apart() -> None:
     core = Coordinator(MemoryStore())
     try:
         ledger_run(core)
-        spec, blob = core.ledger(LEDGER_JOB)
+        spec, blob, _ = core.ledger(LEDGER_JOB)
     finally:
         core.close()
     ledger = Ledger(LEDGER_JOB, spec, unpack(blob))
