@@ -13,6 +13,7 @@ from croupier.core import feistel
 from croupier.core.amend import Amendment, check, sizes_after, skip_of
 from croupier.core.mixture import PARTS, parts_of
 from croupier.core.stream import Stream
+from tests._budget import examples
 
 LENGTH = 1500  # stream positions dealt per example
 
@@ -52,7 +53,7 @@ def _dealt(stream: Stream, length: int) -> tuple[np.ndarray, np.ndarray, np.ndar
     return index - offsets[source], source, epoch
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(amended_streams())
 def test_every_source_epoch_deals_each_sample_not_skipped_exactly_once(stream: Stream) -> None:
     sample, source, epoch = _dealt(stream, LENGTH)
@@ -76,7 +77,7 @@ def test_every_source_epoch_deals_each_sample_not_skipped_exactly_once(stream: S
         assert at is None or p < at, f"sample {j} of source {s} dealt at {p}, skipped from {at}"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(amended_streams(), st.integers(0, LENGTH - 1))
 def test_random_access_agrees_with_dealing_from_the_start(stream: Stream, p: int) -> None:
     whole = stream.indices(np.arange(LENGTH))
@@ -85,7 +86,7 @@ def test_random_access_agrees_with_dealing_from_the_start(stream: Stream, p: int
         assert a[[p, LENGTH - 1 - p]].tolist() == b.tolist()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(amended_streams())
 def test_the_stream_before_an_amendment_is_the_stream_without_it(stream: Stream) -> None:
     if not stream.amendments:

@@ -22,6 +22,7 @@ from croupier.core.ledger import Ledger, Segment
 from croupier.core.registry import plan_epoch
 from croupier.core.schedule import Schedule
 from croupier.core.spec import Spec
+from tests._budget import examples
 
 
 @dataclasses.dataclass
@@ -118,7 +119,7 @@ specs = st.builds(
     .map(lambda p: p), st.booleans(), st.booleans())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs, gens=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 12), st.integers(0, 3), st.integers(1, 2)),
                                  min_size=1, max_size=5))
 def test_steps_and_indices_agree_with_a_simulated_trainer(spec: Spec, gens: list[tuple[int, int, int, int]]) -> None:
