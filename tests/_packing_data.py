@@ -57,9 +57,14 @@ Trained = list[tuple[int, int, int]]
 
 
 def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_len: int, steps: int | None,
-              state: dict[str, Any] | None, **packing: Any) -> tuple[list[Trained], list[dict[str, Any]]]:
+              state: dict[str, Any] | None, stateful: bool = False,
+              **packing: Any) -> tuple[list[Trained], list[dict[str, Any]]]:
     """Every rank of a world (threads) trains `steps` batches (None: to the end of the epoch) from `state`,
-    then checkpoints (every rank); each rank's pieces trained and its state."""
+    then checkpoints (every rank); each rank's pieces trained and its state. `stateful`: through
+    torchdata's ``StatefulDataLoader`` (its own state unused) instead of torch's ``DataLoader``."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    make = StatefulDataLoader if stateful else DataLoader
     g = ThreadGather(world)
     incarnation = uuid.uuid4().hex
 
@@ -67,7 +72,7 @@ def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_
         s = DistributedSampler(len(docs), num_replicas=world, rank=r, address=address, job=job, seed=3, tail="uneven",
                                incarnation=incarnation)
         ctx = {"multiprocessing_context": _CONTEXT} if workers else {}
-        dl = DataLoader(Indexed(docs), batch_size=None, sampler=s, num_workers=workers, **ctx)  # type: ignore[arg-type]
+        dl = make(Indexed(docs), batch_size=None, sampler=s, num_workers=workers, **ctx)  # type: ignore[arg-type]
         pl = PackedLoader(dl, s, seq_len, gather=g.for_rank(r), **packing)
         if state is not None:
             pl.load_state_dict(state)

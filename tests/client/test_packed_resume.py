@@ -32,14 +32,14 @@ def address() -> Iterator[str]:
             s.stop(grace=0.5)
 
 
-def _resume(address: str, lengths: list[int], w1: int, k1: int, w2: int, k2: int, cut: int,
+def _resume(address: str, lengths: list[int], w1: int, k1: int, w2: int, k2: int, cut: int, stateful: bool = False,
             **packing: Any) -> tuple[dict[str, Any], Any]:
     """An epoch trained by `w1` ranks (`k1` workers) to `cut` batches, checkpointed, then finished by
     `w2` ranks (`k2` workers) from the state: the state and the token audit of the whole epoch."""
     docs, job = Docs(lengths), uuid.uuid4().hex
-    first, states = run_world(address, job, docs, w1, k1, SEQ_LEN, cut, None, **packing)
+    first, states = run_world(address, job, docs, w1, k1, SEQ_LEN, cut, None, stateful, **packing)
     assert all(s == states[0] for s in states), "every rank gets the same state"
-    rest, ends = run_world(address, job, docs, w2, k2, SEQ_LEN, None, states[0], **packing)
+    rest, ends = run_world(address, job, docs, w2, k2, SEQ_LEN, None, states[0], stateful, **packing)
     assert ends[0]["waiting"] == [] and ends[0]["skip"] == [] and ends[0]["sampler"]["epoch"] == 1
     limit = SEQ_LEN if packing.get("long") == "truncate" else None
     return states[0], token_audit(lengths, [p for t in first + rest for p in t], limit)
@@ -78,6 +78,14 @@ def test_a_resume_on_another_world_takes_the_waiting_pieces_and_skips_what_was_p
     # Long documents, a buffer of 5: at the cut every rank holds pieces, and the ranks pulled different counts.
     lengths = [(i * 37) % 40 + 1 for i in range(30)]
     state, bad = _resume(address, lengths, 3, 2, 2, 0, 3, pack="best_fit", buffer=5)
+    assert state["waiting"] and not bad, (state, bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stateful", "w1", "k1", "w2", "k2"), [(False, 2, 8, 3, 1), (True, 3, 4, 1, 8), (True, 1, 2, 2, 0)])
+def test_eight_workers_and_the_stateful_data_loader(address: str, stateful: bool, w1: int, k1: int, w2: int, k2: int) -> None:
+    lengths = [(i * 53) % 45 + 1 for i in range(60)]
+    state, bad = _resume(address, lengths, w1, k1, w2, k2, 4, stateful, pack="best_fit", buffer=6, rows=2)
     assert state["waiting"] and not bad, (state, bad)
 
 
