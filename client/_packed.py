@@ -91,6 +91,7 @@ class _Epoch:
         self.planner = planner
         self.reload: deque[Key] = deque(reload)  # the loaded state's waiting pieces, this rank's share
         self.pending: deque[Piece] = deque()  # the rest of a document being added
+        self.early: list[Piece] = []  # the first sample's pieces, taken before the waiting pieces are packed
         self.ready: deque[Row] = deque()  # closed rows not yet in a yielded batch
         self.loaded_skip = list(skip.elements())
         self.skip = skip  # what this rank still drops
@@ -100,7 +101,7 @@ class _Epoch:
 
     def waiting(self) -> list[Key]:
         held = [p.key for row in self.ready for p in row] + [p.key for p in self.planner.waiting()]
-        return held + [p.key for p in self.pending] + list(self.reload)
+        return held + [p.key for p in self.pending] + list(self.reload) + [p.key for p in self.early]
 
     def part(self, rank: int) -> Part:
         return Part(rank, self.epoch, self.pulled, self.done, tuple(self.log), tuple(self.hits.elements()),
@@ -191,6 +192,13 @@ class PackedLoader:
         return self._batches(run)
 
     def _batches(self, run: _Epoch) -> Iterator[Packed]:
+        # NOTE: the first sample is taken before the waiting pieces are packed: the sampler joins its
+        # generation at its first item, and the join waits for every rank; a rank that trained its
+        # waiting pieces first would keep the others there while it steps (a deadlock under DDP).
+        items = iter(self.loader)
+        first = next(items, None)
+        if first is not None:
+            run.early.extend(self._pull(run, first))
         while run.reload:
             i, offset, length = run.reload[0]
             doc = self._reload(i)
@@ -198,24 +206,34 @@ class PackedLoader:
                 raise ValueError(f"a waiting piece of document {i} ends at token {offset + length}, but the dataset's "
                                  f"document {i} has {doc.shape[0]} tokens: the dataset changed since the checkpoint")
             pieces = pieces_of(i, doc[offset:offset + length], self.seq_len, self.long)
-            pieces = [Piece(i, offset + p.offset, p.length, p.tokens) for p in pieces]
-            run.pending.extend(pieces)
+            run.pending.extend(Piece(i, offset + p.offset, p.length, p.tokens) for p in pieces)
             run.reload.popleft()
             yield from self._drain(run)
-        for item in self.loader:
-            for index, doc in _samples(item):
-                run.pulled += 1
-                run.log.append(index)
-                if run.skip[index] > 0:  # past the cut of the state loaded: trained, or among the waiting pieces
-                    run.skip[index] -= 1
-                    run.hits[index] += 1
-                    continue
-                run.pending.extend(pieces_of(index, doc, self.seq_len, self.long))
-                yield from self._drain(run)
+        run.pending.extend(run.early)
+        run.early.clear()
+        yield from self._drain(run)
+        for item in items:
+            run.pending.extend(self._pull(run, item))
+            yield from self._drain(run)
         run.ready.extend(run.planner.flush())
         while run.ready:
             yield self._take(run, min(self.rows, len(run.ready)))
         run.done = True
+
+    def _pull(self, run: _Epoch, item: Any) -> list[Piece]:
+        """The pieces of the samples of one item of the loader, counted as taken; none of a sample the
+        state loaded names as taken past its cut (it is dropped). Until they are packed they wait in
+        ``run.early`` (the first item) or ``run.pending``."""
+        out: list[Piece] = []
+        for index, doc in _samples(item):
+            run.pulled += 1
+            run.log.append(index)
+            if run.skip[index] > 0:  # past the cut of the state loaded: trained, or among the waiting pieces
+                run.skip[index] -= 1
+                run.hits[index] += 1
+                continue
+            out += pieces_of(index, doc, self.seq_len, self.long)
+        return out
 
     def _drain(self, run: _Epoch) -> Iterator[Packed]:
         """Adds the pending pieces one at a time, yielding a batch whenever `rows` rows are closed."""

@@ -57,20 +57,23 @@ Trained = list[tuple[int, int, int]]
 
 
 def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_len: int, steps: int | None,
-              state: dict[str, Any] | None, stateful: bool = False,
+              state: dict[str, Any] | None, stateful: bool = False, lockstep: bool = False,
               **packing: Any) -> tuple[list[Trained], list[dict[str, Any]]]:
     """Every rank of a world (threads) trains `steps` batches (None: to the end of the epoch) from `state`,
     then checkpoints (every rank); each rank's pieces trained and its state. `stateful`: through
-    torchdata's ``StatefulDataLoader`` (its own state unused) instead of torch's ``DataLoader``."""
+    torchdata's ``StatefulDataLoader`` (its own state unused) instead of torch's ``DataLoader``.
+    `lockstep`: the ranks wait for each other after every batch, as DDP's gradient all-reduce makes them
+    (each must then have `steps` batches), and a sampler's join waits 30 s at most."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     make = StatefulDataLoader if stateful else DataLoader
     g = ThreadGather(world)
+    step = threading.Barrier(world)
     incarnation = uuid.uuid4().hex
 
     def rank(r: int) -> tuple[Trained, dict[str, Any]]:
         s = DistributedSampler(len(docs), num_replicas=world, rank=r, address=address, job=job, seed=3, tail="uneven",
-                               incarnation=incarnation)
+                               incarnation=incarnation, join_timeout=30 if lockstep else None)
         ctx = {"multiprocessing_context": _CONTEXT} if workers else {}
         dl = make(Indexed(docs), batch_size=None, sampler=s, num_workers=workers, **ctx)  # type: ignore[arg-type]
         pl = PackedLoader(dl, s, seq_len, gather=g.for_rank(r), **packing)
@@ -88,6 +91,8 @@ def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_
                     break
                 trained += [p for row in batch.pieces for p in row]
                 k += 1
+                if lockstep:
+                    step.wait(timeout=60)
             return trained, pl.state_dict()
         finally:
             it.close()

@@ -81,6 +81,16 @@ def test_a_resume_on_another_world_takes_the_waiting_pieces_and_skips_what_was_p
     assert state["waiting"] and not bad, (state, bad)
 
 
+def test_a_rank_that_trains_waiting_pieces_first_does_not_hold_the_others_at_the_join(address: str) -> None:
+    """Rank 2 of the new world gets no waiting piece: its first batch joins the sampler's generation at once,
+    and the join waits for every rank. Ranks 0 and 1 must join at their first batch too, before the batch
+    of waiting pieces they train first, or the world deadlocks at its first all-reduce."""
+    docs, job = Docs([SEQ_LEN] * 12), uuid.uuid4().hex
+    _, states = run_world(address, job, docs, 1, 0, SEQ_LEN, 1, None, pack="best_fit", buffer=3)
+    assert len(states[0]["waiting"]) == 2, states[0]
+    run_world(address, job, docs, 3, 0, SEQ_LEN, 2, states[0], lockstep=True, pack="best_fit", buffer=1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("stateful", "w1", "k1", "w2", "k2"), [(False, 2, 8, 3, 1), (True, 3, 4, 1, 8), (True, 1, 2, 2, 0)])
 def test_eight_workers_and_the_stateful_data_loader(address: str, stateful: bool, w1: int, k1: int, w2: int, k2: int) -> None:
