@@ -164,11 +164,20 @@ class PackedLoader:
         self.dataset = dataset if dataset is not None else getattr(loader, "dataset", None)
         self._gather = gather or _gather_for(sampler)
         self._run: _Epoch | None = None
+        self._batches_of: Iterator[Packed] | None = None  # the iteration of `_run`
         self._loaded: tuple[int | None, list[Key], list[int]] | None = None  # (epoch, share, skip) of a state loaded
 
     # ---------------------------------------------------------------- iteration
 
     def __iter__(self) -> Iterator[Packed]:
+        """The batches of the epoch: a new epoch, or the rest of the one in hand if it has not ended.
+
+        NOTE: a loop that stops before the epoch's end and iterates again goes on with the same
+        iteration: the loader's workers hold samples the sampler handed out, which a new iterator of
+        the loader would not see again (and the checkpoint could not count).
+        """
+        if self._run is not None and not self._run.done and self._batches_of is not None:
+            return self._batches_of
         s = self.sampler
         epoch, before = s.epoch, s.items_resumed
         reload: list[Key] = []
@@ -189,7 +198,8 @@ class PackedLoader:
                 reload = []
         run = _Epoch(epoch, before, make_planner(self.pack, self.seq_len, self.buffer), reload, skip)
         self._run = run
-        return self._batches(run)
+        self._batches_of = self._batches(run)
+        return self._batches_of
 
     def _batches(self, run: _Epoch) -> Iterator[Packed]:
         # NOTE: the first sample is taken before the waiting pieces are packed: the sampler joins its

@@ -18,8 +18,8 @@ from croupier.client import DistributedSampler, Indexed, PackedLoader
 #: DataLoader workers start from a fork server that imported torch once: a fork from a test
 #: process whose ranks run in threads could inherit a lock another thread held (CPython gh-112275),
 #: and spawning imports torch again for every worker.
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "_packing_data"])
+CONTEXT = multiprocessing.get_context("forkserver")
+CONTEXT.set_forkserver_preload(["torch", "_packing_data"])
 
 
 class Docs:
@@ -74,7 +74,7 @@ def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_
     def rank(r: int) -> tuple[Trained, dict[str, Any]]:
         s = DistributedSampler(len(docs), num_replicas=world, rank=r, address=address, job=job, seed=3, tail="uneven",
                                incarnation=incarnation, join_timeout=30 if lockstep else None)
-        ctx = {"multiprocessing_context": _CONTEXT} if workers else {}
+        ctx = {"multiprocessing_context": CONTEXT} if workers else {}
         dl = make(Indexed(docs), batch_size=None, sampler=s, num_workers=workers, **ctx)  # type: ignore[arg-type]
         pl = PackedLoader(dl, s, seq_len, gather=g.for_rank(r), **packing)
         if state is not None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _packing_data import Docs, run_world, token_audit
+from _packing_data import CONTEXT, Docs, run_world, token_audit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -140,6 +140,24 @@ def test_stateful_data_loader_and_batches_of_samples(address: str) -> None:
     pl.load_state_dict(state)
     trained += [p for b in pl for row in b.pieces for p in row]
     pl.sampler.close()
+    assert not token_audit(lengths, trained, None)
+
+
+def test_a_loop_that_stops_and_iterates_again_goes_on_with_the_epoch(address: str) -> None:
+    """The loader's two workers hold samples read ahead when the loop stops: iterating again must not
+    start a new iterator of the loader, which would never see them."""
+    lengths = [(i * 29) % 40 + 1 for i in range(40)]
+    docs = Docs(lengths)
+    s = DistributedSampler(len(docs), num_replicas=1, rank=0, address=address, job=uuid.uuid4().hex, tail="uneven")
+    dl = DataLoader(Indexed(docs), batch_size=None, sampler=s, num_workers=2, multiprocessing_context=CONTEXT)
+    pl = PackedLoader(dl, s, SEQ_LEN, pack="best_fit", buffer=4)
+    trained = []
+    for k, b in enumerate(pl):
+        trained += [p for row in b.pieces for p in row]
+        if k == 2:
+            break
+    trained += [p for b in pl for row in b.pieces for p in row]
+    s.close()
     assert not token_audit(lengths, trained, None)
 
 
