@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchft.data import DistributedSampler as FtSampler
 
 
 class Indexed(Dataset[torch.Tensor]):
@@ -138,9 +140,6 @@ class TorchftData:
     """torchft's sampler and torchdata's StatefulDataLoader, epoch after epoch, its state saved per rank."""
 
     def __init__(self, args: argparse.Namespace, dataset: Indexed, group: int, rank: int, world: int) -> None:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-        from torchft.data import DistributedSampler as FtSampler
-
         self.sampler = FtSampler(dataset, replica_rank=group, num_replica_groups=args.max_groups, group_rank=rank,
                                  num_replicas=world, shuffle=True, seed=0)
         self.loader = StatefulDataLoader(dataset, batch_size=args.rank_batch, sampler=self.sampler)
@@ -184,9 +183,17 @@ def main() -> None:
     args = parse()
     from torchft import Manager, Optimizer, ProcessGroupGloo
 
+    if args.sampler == "croupier":
+        from croupier.integrations.torchft import StepLoader
     group = int(os.environ["REPLICA_GROUP_ID"])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    control = args.workdir / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    (control / f"pid-{os.getpid()}").write_text(f"{group} {rank}")
+    if args.wait_for:  # imported and waiting, not yet known to torchft: its Manager starts when let go
+        (control / f"ready-{args.wait_for}-g{group}-r{rank}").write_text(str(os.getpid()))
+        wait_for(control / args.wait_for)
     torch.manual_seed(0)
     dataset = Indexed(args.samples)
     model = nn.Linear(3, 1)
@@ -208,8 +215,6 @@ def main() -> None:
 
     loader: Any
     if args.sampler == "croupier":
-        from croupier.integrations.torchft import StepLoader
-
         loader = StepLoader(dealer, dataset, global_batch=args.batch, job=args.job, address=args.address, seed=0)
     else:
         loader = TorchftData(args, dataset, group, rank, world)
@@ -227,13 +232,7 @@ def main() -> None:
     logs = args.workdir / "steps"
     logs.mkdir(parents=True, exist_ok=True)
     log = (logs / f"run{args.job_start}-g{group}-r{rank}-p{os.getpid()}.jsonl").open("a")
-    control = args.workdir / "control"
-    control.mkdir(parents=True, exist_ok=True)
     aborted = False
-    if args.wait_for:  # the groups of a start meet in their first quorum
-        (control / f"ready-run{args.job_start}-g{group}-r{rank}").write_text(str(os.getpid()))
-        wait_for(control / args.wait_for)
-    (control / f"pid-{os.getpid()}").write_text(f"{group} {rank}")
     gates = {int(g) for g in args.gates.split(",") if g}
     it = iter(loader)
     while manager.current_step() < args.steps:
