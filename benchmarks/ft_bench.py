@@ -11,11 +11,10 @@ Measured per group and attempt, on the training thread:
   ``should_commit`` hook (the stand-in's own decision included: a dict lookup);
 * every RPC the loaders send (their ``CoordinatorClient`` calls, counted by method and thread);
 * the coordinator's CPU (user + system) and RSS around the attempts, every report flushed;
-* the step time of ``examples/torchft_train.py``'s model (``Linear(3, 1)``, MSE, SGD) and of a small
-  MLP on a group's local batch (forward, backward, optimizer step; no collectives);
-* beside it, in a second pass without a coordinator: ``next()`` of ``StepLoader`` and of a
-  ``DataLoader`` over torchft's ``torchft.data.DistributedSampler`` (``num_replica_groups`` = G), both
-  over the same dataset (item ``i`` is ``i``), collated by torch's ``default_collate``.
+* the step time of ``examples/torchft_train.py``'s model (``Linear(3, 1)``) and of a small MLP on a
+  group's local batch (forward, backward, SGD step; no collectives), and group 0 in a process of its own;
+* in a second pass without a coordinator, ``StepLoader`` beside a ``DataLoader`` over torchft's
+  ``torchft.data.DistributedSampler`` (``num_replica_groups`` = G) on the same dataset (item ``i`` is ``i``).
 
     python benchmarks/ft_bench.py            # 8, 16, 64 groups, 1,000 attempts each: about two minutes
     python benchmarks/ft_bench.py --quick    # 30 attempts each, N = 100,000: seconds (tests/benchmarks/test_ft_bench.py)
@@ -28,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import threading
@@ -46,8 +47,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests/_ft_sim.py, the stand-in of torchft's Manager
 
-TARGET_ADDED_MS = 1.0  # p99 of what the loader adds to a step on the training path
-TARGET_CALLS = 1.0  # calls per committed step per group, at most
+TARGET_ADDED_MS, TARGET_CALLS = 1.0, 1.0  # p99 the loader adds to a step; calls per committed step per group, at most
 WARM = 10  # warm-up attempts before the timed ones (channels connected, the job's first record made)
 GLOBAL_BATCH = 512  # the step's samples over all groups: 8 per group at 64 groups, as the example's --rank-batch
 
@@ -73,11 +73,14 @@ class Phase:
     own_next_us: list[float] = dataclasses.field(default_factory=list)  # group 0 in a process of its own
     own_hook_us: list[float] = dataclasses.field(default_factory=list)
     own_added_us: list[float] = dataclasses.field(default_factory=list)
+    own_added_cpu_us: list[float] = dataclasses.field(default_factory=list)
     own_calls: dict[str, int] = dataclasses.field(default_factory=dict)  # its calls: "reporter", "training"
     own_committed: int = 0
     ours_us: list[float] = dataclasses.field(default_factory=list)  # the second pass, with the dataset
     peer_us: list[float] = dataclasses.field(default_factory=list)
     peer_epoch_us: list[float] = dataclasses.field(default_factory=list)  # the peer's steps that start an epoch
+
+    empty_us: float = 0.0  # the coordinator's CPU per empty call (health Check)
 
     @property
     def reports(self) -> int:
@@ -182,8 +185,7 @@ def measure(groups: int, attempts: int, n: int, address: str, server_pid: int) -
     for lo in loaders:
         _count_calls(lo._client, ph.calls, training)
     models = _models()
-    ph.model_us = {name: [] for name in models}
-    members = tuple(range(groups))
+    ph.model_us, members = {name: [] for name in models}, tuple(range(groups))
     for k in range(WARM):
         ph.warm_committed += attempt(sim, members, k, loaders, models, []).ok
     for lo in loaders:
@@ -211,15 +213,29 @@ def measure(groups: int, attempts: int, n: int, address: str, server_pid: int) -
     with CoordinatorClient(address) as client:
         _, record = client.steps(job)
     ph.recorded = sum(len(r.steps) for r in record.runs)
+    ph.empty_us = _empty_calls(address, server, max(100, min(ph.reports, 3000)))
     return ph
+
+
+def _empty_calls(address: str, server: Any, calls: int) -> float:
+    """The coordinator's CPU per empty call (gRPC health ``Check``, one channel), in µs: the floor of a call."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        check, empty = health_pb2_grpc.HealthStub(channel).Check, health_pb2.HealthCheckRequest()
+        check(empty)
+        before = server.cpu_times()
+        for _ in range(calls):
+            check(empty)
+        after = server.cpu_times()
+    return ((after.user + after.system) - (before.user + before.system)) / calls * 1e6
 
 
 class GroupProcess:
     """The child process of :func:`own_group`, started once (it imports torch while the first phase runs)."""
 
     def __init__(self, attempts: int, n: int, address: str) -> None:
-        import subprocess
-
         cmd = [sys.executable, __file__, "--own-group", "--attempts", str(attempts), "--n", str(n), "--address", address]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -234,19 +250,12 @@ class GroupProcess:
             raise RuntimeError(f"the group process exited {self.proc.wait()}")
         return got.strip()
 
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
 
 def own_process(ph: Phase, attempts: int, n: int, address: str, child: GroupProcess) -> None:
     """Group 0 in a child process of its own (its training thread and its one reporter thread), the other
     groups driven here as in :func:`measure`, all reporting to the coordinator: group 0's training path
     as a group's own process sees it. The two processes open the same quorums in the same order (the
     same steps, spans and quorum ids), each at its own pace."""
-    import json
-
     from croupier.integrations.torchft import StepLoader
     from tests._ft_sim import FtSim
 
@@ -263,16 +272,15 @@ def own_process(ph: Phase, attempts: int, n: int, address: str, child: GroupProc
     for lo in loaders:
         lo.close()
     got = json.loads(child.ask(None))
-    ph.own_next_us, ph.own_hook_us, ph.own_calls = got["next_us"], got["hook_us"], got["calls"]
-    ph.own_added_us = [a + b for a, b in zip(ph.own_next_us, ph.own_hook_us)]
-    ph.own_committed = got["committed"]
+    ph.own_next_us, ph.own_hook_us = [w for w, _ in got["next_us"]], [w for w, _ in got["hook_us"]]
+    ph.own_added_us = [a[0] + b[0] for a, b in zip(got["next_us"], got["hook_us"])]
+    ph.own_added_cpu_us = [a[1] + b[1] for a, b in zip(got["next_us"], got["hook_us"])]
+    ph.own_calls, ph.own_committed = got["calls"], got["committed"]
 
 
 def own_group(groups: int, job: str, args: argparse.Namespace) -> None:
     """The child of :class:`GroupProcess`, for one "GROUPS JOB" line: group 0's loader, its reports, and its
     timings as one JSON line."""
-    import json
-
     from croupier.integrations.torchft import StepLoader
     from tests._ft_sim import FtSim
 
@@ -283,16 +291,15 @@ def own_group(groups: int, job: str, args: argparse.Namespace) -> None:
     calls: Counter[tuple[str, str]] = Counter()
     _count_calls(lo._client, calls, threading.current_thread())
     models = _models()
-    members = tuple(range(groups))
-    next_us: list[float] = []
-    hook_us: list[float] = []
-    committed = 0
+    members, committed = tuple(range(groups)), 0
+    next_us: list[tuple[float, float]] = []  # (wall, CPU)
+    hook_us: list[tuple[float, float]] = []
     print("ready", flush=True)
     for k in range(args.attempts + WARM):
         a = attempt(sim, members, k, [lo], models, others)
         if k >= WARM:
-            next_us.append(a.next_us[0][0])
-            hook_us.append(a.hook_us[0][0])
+            next_us.append(a.next_us[0])
+            hook_us.append(a.hook_us[0])
             committed += a.ok
         elif k == WARM - 1:
             lo.flush()
@@ -332,18 +339,12 @@ def peer_pass(ph: Phase, attempts: int, n: int) -> None:
             lo._manager.should_commit()
         for g in range(g_count):
             t = time.perf_counter()
-            started = its[g] is None
-            if started:  # an epoch's start: set_epoch, and the sampler's randperm(N) at iter()
-                samplers[g].set_epoch(epochs[g])
-                its[g] = iter(peers[g])
-            try:
-                next(its[g])
-            except StopIteration:  # the epoch's end: what a training loop pays there
-                epochs[g] += 1
+            started = its[g] is None or next(its[g], None) is None
+            if started:  # the first epoch's start, or the next one's: set_epoch, and its randperm(N) at iter()
+                epochs[g] += its[g] is not None
                 samplers[g].set_epoch(epochs[g])
                 its[g] = iter(peers[g])
                 next(its[g])
-                started = True
             us = (time.perf_counter() - t) * 1e6
             ph.peer_us.append(us)
             if started:
@@ -390,16 +391,17 @@ def table(phases: list[Phase], quick: bool) -> str:
     row("group 0 in a process of its own: added per step p50 / p99", [_us(p.own_added_us) for p in phases],
         f"p99 < {TARGET_ADDED_MS:g} ms at {last.groups} groups", "not judged (--quick)" if quick else
         "met" if own_met else "MISSED")
+    row("the same, CPU time of its training thread", [_us(p.own_added_cpu_us) for p in phases])
     row("group 0 in a process of its own: calls per committed step (training thread)",
         [f"{p.own_calls['reporter'] / max(1, p.own_committed):.3f} ({p.own_calls['training']})" for p in phases],
         f"<= {TARGET_CALLS:g} (0)", "met" if all(p.own_ok() for p in phases) else "MISSED")
     for name in last.model_us:
-        row(f"model step, {name}, p50 / p99 (local batch {', '.join(str(GLOBAL_BATCH // p.groups) for p in phases)})",
-            [_us(p.model_us[name]) for p in phases])
-        row(f"added p50 over that model step's p50, {name}",
-            [f"{100 * _p(p.added_us, 50) / _p(p.model_us[name], 50):.0f}%" for p in phases])
+        row(f"model step, {name}, p50 / p99 (local batch {', '.join(str(GLOBAL_BATCH // p.groups) for p in phases)}; "
+            "added p50 over its p50)", [f"{_us(p.model_us[name])} ({100 * _p(p.added_us, 50) / _p(p.model_us[name], 50):.0f}%)"
+                                        for p in phases])
     row("coordinator CPU per committed step", [f"{1000 * p.cpu_s / max(1, p.committed):.2f} ms" for p in phases])
-    row("coordinator CPU per report", [f"{1e6 * p.cpu_s / max(1, p.reports):,.0f} µs" for p in phases])
+    row("coordinator CPU per report (per empty gRPC call: health `Check`, same server)",
+        [f"{1e6 * p.cpu_s / max(1, p.reports):,.0f} µs ({p.empty_us:,.0f} µs)" for p in phases])
     row("coordinator RSS (growth over the attempts)",
         [f"{p.rss_after / 2**20:.0f} MiB ({(p.rss_after - p.rss_before) / 2**10:+,.0f} KiB)" for p in phases])
     row("StepLoader `next()`, same dataset + default_collate, p50 / p99", [_us(p.ours_us) for p in phases])
@@ -413,17 +415,11 @@ def table(phases: list[Phase], quick: bool) -> str:
 
 
 def _machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
 
-    return (f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; python "
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "unknown CPU")
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; python "
             f"{platform.python_version()}, torch {torch.__version__}, torchft {version('torchft')}")
 
 
@@ -469,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                     peer_pass(ph, attempts, n)
                     phases.append(ph)
             finally:
-                child.close()
+                assert child.proc.stdin is not None
+                child.proc.stdin.close()  # its end
+                child.proc.wait(timeout=60)
         finally:
             server.terminate(30)
     took = time.monotonic() - began

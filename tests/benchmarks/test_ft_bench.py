@@ -23,9 +23,11 @@ ROWS = ("attempts (committed)", "calls per committed step per group", "calls per
         "`next(loader)` p50 / p99 (indices only)", "`should_commit` hook p50 / p99",
         "added per step (next + hook) p50 / p99, all groups in this process",
         "the same, CPU time of the training thread (no wait for the GIL or a core)",
-        "group 0 in a process of its own: added per step p50 / p99",
+        "group 0 in a process of its own: added per step p50 / p99", "the same, CPU time of its training thread",
         "group 0 in a process of its own: calls per committed step (training thread)",
-        "coordinator CPU per committed step", "coordinator CPU per report", "coordinator RSS (growth over the attempts)",
+        "coordinator CPU per committed step",
+        "coordinator CPU per report (per empty gRPC call: health `Check`, same server)",
+        "coordinator RSS (growth over the attempts)",
         "peer: torchft `DistributedSampler` + `DataLoader` `next()`, p50 / p99 (no calls)",
         "StepLoader over the peer, p50 / p99 (above 1: the peer is cheaper)")
 
