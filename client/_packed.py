@@ -40,24 +40,38 @@ class Indexed(torch.utils.data.Dataset[tuple[int, Any]]):
 
 
 def _tokens(doc: Any, what: str) -> torch.Tensor:
+    if isinstance(doc, torch.Tensor) and doc.dtype == torch.int64 and doc.dim() == 1:
+        return doc  # what a tokenizer's tensor is: taken as it is
     t = torch.as_tensor(doc)
     if t.dim() != 1 or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{what} must be a 1-D sequence of integer tokens (got shape {tuple(t.shape)}, {t.dtype})")
     return t.to(torch.int64)
 
 
+def _sample(item: Any) -> tuple[int, torch.Tensor] | None:
+    """The ``(index, tokens)`` of `item` if it is one sample (else None: a list of them)."""
+    if not (isinstance(item, (tuple, list)) and len(item) == 2) or isinstance(item[0], (tuple, list)):
+        return None
+    index = item[0]
+    if isinstance(index, torch.Tensor) and index.numel() == 1:
+        index = index.item()
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise TypeError(f"the loader must yield (index, tokens) samples (Indexed(dataset)); got an item whose "
+                        f"first element is {index!r}")
+    return index, _tokens(item[1], f"the tokens of sample {index}")
+
+
 def _samples(item: Any) -> list[tuple[int, torch.Tensor]]:
     """The ``(index, tokens)`` samples of one item the loader yields: a sample, or a list of them."""
-    if isinstance(item, (tuple, list)) and len(item) == 2 and not isinstance(item[0], (tuple, list)):
-        index = item[0]
-        if isinstance(index, torch.Tensor) and index.numel() == 1:
-            index = index.item()
-        if not isinstance(index, int) or isinstance(index, bool):
-            raise TypeError(f"the loader must yield (index, tokens) samples (Indexed(dataset)); got an item whose "
-                            f"first element is {index!r}")
-        return [(index, _tokens(item[1], f"the tokens of sample {index}"))]
+    one = _sample(item)
+    if one is not None:
+        return [one]
     if isinstance(item, (tuple, list)):
-        return [s for x in item for s in _samples(x)]
+        out: list[tuple[int, torch.Tensor]] = []
+        for x in item:
+            s = _sample(x)
+            out += [s] if s is not None else _samples(x)
+        return out
     raise TypeError(f"the loader must yield (index, tokens) samples, or lists of them (collate_fn=list); got "
                     f"{type(item).__name__}")
 

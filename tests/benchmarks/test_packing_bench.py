@@ -18,4 +18,4 @@ def test_packing_bench_quick_prints_its_tables() -> None:
     # packing pads less than padding to the longest, and best-fit less than greedy
     assert padding["packed, best-fit, buffer 64"] < padding["packed, greedy"] < padding["pad to longest, 8 documents"], padding
     ratios = [line for line in lines if line.startswith(("| greedy |", "| best_fit |"))]
-    assert len(ratios) == 2 and all(r.rstrip().endswith("x** |") for r in ratios), proc.stdout
+    assert len(ratios) == 2 and all("x** |" in r for r in ratios), proc.stdout
