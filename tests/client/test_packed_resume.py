@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -97,6 +100,23 @@ def test_eight_workers_and_the_stateful_data_loader(address: str, stateful: bool
     lengths = [(i * 53) % 45 + 1 for i in range(60)]
     state, bad = _resume(address, lengths, w1, k1, w2, k2, 4, stateful, pack="best_fit", buffer=6, rows=2)
     assert state["waiting"] and not bad, (state, bad)
+
+
+@pytest.mark.slow
+def test_the_default_collective_is_torch_distributed(address: str, tmp_path: Path) -> None:
+    """Two processes joined by torch.distributed (gloo) checkpoint with no gather= given: both get the same
+    state, and a world of one finishes the epoch from it, every token once."""
+    lengths = [(i * 31) % 40 + 1 for i in range(40)]
+    job = uuid.uuid4().hex
+    script = Path(__file__).resolve().parents[1] / "_packing_rank.py"
+    procs = [subprocess.Popen([sys.executable, str(script), address, job, str(r), "2", str(tmp_path / "init"),
+                               str(tmp_path / f"{r}.json"), json.dumps(lengths), "3"]) for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert out[0]["state"] == out[1]["state"] and out[0]["state"]["sampler"]["step"] == 3
+    rest, _ = run_world(address, job, Docs(lengths), 1, 0, SEQ_LEN, None, out[0]["state"], pack="best_fit", buffer=4)
+    trained = [tuple(p) for o in out for p in o["trained"]] + rest[0]
+    assert not token_audit(lengths, trained, None)
 
 
 def _naive_state(pl: PackedLoader) -> dict[str, Any]:
