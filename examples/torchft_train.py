@@ -3,24 +3,28 @@
 Each replica group is one ``torchrun --nproc-per-node 2`` with ``REPLICA_GROUP_ID`` and
 ``TORCHFT_LIGHTHOUSE`` set; the groups meet in torchft's Lighthouse, whose quorum decides, step by
 step, which groups train it. Inside a group the two ranks keep identical replicas (their gradients
-are averaged over the group's own process group, as HSDP does); across groups torchft's
-``DistributedDataParallel`` averages them over the quorum, and torchft's ``Optimizer`` steps only
-when ``manager.should_commit()``::
+are averaged over the group's own process group, as HSDP does); across groups ``manager.allreduce``
+averages them over the quorum, and torchft's ``Optimizer`` steps only when ``manager.should_commit()``.
 
-    # the Lighthouse (torchft's, from its wheel), then one group; start more the same way:
-    python -c "from torchft.coordination import LighthouseServer as L; import time; \\
-               l = L(bind='[::]:29510', min_replicas=1); print(l.address()); time.sleep(1e9)"
+NOTE: the gradients go through ``manager.allreduce``, not torchft's ``DistributedDataParallel``: in
+torchft 0.2.0 its communication hook fails an assertion (``assert fut._fut``) when a peer group dies
+mid-allreduce on Gloo, which kills the surviving groups instead of aborting the step::
+
+    # torchft's Lighthouse (its wheel installs it), croupier's coordinator, then a group; more the same way:
+    torchft_lighthouse --min_replicas 1 --join_timeout_ms 1000 &
     croupier serve --port 50051 &
     REPLICA_GROUP_ID=0 TORCHFT_LIGHTHOUSE=http://localhost:29510 torchrun --standalone \\
         --nproc-per-node 2 examples/torchft_train.py --workdir out/ft --sampler croupier \\
         --address 127.0.0.1:50051
 
 ``--sampler croupier`` deals each step with :class:`croupier.integrations.torchft.StepLoader`: the
-step's global batch is split over the groups of its quorum, an aborted step is dealt again, a
-healing group takes its position from the coordinator. ``--sampler torchft`` uses torchft's own
-``torchft.data.DistributedSampler`` (``num_replica_groups`` fixed up front) with torchdata's
-``StatefulDataLoader``, whose state each rank saves every step, as torchft's ``train_ddp.py``
-recommends.
+step's global batch (``--batch``) is split over the groups of its quorum, an aborted step is dealt
+again, a healing group deals from the step the quorum healed it to (no loader state moves). ``--sampler
+torchft`` uses torchft's own ``torchft.data.DistributedSampler`` (``num_replica_groups=--max-groups``
+fixed up front, each rank ``--rank-batch`` samples a step, so the global batch follows the group
+count) with torchdata's ``StatefulDataLoader``, whose state each rank saves every step and loads when
+its group starts again, as torchft's ``train_ddp.py`` recommends; model, optimizer and manager come
+from the checkpoint (a whole-job restart) or from a peer (a heal).
 
 Every rank appends one JSON line per attempted step to ``WORKDIR/steps/``: the run, group, rank,
 step, quorum id, participants, the dataset indices it trained (read back from the batch itself:
