@@ -179,7 +179,8 @@ class PackedLoader:
         self._gather = gather or _gather_for(sampler)
         self._run: _Epoch | None = None
         self._batches_of: Iterator[Packed] | None = None  # the iteration of `_run`
-        self._loaded: tuple[int | None, list[Key], list[int]] | None = None  # (epoch, share, skip) of a state loaded
+        # a state loaded, until the first iteration: (its epoch, every waiting piece, its skip entries)
+        self._loaded: tuple[int | None, list[Key], list[int]] | None = None
 
     # ---------------------------------------------------------------- iteration
 
@@ -197,8 +198,9 @@ class PackedLoader:
         reload: list[Key] = []
         skip: Counter[int] = Counter()
         if self._loaded is not None:
-            at, reload, loaded_skip = self._loaded
+            at, waiting, loaded_skip = self._loaded
             self._loaded = None
+            reload = share(waiting, s.num_replicas, s.rank)
             # NOTE: a state whose sampler had dealt its whole epoch, with pieces still waiting, resumes at
             # the next epoch's start: its pieces then lead that epoch's iteration (after set_epoch(at),
             # which torch's loop calls, the iteration of epoch `at` holds them alone).
@@ -289,8 +291,9 @@ class PackedLoader:
             return self._run.part(s.rank)
         if self._loaded is None:
             return Part(s.rank, s.epoch, s.items_resumed, False)
-        at, share_, _ = self._loaded
-        return Part(s.rank, s.epoch if at is None else at, s.items_resumed, False, (), (), tuple(share_))
+        at, waiting, _ = self._loaded
+        return Part(s.rank, s.epoch if at is None else at, s.items_resumed, False, (), (),
+                    tuple(share(waiting, s.num_replicas, s.rank)))
 
     def state_dict(self, *, step: int | None = None) -> dict[str, Any]:
         """The checkpoint state: the sampler's state at the samples every rank took, and the pieces
@@ -334,5 +337,4 @@ class PackedLoader:
         if self._run is not None:
             raise RuntimeError("load_state_dict must come before the packed loader's first batch")
         self.sampler.load_state_dict(sampler_state)
-        s = self.sampler
-        self._loaded = (epoch, share(waiting, s.num_replicas, s.rank), skip)
+        self._loaded = (epoch, waiting, skip)
