@@ -217,11 +217,11 @@ def drive(side: str, work: pathlib.Path, plan: Plan, lighthouse: str, address: s
         hold = ["--hold-at", str(plan.preempt_at)]
         for gid in (0, 1, 2):
             killed = gid == plan.kill_group
-            extra = ["--hold-at", str(plan.kill_at)] if killed else hold
+            faults = ["--hold-at", str(plan.kill_at)] if killed else hold
             gates = [0, plan.kill_at] if killed else [0, plan.kill_at, plan.heal_at, plan.join_at]
             if gid == plan.abort_group:
-                extra = [*extra, "--abort-at", str(plan.abort_at)]
-            d.start(gid, 0, *extra, "--gates", ",".join(map(str, gates)))
+                faults = [*faults, "--abort-at", str(plan.abort_at)]
+            d.start(gid, 0, *faults, "--gates", ",".join(map(str, gates)))
         # the groups that join later start now, imported and waiting: torchft knows them once they are let go
         d.start(plan.kill_group, 0, *hold, "--gates", str(plan.join_at), "--wait-for", "heal-run0")
         d.start(3, 0, *hold, "--wait-for", "join-run0")

@@ -76,6 +76,7 @@ def test_the_audit_fails_when_the_loader_deals_by_a_step_counter_of_its_own(
     faults leave samples out or train them twice, and the audit says so."""
     address = serve_process(f"sqlite:///{tmp_path}/coordinator.db").address
     broken = run_side("croupier", tmp_path / "broken", SHORT, address, "broken", ("--own-counter",))
+    broken.side = "croupier, dealt by its own step counter"
     print(table([broken], SHORT))
     assert broken.duplicates + broken.missing > 0
     with pytest.raises(AssertionError):
