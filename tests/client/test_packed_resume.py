@@ -64,7 +64,7 @@ def _check(address: str, c: dict[str, Any]) -> None:
     assert not bad, f"{dict(bad)} tokens; the state was {state}"
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(_cases)
 def test_every_token_is_trained_once_across_a_resume(address: str, case: dict[str, Any]) -> None:
     _check(address, case)
