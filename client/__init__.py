@@ -9,6 +9,7 @@ from croupier.client._rpc import CHANNEL_OPTIONS, CoordinatorClient, Security
 from croupier.client._sample import Sample
 
 if TYPE_CHECKING:
+    from croupier.client._loader import Loader
     from croupier.client._packed import Indexed, PackedLoader
     from croupier.client._packing import Packed
     from croupier.client._sampler import DistributedBatchSampler, DistributedSampler
@@ -16,13 +17,14 @@ if TYPE_CHECKING:
     from croupier.client._workers import worker_options
 
 __all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Indexed",
-           "MissingCallbackWarning", "Packed", "PackedLoader", "Sample", "Security",
+           "Loader", "MissingCallbackWarning", "Packed", "PackedLoader", "Sample", "Security",
            "shards", "worker_options"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator
 #: (``croupier status``, ``croupier health``: a probe runs often) should not wait for.
 _SAMPLERS = {"DistributedBatchSampler": "_sampler", "DistributedSampler": "_sampler", "Indexed": "_packed",
-             "Packed": "_packing", "PackedLoader": "_packed", "shards": "_shards", "worker_options": "_workers"}
+             "Loader": "_loader", "Packed": "_packing", "PackedLoader": "_packed", "shards": "_shards",
+             "worker_options": "_workers"}
 
 
 def __getattr__(name: str) -> Any:
