@@ -1,0 +1,103 @@
+"""Committed steps through the coordinator under random quorums, commits and aborts, dead groups, lost and repeated reports, restarts.
+
+A hypothesis state machine (tests/server/_machine_ft.py) drives torchft replica groups (the
+stand-in of tests/_ft_sim.py) with real ``StepLoader`` ranks against a real coordinator on a
+SQLite store, and after every rule checks the coordinator's record of committed steps against
+its model, and that every sample of each finished epoch is in exactly one committed step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import hypothesis.errors
+import pytest
+from _machine_ft import SETTINGS, TOTALS, FtSteps
+from _machine_world import EXAMPLES, STEPS
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from croupier.core.errors import FailedPrecondition
+from croupier.core.ftsteps import CommittedStep, StepRun, Steps
+from croupier.integrations.torchft import StepLoader
+
+
+def test_committed_steps_under_chaos() -> None:
+    TOTALS.clear()
+    run_state_machine_as_test(FtSteps, settings=SETTINGS)
+    print(f"\nft state machine ({EXAMPLES} examples x up to {STEPS} steps): {dict(sorted(TOTALS.items()))}")
+    assert TOTALS["steps_kept_checked"] > 0 and TOTALS["attempts_all"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+def test_committed_steps_under_chaos_long() -> None:
+    TOTALS.clear()
+    run_state_machine_as_test(FtSteps, settings=settings(SETTINGS, max_examples=2000, stateful_step_count=60))
+    print(f"\nft state machine (2000 examples x up to 60 steps): {dict(sorted(TOTALS.items()))}")
+
+
+# ---------------------------------------------------------------------- the test can fail
+
+# NOTE: one failure is enough (report_multiple_bugs=False); a replay that draws differently is a Flaky, which is
+# a catch too. A planted record bug may also show as the coordinator refusing a later report that contradicts it.
+CAUGHT = (AssertionError, hypothesis.errors.Flaky, FailedPrecondition)
+PLANTED = settings(SETTINGS, max_examples=300, database=None, phases=[Phase.generate], report_multiple_bugs=False)
+
+
+def _caught(plant: str) -> None:
+    TOTALS.clear()
+    with pytest.raises(CAUGHT) as e:
+        run_state_machine_as_test(FtSteps, settings=PLANTED)
+    print(f"\n{plant}: caught after {TOTALS['examples']} examples: {type(e.value).__name__}: {str(e.value)[:300]}")
+
+
+@pytest.mark.exhaustive  # in make test, not in make check
+def test_a_recorded_stale_report_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator without the staleness rule: a report of a step a later quorum trained again is recorded."""
+    def is_new(self: Steps, run: str, c: CommittedStep) -> bool:
+        r = self.run(run)
+        return r is None or (c not in r.steps and c not in r.dropped)
+
+    monkeypatch.setattr(Steps, "is_new", is_new)
+    _caught("stale report recorded")
+
+
+@pytest.mark.exhaustive
+def test_a_loader_counting_its_own_steps_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader that deals by its own count of the steps it dealt (an aborted step counted), not the committed count."""
+    real = StepLoader.__next__
+
+    def own_count(self: StepLoader) -> Any:
+        own = self.__dict__.get("_own", 0)
+        m = self._manager
+        m.current_step = lambda: own
+        try:
+            return real(self)
+        finally:
+            del m.current_step
+            self._own = own + 1  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(StepLoader, "__next__", own_count)
+    _caught("loader's own step count")
+
+
+@pytest.mark.exhaustive
+def test_superseding_without_dropping_later_records_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator replaces a step committed again but keeps the earlier quorum's records of later steps."""
+    def record(self: Steps, run: str, parent: str, resumed: int, mode: str, batch: int, c: CommittedStep) -> bool:
+        if not self.is_new(run, c):
+            return False
+        r = self.run(run)
+        if r is None:
+            r = StepRun(run, parent, resumed, mode, batch)
+            self.runs.append(r)
+        lo = bisect.bisect_left(r.steps, c.step, key=lambda x: x.step)
+        hi = lo + (lo < len(r.steps) and r.steps[lo].step == c.step)
+        r.dropped.extend(r.steps[lo:hi])
+        r.steps[lo:hi] = [c]
+        return True
+
+    monkeypatch.setattr(Steps, "record", record)
+    _caught("superseding that keeps later records")
