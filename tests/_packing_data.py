@@ -58,12 +58,13 @@ Trained = list[tuple[int, int, int]]
 
 def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_len: int, steps: int | None,
               state: dict[str, Any] | None, stateful: bool = False, lockstep: bool = False,
-              **packing: Any) -> tuple[list[Trained], list[dict[str, Any]]]:
+              sampler_args: dict[str, Any] | None = None, **packing: Any) -> tuple[list[Trained], list[dict[str, Any]]]:
     """Every rank of a world (threads) trains `steps` batches (None: to the end of the epoch) from `state`,
     then checkpoints (every rank); each rank's pieces trained and its state. `stateful`: through
     torchdata's ``StatefulDataLoader`` (its own state unused) instead of torch's ``DataLoader``.
     `lockstep`: the ranks wait for each other after every batch, as DDP's gradient all-reduce makes them
-    (each must then have `steps` batches), and a sampler's join waits 30 s at most."""
+    (each must then have `steps` batches), and a sampler's join waits 30 s at most. `sampler_args`: more
+    of the sampler's arguments (dealing, weights, ...)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     make = StatefulDataLoader if stateful else DataLoader
@@ -73,7 +74,8 @@ def run_world(address: str, job: str, docs: Docs, world: int, workers: int, seq_
 
     def rank(r: int) -> tuple[Trained, dict[str, Any]]:
         s = DistributedSampler(len(docs), num_replicas=world, rank=r, address=address, job=job, seed=3, tail="uneven",
-                               incarnation=incarnation, join_timeout=30 if lockstep else None)
+                               incarnation=incarnation, join_timeout=30 if lockstep else None,
+                               **(sampler_args or {}))
         ctx = {"multiprocessing_context": CONTEXT} if workers else {}
         dl = make(Indexed(docs), batch_size=None, sampler=s, num_workers=workers, **ctx)  # type: ignore[arg-type]
         pl = PackedLoader(dl, s, seq_len, gather=g.for_rank(r), **packing)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,30 @@ def test_the_default_collective_is_torch_distributed(address: str, tmp_path: Pat
     rest, _ = run_world(address, job, Docs(lengths), 1, 0, SEQ_LEN, None, out[0]["state"], pack="best_fit", buffer=4)
     trained = [tuple(p) for o in out for p in o["trained"]] + rest[0]
     assert not token_audit(lengths, trained, None)
+
+
+def test_dynamic_dealing_resumes_exactly(address: str) -> None:
+    lengths = [(i * 41) % 40 + 1 for i in range(36)]
+    docs, job, args = Docs(lengths), uuid.uuid4().hex, {"dealing": "dynamic"}
+    first, states = run_world(address, job, docs, 2, 0, SEQ_LEN, 4, None, sampler_args=args, pack="best_fit", buffer=3)
+    rest, _ = run_world(address, job, docs, 3, 0, SEQ_LEN, None, states[0], sampler_args=args, pack="best_fit", buffer=3)
+    assert states[0]["waiting"] and not token_audit(lengths, [p for t in first + rest for p in t], None)
+
+
+def test_a_mixture_resumed_trains_what_an_uninterrupted_run_trains(address: str) -> None:
+    """A mixture's epoch may take a document twice or not at all: the resumed run's tokens are the
+    uninterrupted run's, as a multiset."""
+    lengths = [(i * 23) % 40 + 1 for i in range(30)]
+    docs, job, args = Docs(lengths), uuid.uuid4().hex, {"weights": [0.7, 0.3], "sources": [15, 15]}
+    whole, _ = run_world(address, uuid.uuid4().hex, docs, 1, 0, SEQ_LEN, None, None, sampler_args=args, pack="best_fit",
+                         buffer=3)
+    first, states = run_world(address, job, docs, 3, 0, SEQ_LEN, 4, None, sampler_args=args, pack="best_fit", buffer=3)
+    rest, _ = run_world(address, job, docs, 2, 0, SEQ_LEN, None, states[0], sampler_args=args, pack="best_fit", buffer=3)
+
+    def tokens(pieces: list[tuple[int, int, int]]) -> Counter[tuple[int, int]]:
+        return Counter((i, t) for i, o, n in pieces for t in range(o, o + n))
+
+    assert states[0]["skip"] and tokens([p for t in first + rest for p in t]) == tokens(whole[0])
 
 
 def _naive_state(pl: PackedLoader) -> dict[str, Any]:
