@@ -16,7 +16,7 @@ Measured per group and attempt, on the training thread:
 * in a second pass without a coordinator, ``StepLoader`` beside a ``DataLoader`` over torchft's
   ``torchft.data.DistributedSampler`` (``num_replica_groups`` = G) on the same dataset (item ``i`` is ``i``).
 
-    python benchmarks/ft_bench.py            # 8, 16, 64 groups, 1,000 attempts each: about two minutes
+    python benchmarks/ft_bench.py            # 8, 16, 64 groups, 1,000 attempts each: about 3 minutes
     python benchmarks/ft_bench.py --quick    # 30 attempts each, N = 100,000: seconds (tests/benchmarks/test_ft_bench.py)
 
 Prints one table with the targets beside the figures and writes it to ``OUT/ft.md``; exits 1 when a
