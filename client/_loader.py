@@ -111,6 +111,16 @@ class Loader:
 
     # ---------------------------------------------------------------- iteration
 
+    @property
+    def dataset(self) -> Any:
+        """The DataLoader's dataset."""
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        """The DataLoader's batch size (None when its batch sampler makes the batches)."""
+        return self.loader.batch_size  # type: ignore[no-any-return]
+
     def __len__(self) -> int:
         """The DataLoader's ``len()``: its batches in the whole current epoch (those before a resume included)."""
         return len(self.loader)

@@ -143,14 +143,21 @@ def test_the_last_short_batch_and_a_loop_that_stops_and_goes_on(address: str) ->
     s.close()
 
 
-def test_a_batch_sampler_through_batch_sampler_resumes_exactly(address: str) -> None:
+@pytest.mark.parametrize("dealing", ["static", "dynamic"])
+def test_a_batch_sampler_in_a_stateful_data_loader_resumes_exactly(address: str, dealing: str) -> None:
+    """``batch_sampler=DistributedBatchSampler`` (one item per batch), torchdata's StatefulDataLoader with two
+    workers (its own state unused), static and dynamic dealing."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     job = uuid.uuid4().hex
 
     def loader(incarnation: str, workers: int) -> Loader:
         s = DistributedBatchSampler(N, BS, num_replicas=1, rank=0, address=address, job=job, tail="uneven",
-                                    incarnation=incarnation)
-        ctx = {"multiprocessing_context": CONTEXT} if workers else {}
-        return Loader(DataLoader(list(range(N)), batch_sampler=s, num_workers=workers, **ctx))
+                                    incarnation=incarnation, dealing=dealing)
+        if workers:
+            return Loader(StatefulDataLoader(list(range(N)), batch_sampler=s, num_workers=workers,
+                                             multiprocessing_context=CONTEXT))
+        return Loader(DataLoader(list(range(N)), batch_sampler=s))
 
     a = loader("a", 2)
     assert a.items_per_batch == 1
