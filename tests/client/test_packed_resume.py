@@ -111,12 +111,13 @@ def test_the_default_collective_is_torch_distributed(address: str, tmp_path: Pat
     job = uuid.uuid4().hex
     script = Path(__file__).resolve().parents[1] / "_packing_rank.py"
     procs = [subprocess.Popen([sys.executable, str(script), address, job, str(r), "2", str(tmp_path / "init"),
-                               str(tmp_path / f"{r}.json"), json.dumps(lengths), "3"]) for r in range(2)]
+                               str(tmp_path / f"{r}.jsonl"), json.dumps(lengths), "--steps", "3"]) for r in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
-    assert out[0]["state"] == out[1]["state"] and out[0]["state"]["sampler"]["step"] == 3
-    rest, _ = run_world(address, job, Docs(lengths), 1, 0, SEQ_LEN, None, out[0]["state"], pack="best_fit", buffer=4)
-    trained = [tuple(p) for o in out for p in o["trained"]] + rest[0]
+    out = [[json.loads(line) for line in (tmp_path / f"{r}.jsonl").read_text().splitlines()] for r in range(2)]
+    states = [o[-1]["state"] for o in out]
+    assert states[0] == states[1] and states[0]["waiting"]
+    rest, _ = run_world(address, job, Docs(lengths), 1, 0, SEQ_LEN, None, states[0], pack="best_fit", buffer=4)
+    trained = [tuple(p) for o in out for line in o[:-1] for p in line["pieces"]] + rest[0]
     assert not token_audit(lengths, trained, None)
 
 
