@@ -194,3 +194,19 @@ def test_what_a_loader_is_given(address: str) -> None:
     assert s.state_dict() == before
     loader.close()
     s.close()
+
+
+def test_set_epoch_before_the_pass_ended_cuts_the_epoch(address: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A loop that moves on after 2 batches: the next iteration is a new pass of epoch 1, whole, and the state
+    is epoch 1's, not a count of epoch 0's batches."""
+    s = _one(address, 40)
+    loader = Loader(DataLoader(list(range(40)), batch_size=BS, sampler=s, num_workers=2, multiprocessing_context=CONTEXT))
+    it = iter(loader)
+    next(it), next(it)
+    s.set_epoch(1)
+    assert loader.state_dict()["epoch"] == 1 and loader.items_trained == 0
+    with caplog.at_level("WARNING", logger="croupier"):
+        epoch1 = [i for b in loader for i in b.tolist()]
+    assert "epoch 0 was cut after 2 batches of the loop" in caplog.text
+    assert sorted(epoch1) == list(range(40)) and loader.state_dict()["epoch"] == 2
+    s.close()
