@@ -16,6 +16,8 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from croupier.client import DistributedBatchSampler, DistributedSampler, Loader
 from croupier.server._service import Server
+from croupier.tools.audit import audit as audit_logs
+from croupier.tools.audit import verdict
 
 N, BS = 120, 4
 
@@ -144,16 +146,17 @@ def test_the_last_short_batch_and_a_loop_that_stops_and_goes_on(address: str) ->
 
 
 @pytest.mark.parametrize("dealing", ["static", "dynamic"])
-def test_a_batch_sampler_in_a_stateful_data_loader_resumes_exactly(address: str, dealing: str) -> None:
+def test_a_batch_sampler_in_a_stateful_data_loader_resumes_exactly(address: str, dealing: str, tmp_path: Path) -> None:
     """``batch_sampler=DistributedBatchSampler`` (one item per batch), torchdata's StatefulDataLoader with two
-    workers (its own state unused), static and dynamic dealing."""
+    workers (its own state unused), static and dynamic dealing; ``croupier audit`` of the samplers' logs,
+    cut at the checkpoint's count, agrees."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     job = uuid.uuid4().hex
 
     def loader(incarnation: str, workers: int) -> Loader:
         s = DistributedBatchSampler(N, BS, num_replicas=1, rank=0, address=address, job=job, tail="uneven",
-                                    incarnation=incarnation, dealing=dealing)
+                                    incarnation=incarnation, dealing=dealing, audit_dir=str(tmp_path))
         if workers:
             return Loader(StatefulDataLoader(list(range(N)), batch_sampler=s, num_workers=workers,
                                              multiprocessing_context=CONTEXT))
@@ -174,6 +177,8 @@ def test_a_batch_sampler_in_a_stateful_data_loader_resumes_exactly(address: str,
     trained += [i for x in b for i in x.tolist()]
     b.sampler.close()
     assert sorted(trained) == list(range(N))
+    reports = audit_logs(tmp_path)
+    assert verdict(reports)[0] and [(r.epoch, r.trained, r.duplicates, r.missing) for r in reports] == [(0, N, 0, 0)]
 
 
 def test_what_a_loader_is_given(address: str) -> None:
