@@ -196,11 +196,17 @@ class FtSteps(RuleBasedStateMachine):
     @precondition(lambda self: bool(self._ahead()))
     @rule(data=st.data())
     def ahead_die(self, data: st.DataObject) -> None:
-        """The groups at the highest step die with the updates they committed alone: the others will train those steps again."""
+        """The groups at the highest step die with the updates they committed alone (their reports in flight may still
+        arrive); the others train the first of those steps again, and their reports may arrive first."""
         for g in sorted(self._ahead()):
             self._kill(g, None)
         self.stats["ahead_died"] += 1
+        before = len(self.pending)
         self._attempt(data)
+        if data.draw(st.booleans(), label="the survivors' reports overtake the dead groups'"):
+            for rep in self.pending[before:]:
+                self.pending.remove(rep)
+                self._deliver(rep)
 
     def _kill(self, g: int, data: st.DataObject | None) -> None:
         """Group `g` is killed: its model is gone, and each of its reports not delivered yet may be lost

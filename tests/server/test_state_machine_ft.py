@@ -43,7 +43,7 @@ def test_committed_steps_under_chaos_long() -> None:
 # NOTE: one failure is enough (report_multiple_bugs=False); a replay that draws differently is a Flaky, which is
 # a catch too. A planted record bug may also show as the coordinator refusing a later report that contradicts it.
 CAUGHT = (AssertionError, hypothesis.errors.Flaky, FailedPrecondition)
-PLANTED = settings(SETTINGS, max_examples=300, database=None, phases=[Phase.generate], report_multiple_bugs=False)
+PLANTED = settings(SETTINGS, max_examples=600, database=None, phases=[Phase.generate], report_multiple_bugs=False)
 
 
 def _caught(plant: str) -> None:
