@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from croupier.client._filter import FILTERED, Filtered
 from croupier.client._guard import MissingCallbackWarning
 from croupier.client._rpc import CHANNEL_OPTIONS, CoordinatorClient, Security
 from croupier.client._sample import Sample
@@ -16,8 +17,8 @@ if TYPE_CHECKING:
     from croupier.client._shards import shards
     from croupier.client._workers import worker_options
 
-__all__ = ["CHANNEL_OPTIONS", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler", "Indexed",
-           "Loader", "MissingCallbackWarning", "Packed", "PackedLoader", "Sample", "Security",
+__all__ = ["CHANNEL_OPTIONS", "FILTERED", "CoordinatorClient", "DistributedBatchSampler", "DistributedSampler",
+           "Filtered", "Indexed", "Loader", "MissingCallbackWarning", "Packed", "PackedLoader", "Sample", "Security",
            "shards", "worker_options"]
 
 #: Imported when first asked for: they need torch, which tools that only call the coordinator

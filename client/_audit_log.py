@@ -14,6 +14,8 @@ Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/INCARNATIO
   the rest of the epoch is not trained;
 * ``ckpt``: a checkpoint state the sampler made: its ``origin`` (its name), epoch, items and the
   trainer's ``step`` (None: not named).
+* ``filtered``: the sample handed out at this rank's item ``at`` of the epoch (``index``) was
+  filtered out after loading (written by ``PackedLoader``): trained in no row, not missing.
 
 Logs written before ``resumed`` existed name the checkpoint only by its origin, which
 ``croupier audit`` reads for them alone.
@@ -83,6 +85,9 @@ class AuditLog:
 
     def ckpt(self, origin: str, epoch: int, items: int, step: int | None = None) -> None:
         self.write(t="ckpt", origin=origin, epoch=epoch, items=items, step=step)
+
+    def filtered(self, epoch: int, at: int, index: int) -> None:
+        self.write(t="filtered", epoch=epoch, at=at, index=index)
 
     def close(self) -> None:
         self._f.close()

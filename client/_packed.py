@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from croupier.client._filter import FILTERED, Filtered, is_filtered
 from croupier.client._pack_state import Key, Merged, Part, from_state, merge, share, to_state
 from croupier.client._packing import LONG, Packed, Piece, Planner, Row, assemble, make_planner, pieces_of
 from croupier.client._sampler import DistributedSampler
@@ -23,7 +24,8 @@ class Indexed(torch.utils.data.Dataset[tuple[int, Any]]):
     """A map-style dataset whose items carry their index: ``Indexed(ds)[i] == (i, ds[i])``.
 
     :class:`PackedLoader` needs to know which index each loaded document came from; wrap the
-    dataset the loader's workers read with this (or return ``(index, tokens)`` yourself).
+    dataset the loader's workers read with this (or return ``(index, tokens)`` yourself). A sample
+    the dataset rejects by raising :class:`croupier.client.Filtered` is ``(index, FILTERED)``.
 
     Args:
         dataset: Any map-style dataset whose items are 1-D token sequences.
@@ -33,7 +35,10 @@ class Indexed(torch.utils.data.Dataset[tuple[int, Any]]):
         self.dataset = dataset
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
-        return int(index), self.dataset[index]
+        try:
+            return int(index), self.dataset[index]
+        except Filtered:
+            return int(index), FILTERED
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -48,8 +53,8 @@ def _tokens(doc: Any, what: str) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-def _sample(item: Any) -> tuple[int, torch.Tensor] | None:
-    """The ``(index, tokens)`` of `item` if it is one sample (else None: a list of them)."""
+def _sample(item: Any) -> tuple[int, torch.Tensor | None] | None:
+    """The ``(index, tokens)`` of `item` if it is one sample, tokens None if it is filtered (else None: a list of them)."""
     if not (isinstance(item, (tuple, list)) and len(item) == 2) or isinstance(item[0], (tuple, list)):
         return None
     index = item[0]
@@ -58,16 +63,18 @@ def _sample(item: Any) -> tuple[int, torch.Tensor] | None:
     if not isinstance(index, int) or isinstance(index, bool):
         raise TypeError(f"the loader must yield (index, tokens) samples (Indexed(dataset)); got an item whose "
                         f"first element is {index!r}")
+    if is_filtered(item[1]):
+        return index, None
     return index, _tokens(item[1], f"the tokens of sample {index}")
 
 
-def _samples(item: Any) -> list[tuple[int, torch.Tensor]]:
+def _samples(item: Any) -> list[tuple[int, torch.Tensor | None]]:
     """The ``(index, tokens)`` samples of one item the loader yields: a sample, or a list of them."""
     one = _sample(item)
     if one is not None:
         return [one]
     if isinstance(item, (tuple, list)):
-        out: list[tuple[int, torch.Tensor]] = []
+        out: list[tuple[int, torch.Tensor | None]] = []
         for x in item:
             s = _sample(x)
             out += [s] if s is not None else _samples(x)
@@ -111,6 +118,7 @@ class _Epoch:
         self.skip = skip  # what this rank still drops
         self.hits: Counter[int] = Counter()
         self.log = array.array("q")  # indices pulled at items [pulled - len(log), pulled)
+        self.filtered: list[int] = []  # indices filtered since the last checkpoint (on_filtered="skip")
         self.done = False
 
     def waiting(self) -> list[Key]:
@@ -149,6 +157,13 @@ class PackedLoader:
             returning ``(index, tokens)`` or the tokens); default ``loader.dataset``.
         gather: ``gather(obj)`` returns every rank's `obj` as a list by rank; default none in a
             world of one, else ``torch.distributed.all_gather_object`` on the sampler's group.
+        keep: ``keep(index, tokens)`` is False for a sample to filter out (run here, in the training
+            process); the dataset may also return ``FILTERED`` or raise ``Filtered``. A filtered
+            sample is counted as taken (not dealt again after a resume, not missing), trains nothing
+            and goes to the sampler's audit log (``croupier audit``'s ``filtered`` column).
+        on_filtered: ``"record"`` (the default), or ``"skip"``: each ``state_dict()`` also records
+            the samples filtered since the last one as skipped (``sampler.skip``: a mixture's job
+            only), so that no rank of the job's next generation deals them again.
 
     Yields:
         :class:`croupier.client.Packed` batches: tokens, ``position_ids``, ``cu_seqlens`` and
@@ -161,7 +176,8 @@ class PackedLoader:
 
     def __init__(self, loader: Iterable[Any], sampler: DistributedSampler, seq_len: int, *, pack: str = "greedy",
                  buffer: int = 64, long: str = "split", rows: int = 1, pad_id: int = 0, dataset: Any = None,
-                 gather: Gather | None = None) -> None:
+                 gather: Gather | None = None, keep: Callable[[int, torch.Tensor], bool] | None = None,
+                 on_filtered: str = "record") -> None:
         if not isinstance(sampler, DistributedSampler):
             raise TypeError(f"sampler must be a croupier.client.DistributedSampler (got {type(sampler).__name__}); "
                             "a batch sampler's batches are packed from its samples: use the index sampler")
@@ -172,6 +188,15 @@ class PackedLoader:
         if long not in LONG:
             raise ValueError(f"long must be one of {LONG} (got long={long!r})")
         make_planner(pack, seq_len, buffer)  # checks the three
+        if on_filtered not in ("record", "skip"):
+            raise ValueError(f"on_filtered must be 'record' or 'skip' (got on_filtered={on_filtered!r})")
+        if on_filtered == "skip" and sampler.spec.sources is None:
+            raise ValueError("on_filtered='skip' records filtered samples as skipped, a change of a mixture: the "
+                             "sampler deals one dataset (make it with weights=), or use on_filtered='record'")
+        if keep is not None and not callable(keep):
+            raise TypeError(f"keep must be a callable keep(index, tokens) -> bool (got {keep!r})")
+        self.keep, self.on_filtered = keep, on_filtered
+        self._skipped: set[int] = set()  # indices recorded as skipped by this loader (on_filtered="skip")
         self.rows = check_int("rows", rows, 1)
         self.pad_id = check_int("pad_id", pad_id, None)
         self.loader, self.sampler, self.seq_len, self.pack, self.buffer, self.long = loader, sampler, seq_len, pack, buffer, long
@@ -254,12 +279,24 @@ class PackedLoader:
         for index, doc in _samples(item):
             run.pulled += 1
             run.log.append(index)
+            if doc is None or (self.keep is not None and not self.keep(index, doc)):
+                self._filter(run, index)  # NOTE: before the skip entries: a filtered sample past the cut is
+                doc = None  # filtered again when it is dealt again (the audit counts it once, where it counts)
             if run.skip[index] > 0:  # past the cut of the state loaded: trained, or among the waiting pieces
                 run.skip[index] -= 1
                 run.hits[index] += 1
                 continue
-            out += pieces_of(index, doc, self.seq_len, self.long)
+            if doc is not None:
+                out += pieces_of(index, doc, self.seq_len, self.long)
         return out
+
+    def _filter(self, run: _Epoch, index: int) -> None:
+        """Records the sample at this rank's item ``run.pulled - 1`` as filtered out."""
+        if self.on_filtered == "skip":
+            run.filtered.append(index)
+        audit = self.sampler._audit
+        if audit is not None:
+            audit.filtered(run.epoch, run.pulled - 1, index)
 
     def _drain(self, run: _Epoch) -> Iterator[Packed]:
         """Adds the pending pieces one at a time, yielding a batch whenever `rows` rows are closed."""
@@ -306,13 +343,16 @@ class PackedLoader:
             step: The trainer's global step, for the sampler's state (``state_dict(step=)``).
         """
         mine = self._part()
-        counts = self._gather({"rank": mine.rank, "pulled": mine.pulled})
+        run = self._run
+        counts = self._gather({"rank": mine.rank, "pulled": mine.pulled,
+                               "filtered": list(run.filtered) if run is not None else []})
         cut = min(int(c["pulled"]) for c in counts)
+        if self.on_filtered == "skip":
+            self._skip_filtered([int(i) for c in counts for i in c["filtered"]])
         first = mine.pulled - len(mine.log)
         part = Part(mine.rank, mine.epoch, mine.pulled, mine.done, mine.log[max(0, cut - first):],
                     mine.hits, mine.waiting)
         parts = [Part.from_dict(d) for d in self._gather(part.to_dict())]
-        run = self._run
         m: Merged = merge(parts, run.loaded_skip if run is not None else (self._loaded[2] if self._loaded else []))
         if run is not None:  # the items before the cut are never asked again
             del run.log[:max(0, cut - (run.pulled - len(run.log)))]
@@ -321,6 +361,17 @@ class PackedLoader:
         else:
             sampler_state = self.sampler.state_dict(consumed=m.cut, step=step)
         return to_state(sampler_state, m)
+
+    def _skip_filtered(self, filtered: list[int]) -> None:
+        """Records every rank's samples filtered since the last checkpoint as skipped (rank 0 records them)."""
+        new = sorted(set(filtered) - self._skipped)
+        if self._run is not None:
+            self._run.filtered.clear()
+        if not new:
+            return
+        if self.sampler.rank == 0:
+            self.sampler.skip(new)
+        self._skipped.update(new)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes from a state of :meth:`state_dict`, taken on any world size; ``{}`` means "from the start".

@@ -1,13 +1,15 @@
 """`croupier audit`: reads the audit logs the samplers wrote and checks G1 from them.
 
 The log's records are described in :mod:`croupier.client` (``_audit_log``): ``start``, ``batch``,
-``end``, ``cut`` and ``ckpt``.
+``end``, ``cut``, ``ckpt`` and ``filtered``.
 
 The audit follows the chain backwards from the last incarnation to start: each resumed from a
 checkpoint that an earlier one made (its start record's ``resumed`` names it: the incarnation or
 generation that made it, its epoch and items), so what counts of that earlier one is what it
 received up to that checkpoint. Everything it received after was lost with the restart (G1's rule). It then
-prints, per epoch, the indices expected, trained, duplicated and missing, and whether G1 holds.
+prints, per epoch, the indices expected, trained, duplicated and missing, and whether G1 holds; a
+sample handed out and then filtered out (``filtered`` records) counts in a column of its own, not
+as trained and not as missing.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import collections
 import dataclasses
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -50,6 +52,7 @@ class Incarnation:
     dealing: str = "static"
     mixture: dict[str, Any] | None = None  # a mixture's sources, weights, caps, seed and shuffle
     resumed: dict[str, Any] | None = None  # the start record's checkpoint resumed from, as fields (None: none named)
+    filtered: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (epoch, at, index) filtered out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class SourceRow:
     duplicates: int  # trained beyond what the epoch was to deal of them
     missing: int  # of those, not trained
     skipped: int = 0  # the source's samples taken out of this source epoch (croupier skip): not dealt, not missing
+    filtered: int = 0  # of those expected, handed out and filtered out after loading: not trained, not missing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,7 @@ class EpochReport:
     why: str
     cut: bool = False  # the trainer moved on before the epoch's end (set_epoch of the next epoch)
     sources: tuple[SourceRow, ...] = ()  # a mixture's epoch, by source epoch
+    filtered: int = 0  # handed out, then filtered out after loading (not in `trained`, not missing)
 
 
 def _read(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -119,6 +124,8 @@ def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
                 inc.checkpoints.add(r["origin"])
             elif r["t"] == "cut":
                 inc.cuts[r["epoch"]] = max(inc.cuts.get(r["epoch"], 0), r["items"])
+            elif r["t"] == "filtered":
+                inc.filtered.append((r["epoch"], r["at"], r["index"]))
         inc.ranks[s["rank"]] = rank
     return {job: sorted(incs.values(), key=lambda i: i.ts) for job, incs in jobs.items()}
 
@@ -145,6 +152,20 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
     return out
 
 
+def _cut_filtered(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]]:
+    """The indices `inc` filtered out, by epoch, up to (epoch, items) as :func:`_cut` counts what it received."""
+    out: dict[int, list[int]] = collections.defaultdict(list)
+    for e, at, index in inc.filtered:
+        limit = inc.cuts.get(e)
+        if items is not None and e == epoch:
+            limit = items if limit is None else min(limit, items)
+        elif items is not None and e > epoch:
+            continue
+        if limit is None or at < limit:
+            out[e].append(index)
+    return out
+
+
 def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     """Follows the checkpoint chain of one job and judges every epoch it covers."""
     chain: list[tuple[Incarnation, int | None, int | None]] = []  # (incarnation, cut epoch, cut items)
@@ -163,7 +184,8 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     # may well have been restored): the audit cannot vouch for those epochs, so it fails. A job
     # started over on purpose should be given a fresh audit directory.
     orphans = [i for i in incs if i.name not in in_chain and i.ts < chain[0][0].ts and i.checkpoints]
-    trained: dict[int, list[int]] = collections.defaultdict(list)
+    trained: dict[int, list[int]] = collections.defaultdict(list)  # handed out (filtered ones included)
+    filtered: dict[int, list[int]] = collections.defaultdict(list)
     worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed
     finished: dict[int, int] = {}  # epoch -> world of the incarnation that finished it
     cut: dict[int, int] = {}  # epoch -> items taken when the trainer cut it
@@ -176,6 +198,8 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             trained[e] += _renumber(inc, chain[-1][0], idx)
             if idx:
                 worlds[e].append(inc.world)
+        for e, idx in _cut_filtered(inc, ce or 0, ci).items():
+            filtered[e] += _renumber(inc, chain[-1][0], idx)
         for e, count in inc.ends.items():
             # NOTE: with static dealing, one rank at its epoch's end means the epoch was iterated to
             # its end (the ranks step together); with dynamic dealing a rank ends when nothing is left
@@ -195,18 +219,20 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
         n = last.n
         rows: tuple[SourceRow, ...] = ()
         if last.mixture is not None:
-            dups, missing, rows = _mixture_epoch(last.mixture, n, e, idx)
+            dups, missing, rows = _mixture_epoch(last.mixture, n, e, idx, filtered[e])
         else:
             c = collections.Counter(idx)
             missing = n - len([i for i in c if 0 <= i < n])
             dups = len(idx) - len(c)
         done = e in finished
+        nf = len(filtered[e])
         if e in cut and not done:
             w = max(worlds[e], default=1)
             ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
             why = (f"CUT: the trainer moved on to epoch {e + 1} after {cut[e]} items of a rank; {missing} indices "
                    "not trained" if ok else f"G1 VIOLATED: {dups} duplicates before the trainer cut the epoch")
-            reports.append(EpochReport(job, e, last.n, len(idx), dups, missing, False, False, why, cut=True, sources=rows))
+            reports.append(EpochReport(job, e, last.n, len(idx) - nf, dups, missing, False, False, why, cut=True,
+                                       sources=rows, filtered=nf))
             continue
         if not done:
             w = max(worlds[e])
@@ -224,7 +250,7 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
                 allowed = w - 1 if last.partition == "strided" else sum(x - 1 for x in set(worlds[e]))
                 ok, rule = missing == 0 and dups <= allowed, f"each at least once, at most {allowed} repeats"
             why = ("ok: " if ok else "G1 VIOLATED: ") + rule
-        reports.append(EpochReport(job, e, n, len(idx), dups, missing, done, ok, why, sources=rows))
+        reports.append(EpochReport(job, e, n, len(idx) - nf, dups, missing, done, ok, why, sources=rows, filtered=nf))
     if orphans:
         first = min(chain[0][0].ranks[r].start.get("epoch", 0) for r in chain[0][0].ranks)
         reports.insert(0, EpochReport(
@@ -303,8 +329,8 @@ def _renumber(inc: Incarnation, last: Incarnation, idx: list[int]) -> list[int]:
     return out
 
 
-def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
-                   trained: list[int]) -> tuple[int, int, tuple[SourceRow, ...]]:
+def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int, trained: list[int],
+                   filtered: Sequence[int] = ()) -> tuple[int, int, tuple[SourceRow, ...]]:
     """Duplicates, missing and the rows by source epoch of one epoch of a mixture.
 
     The epoch was to deal stream positions ``epoch * n`` to ``(epoch + 1) * n``: their samples,
@@ -329,6 +355,12 @@ def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
     t = np.where((at < got_idx.size) & (got_idx[np.minimum(at, got_idx.size - 1)] == idx),
                  got[np.minimum(at, got_idx.size - 1)], 0)
     done = nth < t
+    f = np.zeros(idx.size, dtype=np.int64)  # times each expected sample's index was filtered out
+    if len(filtered):
+        f_idx, f_n = np.unique(np.asarray(filtered, dtype=np.int64), return_counts=True)
+        fat = np.minimum(np.searchsorted(f_idx, idx), f_idx.size - 1)
+        f = np.where(f_idx[fat] == idx, f_n[fat], 0)
+    was_filtered = nth < np.minimum(t, f)  # the trained occurrences the loader filtered out, first source epochs first
     last_of = np.r_[idx[1:] != idx[:-1], True] if idx.size else np.zeros(0, dtype=bool)
     expected_here = np.bincount(np.searchsorted(np.unique(idx), idx)) if idx.size else np.zeros(0, dtype=np.int64)
     extra = np.zeros(idx.size, dtype=np.int64)
@@ -342,8 +374,9 @@ def _mixture_epoch(mixture: dict[str, Any], n: int, epoch: int,
         sel = which == j
         exp = int(sel.sum())
         tr = int(done[sel].sum())
+        nf = int(was_filtered[sel].sum())
         dealt, domain = st.timeline(int(s)).epoch_sizes(int(se))
-        rows.append(SourceRow(int(s), int(se), dealt, exp, tr, int(extra[sel].sum()), exp - tr, domain - dealt))
+        rows.append(SourceRow(int(s), int(se), dealt, exp, tr - nf, int(extra[sel].sum()), exp - tr, domain - dealt, nf))
     dups = int(extra.sum()) + unexpected
     missing = int((~done).sum())
     return dups, missing, tuple(rows)
@@ -354,9 +387,10 @@ def by_source(reports: Iterable[EpochReport]) -> list[SourceRow]:
     total: dict[tuple[int, int], list[int]] = {}
     for r in reports:
         for row in r.sources:
-            t = total.setdefault((row.source, row.source_epoch), [row.size, 0, 0, 0, 0, row.skipped])
+            t = total.setdefault((row.source, row.source_epoch), [row.size, 0, 0, 0, 0, row.skipped, 0])
             for i, v in enumerate((row.expected, row.trained, row.duplicates, row.missing)):
                 t[i + 1] += v
+            t[6] += row.filtered
     return [SourceRow(s, e, *v) for (s, e), v in sorted(total.items())]
 
 
@@ -364,8 +398,9 @@ def render_sources(rows: Iterable[SourceRow]) -> str:
     """The per-source table: each source epoch's samples expected, trained, duplicated and missing."""
     rows = list(rows)
     skips = any(r.skipped for r in rows)
+    filters = any(r.filtered for r in rows)
     lines = [f"{'source':>6} {'epoch':>5} {'size':>9} {'expected':>9} {'trained':>9} {'duplicates':>10} "
-             f"{'missing':>8}{'  skipped' if skips else ''}  verdict"]
+             f"{'missing':>8}{'  skipped' if skips else ''}{'  filtered' if filters else ''}  verdict"]
     for r in rows:
         size, whole = r.size, r.expected == r.size
         if r.duplicates or r.missing:
@@ -375,7 +410,7 @@ def render_sources(rows: Iterable[SourceRow]) -> str:
         else:
             why = "ok: every sample exactly once" if whole else "ok: each once (part of this source epoch audited)"
         lines.append(f"{r.source:>6} {r.source_epoch:>5} {size:>9} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} "
-                     f"{r.missing:>8}{f' {r.skipped:>8}' if skips else ''}  {why}")
+                     f"{r.missing:>8}{f' {r.skipped:>8}' if skips else ''}{f' {r.filtered:>9}' if filters else ''}  {why}")
     return "\n".join(lines)
 
 
@@ -413,8 +448,12 @@ def verdict(reports: list[EpochReport], allow_unfinished: bool = False, allow_cu
 
 
 def render(reports: Iterable[EpochReport]) -> str:
-    """The audit table."""
-    lines = [f"{'job':<16} {'epoch':>5} {'expected':>9} {'trained':>9} {'duplicates':>10} {'missing':>8}  verdict"]
+    """The audit table (with a ``filtered`` column when a sample was filtered out)."""
+    reports = list(reports)
+    filters = any(r.filtered for r in reports)
+    lines = [f"{'job':<16} {'epoch':>5} {'expected':>9} {'trained':>9} {'duplicates':>10} {'missing':>8}"
+             f"{'  filtered' if filters else ''}  verdict"]
     for r in reports:
-        lines.append(f"{r.job:<16} {r.epoch:>5} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} {r.missing:>8}  {r.why}")
+        lines.append(f"{r.job:<16} {r.epoch:>5} {r.expected:>9} {r.trained:>9} {r.duplicates:>10} {r.missing:>8}"
+                     f"{f' {r.filtered:>9}' if filters else ''}  {r.why}")
     return "\n".join(lines)
