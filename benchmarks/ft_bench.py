@@ -1,14 +1,14 @@
 """The cost of committed-step dealing under torchft (``StepLoader``) at 8, 16 and 64 replica groups, beside torchft's own sampler.
 
-One process drives G replica groups of one rank each (``StepLoader`` on
-``tests/_ft_sim.py``'s ``FakeManager``, a stand-in of torchft's quorum, heal and commit calls with
-torchft's rules); each group's rank 0 reports its committed steps from its own thread, for real, to
-a ``croupier serve`` child process on a SQLite store, whose CPU and RSS are read with psutil. Every
-attempt's quorum is every group; one attempt in ten aborts (``should_commit`` false on every group).
-Measured per group and attempt, on the training thread:
+One process drives G replica groups of one rank each (``StepLoader`` on ``tests/_ft_sim.py``'s
+``FakeManager``, a stand-in of torchft's quorum, heal and commit calls with torchft's rules); each
+group's rank 0 reports its committed steps from its own thread, for real, to a ``croupier serve``
+child process on a SQLite store (its CPU and RSS read with psutil). Every attempt's quorum is every
+group; one in ten aborts on every group; an attempt lasts at least ``--step-ms`` (the model steps,
+the rest simulated by sleeping: a step's collectives and accelerator work). Measured per group
+and attempt, on the training thread:
 
-* ``next(loader)`` with no dataset (the loader yields the step's indices: no dataset access), and the
-  ``should_commit`` hook (the stand-in's own decision included: a dict lookup);
+* ``next(loader)`` with no dataset (it yields the step's indices), and the ``should_commit`` hook;
 * every RPC the loaders send (their ``CoordinatorClient`` calls, counted by method and thread);
 * the coordinator's CPU (user + system) and RSS around the attempts, every report flushed;
 * the step time of ``examples/torchft_train.py``'s model (``Linear(3, 1)``) and of a small MLP on a
@@ -16,7 +16,7 @@ Measured per group and attempt, on the training thread:
 * in a second pass without a coordinator, ``StepLoader`` beside a ``DataLoader`` over torchft's
   ``torchft.data.DistributedSampler`` (``num_replica_groups`` = G) on the same dataset (item ``i`` is ``i``).
 
-    python benchmarks/ft_bench.py            # 8, 16, 64 groups, 1,000 attempts each: about 3 minutes
+    python benchmarks/ft_bench.py            # 8, 16, 64 groups, 1,000 attempts each: about 6 minutes
     python benchmarks/ft_bench.py --quick    # 30 attempts each, N = 100,000: seconds (tests/benchmarks/test_ft_bench.py)
 
 Prints one table with the targets beside the figures and writes it to ``OUT/ft.md``; exits 1 when a
@@ -144,10 +144,10 @@ class Attempt:
 
 
 def attempt(sim: Any, members: tuple[int, ...], k: int, loaders: list[Any], models: dict[str, tuple[Any, Any]],
-            others: list[Any]) -> Attempt:
+            others: list[Any], pace: float) -> Attempt:
     """Attempt `k` (one in ten aborts on every group): its quorum, every loader's batch, the step's work on
     the first loader's batch, every loader's commit, and the commits of the `others` (managers with no loader)."""
-    ok = k % 10 != 9
+    ok, began = k % 10 != 9, time.perf_counter()
     sim.open(members, {g: ok for g in members})
     got = Attempt(ok, [], [], {})
     first = None
@@ -158,6 +158,7 @@ def attempt(sim: Any, members: tuple[int, ...], k: int, loaders: list[Any], mode
         first = batch if first is None else first
     for name, (model, opt) in models.items():
         got.model_us[name] = _model_step(model, opt, first)
+    time.sleep(max(0.0, pace - (time.perf_counter() - began)))  # the rest of a step of `pace` s (simulated work)
     for lo in loaders:
         c, t = time.thread_time(), time.perf_counter()
         lo._manager.should_commit()
@@ -167,7 +168,7 @@ def attempt(sim: Any, members: tuple[int, ...], k: int, loaders: list[Any], mode
     return got
 
 
-def measure(groups: int, attempts: int, n: int, address: str, server_pid: int) -> Phase:
+def measure(groups: int, attempts: int, n: int, address: str, server_pid: int, pace: float) -> Phase:
     """The attempts of `groups` groups against the coordinator at `address` (process `server_pid`)."""
     import psutil
 
@@ -187,14 +188,14 @@ def measure(groups: int, attempts: int, n: int, address: str, server_pid: int) -
     models = _models()
     ph.model_us, members = {name: [] for name in models}, tuple(range(groups))
     for k in range(WARM):
-        ph.warm_committed += attempt(sim, members, k, loaders, models, []).ok
+        ph.warm_committed += attempt(sim, members, k, loaders, models, [], pace).ok
     for lo in loaders:
         lo.flush()
     ph.calls.clear()
     cpu0 = server.cpu_times()
     ph.rss_before = server.memory_info().rss
     for k in range(attempts):
-        a = attempt(sim, members, k, loaders, models, [])
+        a = attempt(sim, members, k, loaders, models, [], pace)
         ph.attempts, ph.committed = ph.attempts + 1, ph.committed + a.ok
         for name, us in a.model_us.items():
             ph.model_us[name].append(us)
@@ -235,8 +236,9 @@ def _empty_calls(address: str, server: Any, calls: int) -> float:
 class GroupProcess:
     """The child process of :func:`own_group`, started once (it imports torch while the first phase runs)."""
 
-    def __init__(self, attempts: int, n: int, address: str) -> None:
-        cmd = [sys.executable, __file__, "--own-group", "--attempts", str(attempts), "--n", str(n), "--address", address]
+    def __init__(self, attempts: int, n: int, address: str, step_ms: float) -> None:
+        cmd = [sys.executable, __file__, "--own-group", "--attempts", str(attempts), "--n", str(n), "--address", address,
+               "--step-ms", str(step_ms)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, line: str | None) -> str:
@@ -251,7 +253,7 @@ class GroupProcess:
         return got.strip()
 
 
-def own_process(ph: Phase, attempts: int, n: int, address: str, child: GroupProcess) -> None:
+def own_process(ph: Phase, attempts: int, n: int, address: str, child: GroupProcess, pace: float) -> None:
     """Group 0 in a child process of its own (its training thread and its one reporter thread), the other
     groups driven here as in :func:`measure`, all reporting to the coordinator: group 0's training path
     as a group's own process sees it. The two processes open the same quorums in the same order (the
@@ -268,7 +270,7 @@ def own_process(ph: Phase, attempts: int, n: int, address: str, child: GroupProc
     if child.ask(f"{ph.groups} {job}") != "ready":  # it starts its attempts as this one does
         raise RuntimeError("the group process did not answer 'ready'")
     for k in range(attempts + WARM):
-        attempt(sim, members, k, loaders, {}, [raw])
+        attempt(sim, members, k, loaders, {}, [raw], pace)
     for lo in loaders:
         lo.close()
     got = json.loads(child.ask(None))
@@ -296,7 +298,7 @@ def own_group(groups: int, job: str, args: argparse.Namespace) -> None:
     hook_us: list[tuple[float, float]] = []
     print("ready", flush=True)
     for k in range(args.attempts + WARM):
-        a = attempt(sim, members, k, [lo], models, others)
+        a = attempt(sim, members, k, [lo], models, others, args.step_ms / 1000)
         if k >= WARM:
             next_us.append(a.next_us[0])
             hook_us.append(a.hook_us[0])
@@ -367,8 +369,7 @@ def table(phases: list[Phase], quick: bool) -> str:
     def row(name: str, cells: list[str], target: str = "-", met: str = "-") -> None:
         rows.append(f"| {name} | {' | '.join(cells)} | {target} | {met} |")
 
-    last = phases[-1]
-    per_group = [p.per_group() for p in phases]
+    last, per_group = phases[-1], [p.per_group() for p in phases]
     row("attempts (committed)", [f"{p.attempts:,} ({p.committed:,})" for p in phases])
     row("calls per committed step per group", [f"{v:.3f}" for v in per_group], f"<= {TARGET_CALLS:g}",
         "met" if all(v <= TARGET_CALLS for v in per_group) else "MISSED")
@@ -430,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", default="8,16,64", help="the group counts, comma-separated (default 8,16,64)")
     parser.add_argument("--attempts", type=int, default=None, help="attempts per group count (default 1000; --quick 30)")
     parser.add_argument("--n", type=int, default=None, help="the dataset's size (default 1,000,000; --quick 100,000)")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="the least an attempt lasts, ms (default 50; 0: unpaced)")
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="where ft.md goes (default out/bench)")
     parser.add_argument("--own-group", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -444,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--groups {args.groups}: each must divide the global batch {GLOBAL_BATCH} ({bad} do not)")
     attempts = args.attempts if args.attempts is not None else 30 if args.quick else 1000
     n = args.n if args.n is not None else 100_000 if args.quick else 1_000_000
-    if attempts < 1 or n < 1:
-        parser.error(f"--attempts {attempts}, --n {n}: each must be at least 1")
+    if attempts < 1 or n < 1 or args.step_ms < 0:
+        parser.error(f"--attempts {attempts}, --n {n}, --step-ms {args.step_ms:g}: at least 1, 1 and 0")
     logging.getLogger("croupier.integrations.torchft").setLevel(logging.ERROR)
     from croupier.tools._serve import ServeProcess
 
@@ -456,12 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         server = ServeProcess(f"sqlite:///{tmp}/coordinator.db", sys.stderr).start()
         try:
             assert server.proc is not None
-            child = GroupProcess(attempts, n, server.address)
+            child = GroupProcess(attempts, n, server.address, args.step_ms)
             try:
                 for g in groups:
                     print(f"{g} groups: {attempts} attempts ...", file=sys.stderr, flush=True)
-                    ph = measure(g, attempts, n, server.address, server.proc.pid)
-                    own_process(ph, attempts, n, server.address, child)
+                    ph = measure(g, attempts, n, server.address, server.proc.pid, args.step_ms / 1000)
+                    own_process(ph, attempts, n, server.address, child, args.step_ms / 1000)
                     peer_pass(ph, attempts, n)
                     phases.append(ph)
             finally:
@@ -475,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         f"Committed-step dealing (StepLoader) under a stand-in of torchft's Manager: {', '.join(map(str, groups))} "
         f"replica groups of 1 rank each in one process, global batch {GLOBAL_BATCH}, N = {n:,}, "
-        f"{attempts:,} attempts per group count (1 in 10 aborted on every group); reports sent to a `croupier serve` "
-        "process on a SQLite store",
+        f"{attempts:,} attempts per group count (1 in 10 aborted on every group), each at least {args.step_ms:g} ms (the "
+        "model steps, the rest simulated by sleeping); reports sent to a `croupier serve` process on a SQLite store",
         "",
         table(phases, args.quick),
         "",

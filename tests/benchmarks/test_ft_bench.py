@@ -67,7 +67,7 @@ def test_the_quick_run_prints_its_table_with_at_most_one_call_per_step_per_group
 def test_the_count_sees_a_second_call_and_a_call_on_the_training_thread(server: Server,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _bench()
-    ok = bench.measure(4, 12, 1000, server.address, os.getpid())
+    ok = bench.measure(4, 12, 1000, server.address, os.getpid(), 0.0)
     assert ok.per_group() == 1.0 and ok.on_training_path() == 0 and ok.committed == 11
     assert ok.recorded == ok.committed + ok.warm_committed
 
@@ -78,12 +78,12 @@ def test_the_count_sees_a_second_call_and_a_call_on_the_training_thread(server: 
         send(self, c)  # type: ignore[arg-type]
 
     monkeypatch.setattr(StepLoader, "_send", twice)
-    assert bench.measure(4, 12, 1000, server.address, os.getpid()).per_group() == 2.0
+    assert bench.measure(4, 12, 1000, server.address, os.getpid(), 0.0).per_group() == 2.0
 
     def inline(self: StepLoader, c: object) -> None:  # reported on the training path
         assert self._client is not None
         self._client.commit_step(self.job, self.spec, self.run, self.parent, self.resumed, self.mode, self.batch, c)
 
     monkeypatch.setattr(StepLoader, "_send", inline)
-    bad = bench.measure(4, 12, 1000, server.address, os.getpid())
+    bad = bench.measure(4, 12, 1000, server.address, os.getpid(), 0.0)
     assert bad.on_training_path() == 4 * 11 and bad.per_group() == 1.0
