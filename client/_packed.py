@@ -347,8 +347,6 @@ class PackedLoader:
         counts = self._gather({"rank": mine.rank, "pulled": mine.pulled,
                                "filtered": list(run.filtered) if run is not None else []})
         cut = min(int(c["pulled"]) for c in counts)
-        if self.on_filtered == "skip":
-            self._skip_filtered([int(i) for c in counts for i in c["filtered"]])
         first = mine.pulled - len(mine.log)
         part = Part(mine.rank, mine.epoch, mine.pulled, mine.done, mine.log[max(0, cut - first):],
                     mine.hits, mine.waiting)
@@ -360,6 +358,8 @@ class PackedLoader:
             sampler_state = self.sampler.state_dict(step=step)
         else:
             sampler_state = self.sampler.state_dict(consumed=m.cut, step=step)
+        if self.on_filtered == "skip":  # NOTE: after the collectives: a skip refused on rank 0 holds no rank there
+            self._skip_filtered([int(i) for c in counts for i in c["filtered"]])
         return to_state(sampler_state, m)
 
     def _skip_filtered(self, filtered: list[int]) -> None:
