@@ -25,10 +25,10 @@ class _FilteredType:
         return False
 
 
-#: What a dataset returns in place of a sample it rejects (a quality or length filter): the
-#: packed loader trains none of it, counts it as taken (it is not dealt again, nor missing) and
-#: records it in the audit log's ``filtered`` records. ``Indexed(ds)[i]`` is ``(i, FILTERED)``.
 FILTERED = _FilteredType()
+"""What a dataset returns in place of a sample it rejects (a quality or length filter): the
+packed loader trains none of it, counts it as taken (it is not dealt again, nor missing) and
+records it in the audit log's ``filtered`` records. ``Indexed(ds)[i]`` is then ``(i, FILTERED)``."""
 
 
 class Filtered(Exception):  # noqa: N818  (a sample's fate, as StopIteration names one)

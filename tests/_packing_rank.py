@@ -2,7 +2,7 @@
 default collective, checkpoints every few steps, and a preemption (the process kills itself).
 
 Usage: python _packing_rank.py ADDRESS JOB RANK WORLD INIT_FILE OUT LENGTHS_JSON
-           [--steps S] [--every K] [--kill-after S] [--state FILE] [--workers N]
+           [--steps S] [--every K] [--kill-after S] [--state FILE] [--workers N] [--reject JSON] [--audit DIR]
 
 Each batch trained appends ``{"step": s, "pieces": [...]}`` to OUT (a JSON line, flushed); every
 `--every` steps the ranks checkpoint and rank 0 writes ``{"step": s, "state": ...}`` to OUT.state.
@@ -17,7 +17,7 @@ import os
 import signal
 
 import torch.distributed as dist
-from _packing_data import Docs
+from _filter_data import FilteringDocs
 from torch.utils.data import DataLoader
 
 from croupier.client import DistributedSampler, Indexed, PackedLoader
@@ -32,11 +32,14 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int)
     ap.add_argument("--state")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--reject", default="[]", help="indices the dataset rejects (raises Filtered)")
+    ap.add_argument("--audit", help="the samplers' audit log directory")
     a = ap.parse_args()
     rank = int(a.rank)
     dist.init_process_group("gloo", init_method=f"file://{a.init}", rank=rank, world_size=int(a.world))
-    docs = Docs(json.loads(a.lengths))
-    s = DistributedSampler(len(docs), address=a.address, job=a.job, seed=3, tail="uneven", incarnation=a.init)
+    docs = FilteringDocs(json.loads(a.lengths), json.loads(a.reject))
+    s = DistributedSampler(len(docs), address=a.address, job=a.job, seed=3, tail="uneven", incarnation=a.init,
+                           audit_dir=a.audit)
     dl = DataLoader(Indexed(docs), batch_size=None, sampler=s, num_workers=a.workers)
     pl = PackedLoader(dl, s, 16, pack="best_fit", buffer=4)
     if a.state:
