@@ -24,13 +24,18 @@ REJECTED = [i for i in range(60) if i % 7 == 3]
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
+def server() -> Iterator[Server]:
     with tempfile.TemporaryDirectory() as d:
         s = Server(f"sqlite:///{Path(d) / 'coordinator.db'}").start()
         try:
-            yield s.address
+            yield s
         finally:
             s.stop(grace=0.5)
+
+
+@pytest.fixture(scope="module")
+def address(server: Server) -> str:
+    return server.address
 
 
 def test_the_rejection_value_survives_the_workers_pickling() -> None:
@@ -64,18 +69,23 @@ def test_filtered_samples_are_counted_apart_and_exact_across_a_resume_on_another
     assert "filtered" in render(reports).splitlines()[0]
 
 
-def test_a_filtered_mixture_sample_is_skipped_from_the_next_generation(address: str, tmp_path: Path) -> None:
+def test_a_filtered_mixture_sample_is_skipped_from_the_next_generation(server: Server, tmp_path: Path) -> None:
     """on_filtered='skip': the checkpoint records the samples filtered so far as skipped; the resumed
     generation never deals them again (the next epoch included), and the audit counts them per source."""
-    job = uuid.uuid4().hex
+    job, address = uuid.uuid4().hex, server.address
     args = {"audit_dir": str(tmp_path), "weights": [0.5, 0.5], "sources": [30, 30]}
     docs = FilteringDocs(LENGTHS, REJECTED)
-    first, states = run_world(address, job, docs, 2, 0, SEQ_LEN, 4, None, sampler_args=args, pack="greedy",
+    first, states = run_world(address, job, docs, 2, 0, SEQ_LEN, 10, None, sampler_args=args, pack="greedy",
                               on_filtered="skip")
+    pending = server.core.job(job).amendments
+    assert [(a.kind, a.at) for a in pending] == [("skip", None)]  # the checkpoint recorded what was filtered
     rest, ends = run_world(address, job, docs, 3, 0, SEQ_LEN, None, states[0], sampler_args=args, pack="greedy",
                            on_filtered="skip")
     assert not {i for t in first + rest for i, _, _ in t} & set(REJECTED)
+    held = server.core.job(job).amendments
+    assert held[0].at is not None and [a.kind for a in held] == ["skip", "skip"]  # the resumed generation held it
     reports = audit(tmp_path)
+    assert verdict(reports)[0], render(reports)
     rows = by_source(reports)
     assert sum(r.filtered for r in rows) == reports[0].filtered > 0, render_sources(rows)
     assert "filtered" in render_sources(rows).splitlines()[0]
