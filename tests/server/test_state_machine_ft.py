@@ -65,22 +65,38 @@ def test_a_recorded_stale_report_is_caught(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.exhaustive
-def test_a_loader_counting_its_own_steps_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A loader that deals by its own count of the steps it dealt (an aborted step counted), not the committed count."""
-    real = StepLoader.__next__
+@pytest.mark.parametrize("counts", ["dealt", "committed"])
+def test_a_loader_counting_its_own_steps_is_caught(monkeypatch: pytest.MonkeyPatch, counts: str) -> None:
+    """A loader that deals by its own count of steps, not the quorum's committed count: of the steps it dealt (an
+    aborted one counted), or of those its own group committed (a heal does not move it)."""
+    real_next, real_hook = StepLoader.__next__, StepLoader._hook
 
     def own_count(self: StepLoader) -> Any:
         own = self.__dict__.get("_own", 0)
         m = self._manager
         m.current_step = lambda: own
         try:
-            return real(self)
+            return real_next(self)
         finally:
             del m.current_step
-            self._own = own + 1  # type: ignore[attr-defined]
+            if counts == "dealt":
+                self._own = own + 1  # type: ignore[attr-defined]
+
+    def hook(self: StepLoader, manager: Any) -> None:
+        real_hook(self, manager)
+        commit = manager.should_commit
+
+        def should_commit() -> bool:
+            ok = bool(commit())
+            if ok and counts == "committed":
+                self._own = self.__dict__.get("_own", 0) + 1  # type: ignore[attr-defined]
+            return ok
+
+        manager.should_commit = should_commit
 
     monkeypatch.setattr(StepLoader, "__next__", own_count)
-    _caught("loader's own step count")
+    monkeypatch.setattr(StepLoader, "_hook", hook)
+    _caught(f"loader's own count of steps {counts}")
 
 
 @pytest.mark.exhaustive
