@@ -13,11 +13,20 @@ from croupier.server._service import Server
 from croupier.tools import _serve
 
 
+#: End-to-end tests that may run beside another one (make test runs them two at a time): the trainers'
+#: integrations, each on its own embedded coordinator, ports and directories, none measuring a stall.
+PAIRED = ("test_integration_lightning.py", "test_integration_accelerate.py", "test_integration_transformers.py",
+          "test_integration_dcp.py", "test_integration_grain.py", "test_integration_mixture.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`)."""
+    """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`); the
+    integrations' end-to-end tests are `paired`."""
     for item in items:
         if "serve_process" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
+        if item.path.name in PAIRED and item.get_closest_marker("e2e") is not None:
+            item.add_marker(pytest.mark.paired)
 
 
 @pytest.fixture

@@ -53,6 +53,9 @@ def chaos(workdir: pathlib.Path, *args: str, timeout: float) -> tuple[subprocess
     return out, m
 
 
+# NOTE: make slow; the suite keeps the data-center run (the same kills and preemptions, and the data-center
+# faults beside them) and the mixture's run.
+@pytest.mark.slow
 def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
     faults, epochs, n = 6, 2, 1200
     out, m = chaos(tmp_path / "chaos", "--faults", str(faults), "--epochs", str(epochs), "--n", str(n), "--seed", "1",
