@@ -143,7 +143,7 @@ def _provenance_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.provenance import main as provenance
 
     return provenance(args.address, args.job, step=args.step, steps=args.steps, index=args.index, source=args.source,
-                      as_json=args.json, full=args.full, export_to=args.export)
+                      as_json=args.json, full=args.full, export_to=args.export, logdir=args.logdir)
 
 
 def _health_cmd(args: argparse.Namespace) -> int:
@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--export", metavar="FILE.npy",
                    help="write the kept timeline's steps as an OLMo-style global_indices.npy (batch N = step N + 1); "
                         "a run whose global batch is constant only")
+    v.add_argument("--logdir", metavar="LOGDIR",
+                   help="with --index: also the epochs in which I was filtered out, from the job's audit logs under "
+                        "LOGDIR (default $CROUPIER_AUDIT_DIR when set)")
     v.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     v.set_defaults(func=_provenance_cmd)
 

@@ -323,10 +323,12 @@ def _main_ft(job: str, spec: Any, record: Steps, step: int | None, span: tuple[i
 
 def main(address: str | None, job: str, *, step: int | None = None, steps: str | None = None,
          index: int | None = None, source: int | None = None, as_json: bool = False, full: bool = False,
-         export_to: str | None = None, out: TextIO | None = None) -> int:
+         export_to: str | None = None, logdir: str | None = None, out: TextIO | None = None) -> int:
     """`croupier provenance`: prints the answer (text or JSON), or writes the order file.
 
     Without a question it prints the job's timeline (its generations and the steps each trained).
+    With `logdir` (else ``CROUPIER_AUDIT_DIR`` when set), `index` also lists the epochs in which the
+    sample was filtered out, from the job's audit logs (:mod:`croupier.tools.provenance_filtered`).
 
     Returns:
         0; 2 for a bad argument (a step below 1, an empty range, an index out of the dataset, a
@@ -343,7 +345,11 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
             raise ValueError(f"{' and '.join(asked)}: give one question at a time")
         if source is not None and index is None:
             raise ValueError(f"--source {source} numbers an index within a source: it needs --index")
+        if logdir is not None and index is None:
+            raise ValueError(f"--logdir {logdir} reads the filtered samples of an index: it needs --index")
         span = step_range(steps) if steps is not None else None
+        named = logdir is not None  # NOTE: CROUPIER_AUDIT_DIR is read when set; a job it holds no log of is no error
+        logdir = logdir if named else settings.get("CROUPIER_AUDIT_DIR")
     except ValueError as e:
         print(f"croupier provenance: error: {e}", file=sys.stderr)
         return 2
@@ -353,6 +359,9 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         if not led.segments:
             record = ft_record(address, job)
             if record.runs:
+                if named:
+                    raise Refused(f"--logdir: job {job!r} is fault-tolerant; its provenance does not read audit logs "
+                                  "(croupier audit LOGDIR reads them)")
                 return _main_ft(job, led.spec, record, step, span, index, as_json, full, export_to, out)
         if export_to is not None:
             done = export(led, export_to)
@@ -370,6 +379,20 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         elif index is not None:
             occ = led.index(index, source)
             doc, lines = [o.to_dict() for o in occ], index_lines(job, index, source, occ)
+            if logdir is not None:
+                from croupier.tools import provenance_filtered as pf
+
+                try:
+                    fl = pf.filtered_at(logdir, job, index, source)
+                except NotFound:
+                    if named:
+                        raise
+                    fl = None
+                except ValueError as e:
+                    raise Refused(f"the audit logs under {logdir}: {e}") from None
+                if fl is not None:
+                    doc = [{**d, "filtered": False} for d in doc] + [f.to_dict() for f in fl]
+                    lines = pf.index_lines(job, index, source, occ, fl, lines)
         else:
             doc = {"job": job, "last_step": led.last_step, "global_batch": led.constant_batch(),
                    "timeline": led.timeline()}
