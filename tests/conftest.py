@@ -12,7 +12,6 @@ from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
 from croupier.tools import _serve
 
-
 #: End-to-end tests that may run beside another one (make test runs them two at a time): the trainers'
 #: integrations, each on its own embedded coordinator, ports and directories, none measuring a stall.
 PAIRED = ("test_integration_lightning.py", "test_integration_accelerate.py", "test_integration_transformers.py",
