@@ -60,9 +60,11 @@ def _sample(item: Any) -> tuple[int, torch.Tensor | None] | None:
     index = item[0]
     if isinstance(index, torch.Tensor) and index.numel() == 1:
         index = index.item()
-    if not isinstance(index, int) or isinstance(index, bool):
+    try:
+        index = check_int("a sample's index", index, None)
+    except TypeError:
         raise TypeError(f"the loader must yield (index, tokens) samples (Indexed(dataset)); got an item whose "
-                        f"first element is {index!r}")
+                        f"first element is {index!r}") from None
     if is_filtered(item[1]):
         return index, None
     return index, _tokens(item[1], f"the tokens of sample {index}")
