@@ -38,6 +38,17 @@ def server(tmp_path: Path) -> Iterator[Server]:
         s.stop(grace=0.5)
 
 
+@pytest.fixture(scope="module")
+def module_address() -> Iterator[str]:
+    """One in-process coordinator (SQLite in a temporary directory) for a whole module's runs, each a job of its own."""
+    with tempfile.TemporaryDirectory() as d:
+        s = Server(f"sqlite:///{Path(d) / 'coordinator.db'}").start()
+        try:
+            yield s.address
+        finally:
+            s.stop(grace=0.5)
+
+
 @pytest.fixture
 def client(server: Server) -> Iterator[CoordinatorClient]:
     c = CoordinatorClient(server.address, retry_for=5.0)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,6 @@ from _ranks import on_ranks
 from torch.utils.data import BatchSampler, DataLoader
 
 from croupier.client import DistributedBatchSampler, DistributedSampler, Loader
-from croupier.server._service import Server
 from croupier.tools.audit import audit as audit_logs
 from croupier.tools.audit import verdict
 
@@ -23,14 +20,9 @@ N, BS = 120, 4
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    """One in-process coordinator for the module's runs (each run is a job of its own)."""
-    with tempfile.TemporaryDirectory() as d:
-        s = Server(f"sqlite:///{Path(d) / 'coordinator.db'}").start()
-        try:
-            yield s.address
-        finally:
-            s.stop(grace=0.5)
+def address(module_address: str) -> str:
+    """One in-process coordinator for the module's runs (each run is a job of its own: tests/conftest.py)."""
+    return module_address
 
 
 def run_world(address: str, job: str, world: int, workers: int, steps: int | None,

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +18,14 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from croupier.client import DistributedSampler, Indexed, PackedLoader
-from croupier.server._service import Server
 
 SEQ_LEN = 16
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    """One in-process coordinator for the module's runs (each run is a job of its own)."""
-    with tempfile.TemporaryDirectory() as d:
-        s = Server(f"sqlite:///{Path(d) / 'coordinator.db'}").start()
-        try:
-            yield s.address
-        finally:
-            s.stop(grace=0.5)
+def address(module_address: str) -> str:
+    """One in-process coordinator for the module's runs (each run is a job of its own: tests/conftest.py)."""
+    return module_address
 
 
 def _resume(address: str, lengths: list[int], w1: int, k1: int, w2: int, k2: int, cut: int, stateful: bool = False,

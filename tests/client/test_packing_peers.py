@@ -9,18 +9,14 @@ and repeats are counted and printed, not asserted to exist; croupier's audit mus
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from _packing_data import CONTEXT, Docs, run_world, token_audit
 from torch.utils.data import IterableDataset, get_worker_info
-
-from croupier.server._service import Server
 
 SEQ_LEN = 32
 LENGTHS = [int(x) for x in np.random.default_rng(7).lognormal(np.log(20), 0.8, 160).clip(1, 120)]
@@ -81,13 +77,9 @@ def _baseline(world: int, workers: int, steps: int, state: list[dict[str, Any]] 
 
 
 @pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    with tempfile.TemporaryDirectory() as d:
-        s = Server(f"sqlite:///{Path(d) / 'coordinator.db'}").start()
-        try:
-            yield s.address
-        finally:
-            s.stop(grace=0.5)
+def address(module_address: str) -> str:
+    """One in-process coordinator for the module's runs (each run is a job of its own: tests/conftest.py)."""
+    return module_address
 
 
 @pytest.mark.slow
