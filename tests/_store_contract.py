@@ -18,6 +18,7 @@ from croupier.server._store import (
     StoreConflict,
     StoreUnavailable,
 )
+from tests._budget import examples
 
 
 def _payload(tag: int) -> bytes:
@@ -282,7 +283,7 @@ class StoreContract:
         )
 
         # Defined per call so that each backend's class runs its own hypothesis test.
-        @settings(max_examples=25, deadline=None)
+        @settings(max_examples=examples(25), deadline=None)
         @given(ops=ops)
         def check(ops: list[tuple[str, int]]) -> None:
             with tempfile.TemporaryDirectory() as tmp:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from croupier.client._epoch import EpochProgress, Phase, position
 from croupier.core.cursor import Cursor
+from tests._budget import examples
 
 PHASES = ("enter", "skip", "exhaust", "cut", "end_written", "next_epoch")
 HANDING = ("hand_out", "take", "chunk_done", "stop")
@@ -100,7 +101,7 @@ def fields(p: EpochProgress) -> tuple[Any, ...]:
     return tuple(getattr(p, f.name) for f in dataclasses.fields(p))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(PHASES + HANDING + BEFORE_JOIN), st.integers(0, 6),
                           st.one_of(st.none(), st.integers(0, 12))), max_size=50))
 def test_every_walk_agrees_with_the_reference_and_refuses_what_cannot_happen(

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from croupier.core.mixture import MAX_POSITION, PARTS, Mixture, parts_of, sample_seed
+from tests._budget import examples
 
 LENGTH = 3000  # positions checked per example: every window inside them, of every length K
 
@@ -24,7 +25,7 @@ def deviation_range(m: Mixture, source: int, length: int) -> float:
     return float(d.max() - d.min())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.floats(min_value=1e-3, max_value=1 - 1e-3), st.integers(0, 2**32))
 def test_two_sources_are_within_one_for_every_window(w: float, seed: int) -> None:
     m = Mixture.of([7, 1000], [w, 1 - w], seed)
@@ -32,7 +33,7 @@ def test_two_sources_are_within_one_for_every_window(w: float, seed: int) -> Non
         assert deviation_range(m, s, LENGTH) < 1
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(weights, st.integers(0, 2**32))
 def test_every_source_keeps_its_window_bound_for_every_window(ws: list[float], seed: int) -> None:
     m = Mixture.of([5] * len(ws), ws, seed)
@@ -68,7 +69,7 @@ def test_within_one_for_every_window_cannot_be_had_with_three_sources() -> None:
     assert _any_sequence_within_one((Fraction(1, 2), Fraction(1, 4), Fraction(1, 4)), 40)  # the search finds one where one exists
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.data())
 def test_each_source_deals_every_sample_once_per_its_own_epoch(sizes: list[int], data: st.DataObject) -> None:
     ws = data.draw(st.lists(st.floats(0.05, 1.0), min_size=len(sizes), max_size=len(sizes)))
@@ -91,7 +92,7 @@ def _walk(m: Mixture, p: int) -> tuple[int, int]:
     return int(s), counts[int(s)] - 1
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(weights, st.integers(0, 400))
 def test_random_access_agrees_with_dealing_from_the_start(ws: list[float], p: int) -> None:
     m = Mixture.of([3] * len(ws), ws)

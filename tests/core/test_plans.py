@@ -19,6 +19,7 @@ from croupier.core.errors import OutOfRange
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import KINDS, PlanKind, kind_of, plan_epoch
 from croupier.core.spec import Spec
+from tests._budget import examples
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Every way of dealing the contract runs on: the registered ones and the toy kind defined in a test
@@ -97,7 +98,7 @@ def test_the_epoch_rule_is_the_same_for_every_kind(name: str) -> None:
     assert plan_epoch(spec, start, 2, 3) is plan_epoch(spec, start, 2, 3), "plans are cached"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(name=st.sampled_from(NAMES), n=st.integers(1, 300), batch=st.integers(1, 9), world=st.integers(1, 6),
        count=st.integers(1, 5), seed=st.integers(0, 2**20))
 def test_a_plan_deals_every_remaining_position_once(name: str, n: int, batch: int, world: int, count: int,
@@ -116,7 +117,7 @@ def test_a_plan_deals_every_remaining_position_once(name: str, n: int, batch: in
         assert book.next == p.dealer.batches
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(name=st.sampled_from(["fixed", "tokens"]), n=st.integers(1, 300), batch=st.integers(1, 9),
        world=st.integers(1, 6), new_world=st.integers(1, 6), steps=st.integers(0, 40), seed=st.integers(0, 2**20))
 def test_advance_is_topology_free(name: str, n: int, batch: int, world: int, new_world: int, steps: int,
@@ -136,7 +137,7 @@ def test_advance_is_topology_free(name: str, n: int, batch: int, world: int, new
     assert sorted(taken + rest) == list(range(spec.n))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(name=st.sampled_from(["dynamic", "reverse"]), n=st.integers(1, 300), batch=st.integers(1, 9),
        world=st.integers(1, 6), new_world=st.integers(1, 6), asks=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)),
                                                                            max_size=30),

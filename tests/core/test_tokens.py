@@ -15,8 +15,9 @@ from croupier.core.order import Cursor, fresh, order, validate_cursor
 from croupier.core.registry import plan_epoch as token_plan_epoch
 from croupier.core.spec import Spec
 from croupier.core.tokens import TokenPlan, token_plan
+from tests._budget import examples
 
-PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TAILS = ("uneven", "drop", "pad")
 COSTS = ("sum", "padded")
 
@@ -265,7 +266,7 @@ def test_fill_on_a_long_tailed_distribution(cost: str, floor: float) -> None:
 
 
 @given(spec=token_specs(), world=st.integers(1, 8))
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 def test_the_same_plan_twice_deals_the_same(spec: Spec, world: int) -> None:
     a, b = token_plan(spec, fresh(spec, 3), world), token_plan(spec, fresh(spec, 3), world)
     for r in range(world):

@@ -30,6 +30,7 @@ from croupier.server._service import Server
 from croupier.tools.audit import load
 from croupier.tools.audit_steps import audit_steps, render_steps
 from croupier.tools.cli import main as cli
+from tests._budget import examples
 
 N = 101
 B, GB = 4, 24  # the batch sampler's batch, and its trainer's global batch: 3 and 2 batches a step on 2 and 3 ranks
@@ -291,7 +292,7 @@ specs = st.builds(
     st.sampled_from(["pad", "drop", "uneven", "pad_last"]), st.sampled_from(["feistel", "none", "torch", "window"]))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs, gens=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 25), st.integers(0, 3), st.integers(1, 2)),
                                  min_size=2, max_size=5))
 def test_every_trained_run_passes_and_a_rewound_resume_is_named(spec: Spec, gens: list[tuple[int, int, int, int]]) -> None:

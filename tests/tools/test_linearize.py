@@ -19,6 +19,7 @@ from croupier.core.order import Cursor
 from croupier.core.spec import Spec
 from croupier.server._service import Server
 from croupier.tools.linearize import Call, Recorder, _accepts, _search, check, load
+from tests._budget import examples
 
 
 def C(kind: str, g: int, outcome: str, t0: float, t1: float, who: str = "p", job: str = "j") -> Call:
@@ -99,7 +100,7 @@ def histories(draw: st.DrawFn) -> list[Call]:
 
 
 @pytest.mark.exhaustive  # 3,000 histories: in make test, not in make check
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=examples(3000), deadline=None)
 @given(histories())
 def test_the_checker_agrees_with_the_brute_force_oracle(h: list[Call]) -> None:
     assert check(h).ok == _oracle(h) == _search(h, 0.0)
