@@ -84,8 +84,7 @@ class Elastic(RuleBasedStateMachine):
         if not hasattr(self, "live"):  # the example failed before its job started
             return
         try:
-            # Finish the epoch in progress, so that every example ends with a complete audit
-            # (not after a failure: that one is what hypothesis reports).
+            # Finish the epoch in progress: every example ends with a complete audit (not after a failure).
             if self.live is not None and not self.busy:
                 while not self.step():
                     pass
