@@ -6,9 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "packing_bench.py"
 
 
+# NOTE: end to end: its throughput part runs a DataLoader with 4 worker processes (make test, not make check).
+@pytest.mark.e2e
 def test_packing_bench_quick_prints_its_tables() -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
