@@ -247,3 +247,22 @@ def test_the_plain_sampler_is_refused_under_torchft(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
     with pytest.raises(RuntimeError, match=r"TORCHFT_LIGHTHOUSE is set \('http://lighthouse:29510'\).*StepLoader"):
         DistributedSampler(N, num_replicas=2, rank=0, address="127.0.0.1:1")
+
+
+def test_a_fault_tolerant_job_and_a_job_of_generations_do_not_share_a_name(server: Server,
+                                                                           client: CoordinatorClient) -> None:
+    from croupier.client import DistributedSampler
+    from croupier.core.ftsteps import CommittedStep
+    from croupier.core.spec import Spec
+
+    spec = Spec(n=N, seed=0, permutation="feistel", batch_size=12)
+    client.commit_step("ft-job", spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 1))
+    sampler = DistributedSampler(N, num_replicas=1, rank=0, address=server.address, job="ft-job")
+    with pytest.raises(E.FailedPrecondition, match="'ft-job' is a fault-tolerant job"):
+        next(iter(sampler))
+    sampler.close()
+    other = DistributedSampler(N, num_replicas=1, rank=0, address=server.address, job="gen-job")
+    next(iter(other))
+    with pytest.raises(E.FailedPrecondition, match="'gen-job' is dealt to ranks by generations"):
+        client.commit_step("gen-job", other.spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 1))
+    other.close()
