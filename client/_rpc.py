@@ -416,14 +416,18 @@ class CoordinatorClient:
     def ledger(self, job: str) -> Ledger:
         """The job's step ledger (``croupier.core.ledger``): what each step trained, where each sample was
         trained. Fetched once (a few bytes per generation); the questions are answered here."""
-        r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
-        return Ledger(job, spec_from_proto(r.spec), unpack(r.segments))
+        return self.history(job)[0]
 
     def steps(self, job: str) -> tuple[Spec, Steps]:
         """A fault-tolerant job's spec and record of committed steps (``croupier.core.ftsteps``)."""
+        led, steps = self.history(job)
+        return led.spec, steps
+
+    def history(self, job: str) -> tuple[Ledger, Steps]:
+        """The job's step ledger and, for a fault-tolerant job, its record of committed steps: one ``GetLedger``."""
         r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
         runs = msgpack.unpackb(r.steps) if r.steps else []
-        return spec_from_proto(r.spec), Steps([StepRun.from_dict(v) for v in runs])
+        return Ledger(job, spec_from_proto(r.spec), unpack(r.segments)), Steps([StepRun.from_dict(v) for v in runs])
 
     def commit_step(self, job: str, spec: Spec, run: str, parent: str, resumed: int, mode: str, batch: int,
                     step: CommittedStep, timeout: float | None = None) -> bool:

@@ -36,9 +36,14 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from croupier.core.checks import check_choice, check_int
+import numpy as np
 
-__all__ = ["MODES", "StepDeal", "StepRun", "Steps", "committed_span", "part", "rank_deal", "stream_runs"]
+from croupier.core.checks import check_choice, check_int
+from croupier.core.order import order
+from croupier.core.spec import Spec
+
+__all__ = ["MODES", "StepDeal", "StepRun", "Steps", "committed_span", "part", "rank_deal", "stream_indices",
+           "stream_runs"]
 
 #: How a step's size is kept as groups leave and join: ``global`` (the global batch) or ``group``
 #: (each group's batch; the global batch is the group batch times the step's participants).
@@ -106,6 +111,12 @@ def stream_runs(n: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]
         take = min(stop - p, n - at)
         yield epoch, at, at + take
         p += take
+
+
+def stream_indices(spec: Spec, start: int, stop: int) -> np.ndarray:
+    """The dataset indices at stream positions [start, stop) of `spec`'s order (int64)."""
+    parts = [order(spec, epoch, np.arange(a, b, dtype=np.int64)) for epoch, a, b in stream_runs(spec.n, start, stop)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------- the record

@@ -67,8 +67,7 @@ from torch.utils.data import default_collate
 from croupier.client import CoordinatorClient
 from croupier.core import settings
 from croupier.core.checks import check_bool, check_int
-from croupier.core.ftsteps import CommittedStep, StepDeal, rank_deal, stream_runs
-from croupier.core.order import order
+from croupier.core.ftsteps import CommittedStep, StepDeal, rank_deal, stream_indices
 from croupier.core.spec import Spec
 
 __all__ = ["StepLoader"]
@@ -230,9 +229,7 @@ class StepLoader:
         return self._collate([self.dataset[i] for i in self.indices])
 
     def _indices(self, start: int, stop: int) -> np.ndarray:
-        parts = [order(self.spec, epoch, np.arange(a, b, dtype=np.int64)) for epoch, a, b in
-                 stream_runs(self.spec.n, start, stop)]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return stream_indices(self.spec, start, stop)
 
     def epoch_of(self, step: int) -> int:
         """The epoch the first sample of `step` belongs to (``global`` mode)."""

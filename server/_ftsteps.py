@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from croupier.core.checks import check_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.ftsteps import MODES, CommittedStep, Steps
 from croupier.core.spec import Spec
@@ -32,28 +33,22 @@ def decide_commit(jobs: dict[str, Job], job: str, spec: Spec, run: str, parent: 
         raise InvalidArgument(f"a step report's mode must be one of {', '.join(map(repr, MODES))} (got {mode!r})")
     for name, value, low in (("batch", batch, 1), ("resumed", resumed, 0), ("step", step.step, 0),
                              ("start", step.start, 0), ("participants", step.participants, 1), ("quorum", step.quorum, 0)):
-        if value < low:
-            raise InvalidArgument(f"a step report's {name} must be >= {low} (got {value})")
-    events: list[Event] = []
+        check_int(f"a step report's {name}", value, low, None, InvalidArgument)
     j = jobs.get(job)
-    if j is None:
-        events.append(JobRegistered(job, spec))
-    else:
+    if j is not None:
         if j.spec != spec:
             raise FailedPrecondition(f"job {job!r} was registered with spec ({j.spec.describe()}); this step report "
                                      f"sent a different spec ({spec.describe()})")
         if j.generation is not None or j.ledger:
             raise FailedPrecondition(f"job {job!r} is dealt to ranks by generations (its samplers join it); a "
                                      "fault-tolerant job's steps must be reported under a job name of their own")
-        why = j.steps.check(run, parent, resumed, mode, batch, step)
-        if why is not None:
-            raise FailedPrecondition(f"job {job!r}: {why}")
-        if not j.steps.is_new(run, step):
-            return False, []
-    if j is None:
-        why = Steps().check(run, parent, resumed, mode, batch, step)
-        if why is not None:
-            raise FailedPrecondition(f"job {job!r}: {why}")
+    record = j.steps if j is not None else Steps()
+    why = record.check(run, parent, resumed, mode, batch, step)
+    if why is not None:
+        raise FailedPrecondition(f"job {job!r}: {why}")
+    if not record.is_new(run, step):
+        return False, []
+    events: list[Event] = [] if j is not None else [JobRegistered(job, spec)]
     events.append(StepCommitted(job, run, parent, resumed, mode, batch, step.step, step.start, step.stop, step.quorum,
                                 step.participants))
     return True, events

@@ -71,7 +71,7 @@ def load_ft(logdir: str | os.PathLike[str]) -> dict[str, list[dict[str, Any]]]:
 
 def _kept_timeline(records: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     """The latest run's lineage as (run, first step, stop step or -1 for open), newest first."""
-    runs = {r["run"]: (r["parent"], r["resumed"], r["ts"]) for r in sorted(records, key=lambda r: r["ts"])}
+    runs = {r["run"]: (r["parent"], r["resumed"]) for r in records}
     first_seen: dict[str, float] = {}
     for r in records:
         first_seen[r["run"]] = min(first_seen.get(r["run"], r["ts"]), r["ts"])
@@ -80,7 +80,7 @@ def _kept_timeline(records: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     run: str | None = leaf
     while run is not None and run in runs and run not in seen:
         seen.add(run)
-        parent, resumed, _ = runs[run]
+        parent, resumed = runs[run]
         out.append((run, resumed, stop))
         stop, run = resumed, (parent or None)
     return out

@@ -42,7 +42,12 @@ class Refused(Exception):
 
 
 def ledger(address: str | None, job: str) -> Ledger:
-    """The job's step ledger, fetched once from its coordinator.
+    """The job's step ledger, fetched once from its coordinator (:func:`history`'s first half)."""
+    return history(address, job)[0]
+
+
+def history(address: str | None, job: str) -> tuple[Ledger, Steps]:
+    """The job's step ledger and a fault-tolerant job's record of committed steps, fetched once from its coordinator.
 
     Args:
         address: HOST:PORT of the coordinator; None for ``CROUPIER_ADDRESS``, else 127.0.0.1:50051.
@@ -57,7 +62,7 @@ def ledger(address: str | None, job: str) -> Ledger:
     address = settings.coordinator_address(address)
     with CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S) as client:
         try:
-            return client.ledger(job)
+            return client.history(job)
         except NotFound:
             known = client.jobs()
             raise NotFound(f"no job {job!r} at {address} (jobs: {', '.join(known) or 'none'})") from None
@@ -284,15 +289,6 @@ def export(led: Ledger, path: str | os.PathLike[str]) -> Exported:
 # --------------------------------------------------------------------------- the command
 
 
-def ft_record(address: str | None, job: str) -> Steps:
-    """A fault-tolerant job's record of committed steps (empty for a job of generations)."""
-    from croupier.client import CoordinatorClient
-
-    with CoordinatorClient(settings.coordinator_address(address), retry_for=RETRY_FOR_S,
-                           call_timeout=CALL_TIMEOUT_S) as client:
-        return client.steps(job)[1]
-
-
 def _main_ft(job: str, spec: Any, record: Steps, step: int | None, span: tuple[int, int | None] | None,
              index: int | None, as_json: bool, full: bool, export_to: str | None, out: TextIO) -> int:
     """`main`'s answers for a fault-tolerant job (``croupier.tools.provenance_ft``)."""
@@ -354,15 +350,13 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         print(f"croupier provenance: error: {e}", file=sys.stderr)
         return 2
     try:
-        led = ledger(address, job)
+        led, record = history(address, job)
         doc: Any
-        if not led.segments:
-            record = ft_record(address, job)
-            if record.runs:
-                if named:
-                    raise Refused(f"--logdir: job {job!r} is fault-tolerant; its provenance does not read audit logs "
-                                  "(croupier audit LOGDIR reads them)")
-                return _main_ft(job, led.spec, record, step, span, index, as_json, full, export_to, out)
+        if record.runs and not led.segments:
+            if named:
+                raise Refused(f"--logdir: job {job!r} is fault-tolerant; its provenance does not read audit logs "
+                              "(croupier audit LOGDIR reads them)")
+            return _main_ft(job, led.spec, record, step, span, index, as_json, full, export_to, out)
         if export_to is not None:
             done = export(led, export_to)
             out.write(f"job {job!r}: wrote {done.path}: {done.steps} steps of {done.batch} samples "

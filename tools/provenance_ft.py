@@ -11,11 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from croupier.core.errors import InvalidArgument, OutOfRange
-from croupier.core.ftsteps import CommittedStep, StepRun, Steps, part, stream_runs
-from croupier.core.order import order
+from croupier.core.ftsteps import CommittedStep, StepRun, Steps, part, stream_indices, stream_runs
 from croupier.core.permute import position_of
 from croupier.core.spec import Spec
 
@@ -41,13 +38,8 @@ class FtVersion:
                 "stop": self.stop, "epochs": list(self.epochs), "groups": [list(g) for g in self.groups]}
 
 
-def _indices(spec: Spec, start: int, stop: int) -> np.ndarray:
-    parts = [order(spec, e, np.arange(a, b, dtype=np.int64)) for e, a, b in stream_runs(spec.n, start, stop)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
 def _version(spec: Spec, r: StepRun, c: CommittedStep, kept: bool) -> FtVersion:
-    groups = tuple(tuple(int(i) for i in _indices(spec, *part(c.start, c.stop, c.participants, g)))
+    groups = tuple(tuple(int(i) for i in stream_indices(spec, *part(c.start, c.stop, c.participants, g)))
                    for g in range(c.participants))
     epochs = tuple(e for e, _, _ in stream_runs(spec.n, c.start, c.stop))
     return FtVersion(c.step + 1, r.run, kept, c.quorum, c.start, c.stop, groups, epochs)
