@@ -135,6 +135,7 @@ class WriterCommits:
             self._snapshots.append((c._seq, pack_snapshot(c._state)))
             c._since_snapshot = 0
         if events:
+            c._changed({ev.job for ev in events})
             c._cond.notify_all()
 
     def run(self) -> None:
@@ -200,6 +201,7 @@ class WriterCommits:
             c._since_snapshot = len(rec.records)
             c._rollbacks += 1
             c._kept[c._rollbacks] = rec.last_seq
+            c._changed(None)
             c._cond.notify_all()
             # NOTE: a bounded backoff between looks at the file system's free space (the store's
             # has_room), until there is room or the coordinator closes; not synchronisation. An
@@ -212,6 +214,7 @@ class WriterCommits:
                 c._cond.wait(wait)
                 wait = min(wait * 2, 5.0)
             c._outage = None
+            c._changed(None)
             log.warning("store %s has room again: acknowledging", c.store.url)
 
 
@@ -256,6 +259,7 @@ class SharedCommits:
                     c.store.write_snapshot(c._seq, pack_snapshot(c._state))
                 except StoreError as e:  # a snapshot only shortens recovery
                     log.warning("store %s: snapshot at %d not written: %s", c.store.url, c._seq, e)
+            c._changed({ev.job for ev in events})
             c._cond.notify_all()
             return value
         raise Unavailable(f"the coordinator's store {c.store.url} kept changing under this replica "
@@ -294,6 +298,7 @@ class SharedCommits:
             raise Unavailable(f"the coordinator's store {c.store.url} failed: {e}") from None
         c._since_snapshot += len(rec.records)
         c._seq = c._durable = rec.last_seq
+        c._changed(None)
         c._cond.notify_all()
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int) -> bool:

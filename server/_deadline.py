@@ -1,0 +1,46 @@
+"""The deadline of the call a thread serves, so that it reaches the store: no round trip for a caller that is gone."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+from croupier.core.errors import Unavailable
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def until(deadline: float | None) -> Iterator[None]:
+    """Within the block, this thread serves a call that must be answered by `deadline` (time.monotonic(); None: no deadline)."""
+    before = getattr(_local, "deadline", None)
+    _local.deadline = deadline
+    try:
+        yield
+    finally:
+        _local.deadline = before
+
+
+def remaining() -> float | None:
+    """Seconds left to this thread's call (never below 0), or None when it has no deadline."""
+    deadline: float | None = getattr(_local, "deadline", None)
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def check(doing: str) -> None:
+    """Unavailable, naming `doing`, when this thread's call is past its deadline: its caller has gone."""
+    left = remaining()
+    if left is not None and left <= 0.0:
+        raise Unavailable(f"the call's deadline passed before {doing}: its caller is no longer waiting (not done)")
+
+
+def wait_for(lock: threading.Lock, doing: str) -> None:
+    """Takes `lock` within this thread's call's deadline (without one: as long as it takes), else Unavailable."""
+    left = remaining()
+    if left is None:
+        lock.acquire()
+        return
+    if left <= 0.0 or not lock.acquire(timeout=left):
+        raise Unavailable(f"the call's deadline passed while waiting to {doing}: not done")
