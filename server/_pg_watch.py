@@ -11,11 +11,16 @@ younger than its staleness bound: what it serves is the database's state as of a
 ago. A notification tells it sooner that it is behind (it then reads what it lacks). A watch that
 loses its connection stops confirming, so after the bound the replica asks the database on every
 call again, as it would without a watch, and answers UNAVAILABLE if the database is gone.
+
+Closing a watch shuts its connection's socket down, so that a thread stuck on a connection that
+hangs (a query or a wait for notifications that no answer ends) wakes up, closes it and stops.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from typing import Any
@@ -32,6 +37,8 @@ CHANNEL = "croupier_journal"
 APPLICATION = "croupier-watch"
 #: The longest a watch waits before connecting again after losing its connection.
 _MAX_BACKOFF_S = 1.0
+#: How long :meth:`JournalWatch.close` waits for the thread beyond a connection attempt's timeout.
+_CLOSE_S = 6.0
 
 
 def _now() -> float:
@@ -50,6 +57,8 @@ class JournalWatch:
         self._known = 0
         self._confirmed = -float("inf")  # _now() of the last heartbeat sent and answered
         self._closed = threading.Event()
+        #: The connection in use (under ``_lock``): close() shuts its socket down.
+        self._conn: psycopg.Connection[Any] | None = None
         self._thread = threading.Thread(target=self._run, name="croupier-pg-watch", daemon=True)
         self._thread.start()
 
@@ -71,9 +80,17 @@ class JournalWatch:
         while not self._closed.is_set():
             try:
                 with psycopg.connect(self._conninfo, autocommit=True, application_name=APPLICATION) as conn:
-                    conn.execute(f"LISTEN {CHANNEL}")
-                    backoff = 0.05
-                    self._serve(conn)
+                    try:
+                        with self._lock:
+                            if self._closed.is_set():
+                                return
+                            self._conn = conn
+                        conn.execute(f"LISTEN {CHANNEL}")
+                        backoff = 0.05
+                        self._serve(conn)
+                    finally:
+                        with self._lock:  # close() no longer touches its socket: it is closed next
+                            self._conn = None
             except psycopg.Error as e:
                 if not self._closed.is_set():
                     log.debug("store %s: journal watch lost its connection: %s", self._url, e)
@@ -98,5 +115,35 @@ class JournalWatch:
                     break
 
     def close(self) -> None:
-        self._closed.set()
-        self._thread.join(timeout=self.heartbeat_s + 6.0)
+        """Stops the thread and closes its connection, also when the connection hangs mid-query.
+
+        NOTE: setting ``_closed`` alone reaches the thread only between its waits; a query or a wait
+        for notifications on a connection whose peer went silent ends only when TCP keepalives give
+        up (tens of seconds). Shutting the socket down makes that wait return at once (the
+        connection reads end-of-file), and the thread then closes the connection and stops. The
+        join is bounded: a connection attempt in flight (no socket to shut down yet) ends within
+        its ``connect_timeout``.
+        """
+        with self._lock:
+            self._closed.set()
+            conn = self._conn
+            if conn is not None:
+                _shut_down(conn)
+        self._thread.join(timeout=_CLOSE_S)
+        if self._thread.is_alive():
+            log.warning("store %s: the journal watch's thread did not stop within %g s", self._url, _CLOSE_S)
+
+
+def _shut_down(conn: psycopg.Connection[Any]) -> None:
+    """Shuts down (without closing: the connection's thread does) the socket of `conn`."""
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.Error:  # closed already
+        return
+    try:
+        # NOTE: a duplicate of the descriptor: shutting it down shuts the connection's socket down;
+        # closing the duplicate leaves the descriptor the connection owns for it to close.
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError as e:
+        log.debug("journal watch: socket not shut down: %s", e)

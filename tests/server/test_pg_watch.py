@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from typing import Any
 
@@ -13,7 +16,7 @@ from croupier.core.errors import Aborted
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
 from croupier.server._pg_store import PostgresStore
-from croupier.server._pg_watch import APPLICATION
+from croupier.server._pg_watch import APPLICATION, JournalWatch
 
 #: The fixtures postgres (the session's server) and postgres_url (a fresh database per test).
 pytest_plugins = ["_postgres"]
@@ -120,3 +123,82 @@ def test_a_replica_learns_of_a_replaced_generation_within_its_bound(postgres_url
         if cut:
             with psycopg.connect(admin, autocommit=True) as conn:
                 conn.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
+
+
+class Proxy:
+    """A TCP proxy to the test server whose link can be frozen: it then forwards nothing, either way,
+    and closes nothing, as a network path that went silent (no reset, no FIN)."""
+
+    def __init__(self, port: int) -> None:
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listen.getsockname()[1])
+        self._target = port
+        self.frozen = False
+        #: Set once the client sent something while the link was frozen: it waits for an answer.
+        self.held = threading.Event()
+        #: Set once the client closed (or shut down) its end.
+        self.client_closed = threading.Event()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                if from_client:
+                    self.client_closed.set()
+                return
+            if self.frozen:
+                if from_client:
+                    self.held.set()
+                continue  # dropped: the link is silent
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for s in (self._listen, *self._socks):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+@pytest.mark.parametrize("where", ["mid-query", "waiting-for-notifications"])
+def test_a_watch_whose_connection_hangs_closes_at_once(postgres: Any, where: str) -> None:
+    """The link between a watch and the database goes silent, with the watch's heartbeat query in
+    flight or while it waits for notifications: close() still stops its thread and closes its
+    connection, at once. Fails without the socket's shutdown in close(): the thread stays stuck in
+    its query until TCP gives up (close() returns after its 6 s join, the thread still alive), or in
+    its wait until the heartbeat's 30 s are over."""
+    proxy = Proxy(postgres.port)
+    url = postgres.url().replace(f":{postgres.port}/", f":{proxy.port}/")
+    heartbeat = 0.05 if where == "mid-query" else 30.0
+    watch = JournalWatch(url, "SELECT 1", heartbeat, "test")
+    try:
+        _until(lambda: watch.known_last(60.0) is not None, 10.0)
+        proxy.frozen = True
+        if where == "mid-query":
+            assert proxy.held.wait(10.0), "the watch sent no heartbeat query"
+        t0 = time.monotonic()
+        watch.close()
+        took = time.monotonic() - t0
+        assert not watch._thread.is_alive(), f"the watch's thread still runs {took:.1f} s after close()"
+        assert took < 2.0, f"close() took {took:.1f} s"
+        assert proxy.client_closed.wait(2.0), "the watch's connection was not closed"
+    finally:
+        proxy.close()
