@@ -82,6 +82,26 @@ def _waiting(r: pb.JoinResponse | pb.GetJobResponse) -> int:
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+#: The trailing metadata key of the coordinator's retry hint on a refusal (croupier.server._aio.RETRY_AFTER_KEY).
+RETRY_AFTER_KEY = "croupier-retry-after-ms"
+
+
+def _retry_after_s(e: grpc.RpcError) -> float | None:
+    """The retry hint a refusal carries, in seconds (at most 10), or None."""
+    try:
+        md: Any = e.trailing_metadata() or ()  # type: ignore[attr-defined,unused-ignore]
+    except Exception:  # an error that is not a call (a channel closed under it) has none
+        return None
+    for item in md:
+        key, value = item[0], item[1]
+        if key == RETRY_AFTER_KEY:
+            try:
+                return min(max(int(value), 0), 10_000) / 1000.0
+            except ValueError:
+                return None
+    return None
+
+
 class Unreachable(E.Unavailable):
     """The coordinator did not answer a call that is not retried (a grant): it is down or restarting."""
 
@@ -229,6 +249,8 @@ class CoordinatorClient:
         self._old: list[grpc.Channel] = []
         self._switch = threading.Lock()
         self.retries = 0
+        #: Calls the coordinator refused at once for its admission bounds and that were asked again after its hint.
+        self.refusals = 0
         self.closed = False
 
     def _next_endpoint(self) -> None:
@@ -262,6 +284,18 @@ class CoordinatorClient:
                     time.sleep(delay * (0.5 + random.random()))  # backoff between retries, not synchronisation
                     delay = min(delay * 2, 1.0)
                     continue
+                hint = _retry_after_s(e) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if hint is not None:
+                    # Refused at once by the coordinator's admission (nothing done): asked again after
+                    # its hint, jittered so that the refused ranks do not come back together.
+                    if retry_for == 0.0:
+                        raise Unreachable(f"coordinator at {self.address}: {what} refused: {e.details()}") from None
+                    wait = hint * (0.5 + random.random())
+                    if time.monotonic() + wait < deadline and not self.closed:
+                        self.retries += 1
+                        self.refusals += 1
+                        time.sleep(wait)  # the coordinator's retry hint, not synchronisation
+                        continue
                 kind = E.BY_CODE.get(code.name)
                 details = e.details() or ""
                 if kind is None:
@@ -297,8 +331,10 @@ class CoordinatorClient:
     def join_started(self, req: JoinRequest, timeout: float = 600.0, poll_s: float = 0.5) -> JoinResult:
         """Joins and keeps waiting (short long-polls, no busy loop) until every rank has joined.
 
-        NOTE: a waiting join holds one of the server's threads; polls of `poll_s` keep a job of
-        many more ranks than the server has threads from queueing behind the first ones.
+        NOTE: a waiting join holds no thread of the server (it waits as a coroutine); polls of
+        `poll_s` let a rank notice a coordinator that restarted, or moved to another replica, soon.
+        A join refused the wait (``--max-concurrent-joins``) is asked again after the server's
+        retry hint by each call, then here with a backoff of its own.
         """
         request_id = uuid.uuid4().hex
         began = time.monotonic()

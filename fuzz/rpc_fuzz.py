@@ -1,9 +1,9 @@
 """Coverage-guided fuzzing of every RPC's request bytes, through the handlers the server runs.
 
 Each input is one byte naming the RPC (its index in ``RPCS``, modulo their number) and the request's
-bytes, handed to the same handler the gRPC server calls for that method (the size check, the
-parse, the servicer, the error table), on a coordinator with a SQLite store that holds a job or
-two. What must hold for every input:
+bytes, handed to the same handler the gRPC server runs for that method on its event loop (the
+size check, the parse, admission, the core's work on its threads, the error table), on a
+coordinator with a SQLite store that holds a job or two. What must hold for every input:
 
 - the call returns a response, or fails with croupier's own status: never INTERNAL or UNKNOWN,
   never an exception of any other kind (a crash of the harness is a finding);
@@ -22,9 +22,11 @@ finding is printed with its input, and the process exits non-zero.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from typing import Any
 
 import atheris
@@ -33,10 +35,10 @@ with atheris.instrument_imports(include=["croupier"]):
     from croupier.core.cursor import Cursor
     from croupier.core.spec import Spec
     from croupier.core.wire import checkpoint_to_proto, cursor_to_proto, spec_to_proto
+    from croupier.server._aio import Serving
     from croupier.server._coordinator import Coordinator
-    from croupier.server._journal import pack_snapshot
     from croupier.server._options import ServerOptions
-    from croupier.server._service import RPCS, CoordinatorServicer, _handler
+    from croupier.server._rpcs import RPCS
     from croupier.server._stores import open_store
     from croupier.v1 import coordinator_pb2 as pb
 
@@ -59,29 +61,37 @@ class Refused(Exception):
 class Context:
     """The few parts of a servicer context croupier's handlers use."""
 
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
         raise Refused(code, details)
 
     def invocation_metadata(self) -> tuple[Any, ...]:
         return ()
 
+    def time_remaining(self) -> float | None:
+        return None
+
+
+async def _one(raw: bytes) -> AsyncIterator[bytes]:
+    yield raw
+
 
 def _setup() -> tuple[Coordinator, dict[str, Any]]:
     tmp = tempfile.mkdtemp(prefix="croupier-fuzz-")
     core = Coordinator(open_store(f"sqlite:///{tmp}/c.db"))
-    options = ServerOptions(max_concurrent_joins=1)
-    servicer = CoordinatorServicer(core, None, options)
-    servicer._joins.acquire()  # every waiting place taken: a join that would wait is refused at once
-    handlers = {name: _handler(getattr(servicer, name), MAX_REQUEST) for name in RPCS}
+    serving = Serving(core, ServerOptions(max_concurrent_joins=1, max_request_bytes=MAX_REQUEST), None, workers=4)
+    serving.admission.waiting = 1  # every waiting place taken: a join that would wait is refused at once
+    handlers = {name: serving.handler(name, None, None).stream_unary for name in RPCS}
     if os.environ.get("CROUPIER_FUZZ_PLANT") == "1":
         # A planted fault, for tests/project/test_fuzz.py: GetJob registers a job before it reads its request.
-        get_job = servicer.GetJob
+        get_job = serving.servicer.GetJob
+        planted_jobs = [0]
 
-        def planted(raw: bytes, context: Any) -> Any:
-            core.join(_join_request(f"planted-{core._seq}", Spec(n=10), 0, world=1), 0.0)
-            return get_job(raw, context)
+        def planted(m: Any, who: Any) -> Any:
+            planted_jobs[0] += 1
+            core.join(_join_request(f"planted-{planted_jobs[0]}", Spec(n=10), 0, world=1), 0.0)
+            return get_job(m, who)
 
-        handlers["GetJob"] = _handler(planted, MAX_REQUEST)
+        serving.servicer.GetJob = planted  # type: ignore[method-assign]
     spec = Spec(n=1000, batch_size=10)
     for rank in range(2):  # a started job of two ranks, which most seeds below name
         core.join(_join_request("fuzz", spec, rank), 0.0)
@@ -115,6 +125,7 @@ def seeds() -> list[bytes]:
 
 def main() -> None:
     core, handlers = _setup()
+    loop = asyncio.new_event_loop()
     counts: dict[str, int] = {}
 
     def one(data: bytes) -> None:
@@ -125,10 +136,9 @@ def main() -> None:
             print(f"outcomes: {dict(sorted(counts.items()))}", file=sys.stderr, flush=True)
         name = RPCS[data[0] % len(RPCS)]
         raw = data[1:]
-        with core._cond:
-            before = (core._seq, pack_snapshot(core._state))
+        before = core.snapshot_state()
         try:
-            handlers[name].unary_unary(raw, Context())
+            loop.run_until_complete(handlers[name](_one(raw), Context()))
             counts["ok"] = counts.get("ok", 0) + 1
         except Refused as r:
             counts[r.code.name] = counts.get(r.code.name, 0) + 1
@@ -136,9 +146,7 @@ def main() -> None:
                 raise AssertionError(f"{name} answered {r.code.name}: {r.details}") from None
             if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-concurrent-joins" in r.details:
                 return  # documented: the join was recorded, only its wait refused
-            with core._cond:
-                after = (core._seq, pack_snapshot(core._state))
-            if after != before:
+            if core.snapshot_state() != before:
                 raise AssertionError(f"{name} was refused ({r.code.name}: {r.details}) and changed the state") from None
 
     argv = list(sys.argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -13,7 +13,6 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from croupier.core.errors import CroupierError
-from croupier.core.wire import SERVICE
 from croupier.server._coordinator import Coordinator
 from croupier.server._http import Endpoint
 from croupier.server._standing import PER_RANK_MAX_WORLD, JobView, job_view
@@ -60,9 +59,31 @@ class Metrics:
             self.latency.labels(m)
             self.calls.labels(m, grpc.StatusCode.OK.name)
             self.unread.labels(m)
+        self.refused = Counter("croupier_rpc_admission_refused_total", "Calls refused at once with RESOURCE_EXHAUSTED "
+                               "and a retry hint, by the bound they were over: calls (--max-calls), job_calls "
+                               "(--max-job-calls), waiting_joins (--max-concurrent-joins).", ["bound"],
+                               registry=self.registry)
+        for bound in ("calls", "job_calls", "waiting_joins"):
+            self.refused.labels(bound)
         self.registry.register(_JobsCollector(core))
-        self.interceptor: grpc.ServerInterceptor = _Interceptor(self.calls, self.latency, self.unread)
         core.on_commit = self.on_commit
+
+    def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """Records one call of `method` that ended with `code` after `seconds` (from its request's arrival)."""
+        self.latency.labels(method).observe(seconds)
+        self.calls.labels(method, code.name).inc()
+
+    def unread_call(self, method: str) -> None:
+        """Records a call of `method` that ended before its request was read."""
+        self.unread.labels(method).inc()
+
+    def on_refuse(self, bound: str) -> None:
+        """Records a call refused for admission `bound`."""
+        self.refused.labels(bound).inc()
+
+    def watch_admission(self, admission: Any) -> None:
+        """Reports `admission`'s calls in progress and waiting joins at each scrape (``croupier.server._aio.Admission``)."""
+        self.registry.register(_AdmissionCollector(admission))
 
     def start(self) -> None:
         """Serves ``/metrics``, the status page and its JSON (``/api/jobs``, ``/api/ledger``, ``/api/mix``, ``/api/step``) and
@@ -93,68 +114,6 @@ class Metrics:
         self.records.inc(records)
 
 
-def _code_of(context: grpc.ServicerContext) -> grpc.StatusCode | None:
-    """The code the handler set or aborted with (grpcio's context keeps it; the stubs omit ``code()``)."""
-    code = context.code()  # type: ignore[attr-defined]
-    return code if isinstance(code, grpc.StatusCode) else None
-
-
-class _Interceptor(grpc.ServerInterceptor):
-    """Times each unary call of the coordinator's service and counts it by the status code it ended with;
-    counts apart the calls that ended before their request was read.
-
-    NOTE: a request over gRPC's receive limit is refused by gRPC itself (RESOURCE_EXHAUSTED) before
-    a unary handler runs, so a unary handler never learns of it. The call is therefore served as
-    a stream of one request: the handler runs first and reads the request itself, and a call
-    whose request never arrives is counted in ``croupier_rpc_refused_unread_total`` (gRPC's
-    refusal cancels the call: the read fails, or finds the stream closed, whichever gRPC reports
-    first). gRPC does not say why a call was cancelled: a client that gave up before sending its
-    request (rare for a unary call, whose request goes with its headers) is counted there too.
-    Nothing changes on the wire.
-    """
-
-    def __init__(self, calls: Counter, latency: Histogram, unread: Counter) -> None:
-        self.calls, self.latency, self.unread = calls, latency, unread
-
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-                          details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(details)
-        service, _, method = details.method.lstrip("/").partition("/")
-        # NOTE: only methods the service has: an unknown name gets no handler here, so the method
-        # label holds a fixed set of values whatever clients send.
-        if handler is None or handler.unary_unary is None or service != SERVICE:
-            return handler
-        inner = handler.unary_unary
-        calls, latency, unread = self.calls, self.latency, self.unread
-
-        def call(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            try:
-                request = next(requests)
-            except grpc.RpcError:  # the call was cancelled before its request arrived
-                unread.labels(method).inc()
-                raise
-            except StopIteration:  # no request arrived (or none was sent): what gRPC answers a unary handler
-                unread.labels(method).inc()
-                context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{details.method!r} requires exactly one request message")
-            # NOTE: timed from the request read, as the handler sees it: a large join's upload is not its latency.
-            t0 = time.perf_counter()
-            code = grpc.StatusCode.UNKNOWN
-            try:
-                response = inner(request, context)
-                code = _code_of(context) or grpc.StatusCode.OK
-                return response
-            except BaseException:
-                # An abort raises with the code it set; anything else is UNKNOWN to the client.
-                code = _code_of(context) or grpc.StatusCode.UNKNOWN
-                raise
-            finally:
-                latency.labels(method).observe(time.perf_counter() - t0)
-                calls.labels(method, code.name).inc()
-
-        return grpc.stream_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
-                                                    response_serializer=handler.response_serializer)
-
-
 def job_views(core: Coordinator) -> list[JobView]:
     """Every job the coordinator holds, summarised (a job that fails to read is left out)."""
     return job_page(core, "", None)[0]
@@ -175,6 +134,24 @@ def job_page(core: Coordinator, after: str, limit: int | None) -> tuple[list[Job
         except CroupierError:
             continue
     return out, len(names)
+
+
+class _AdmissionCollector(Collector):
+    """Calls in progress and joins waiting, read at each scrape."""
+
+    def __init__(self, admission: Any) -> None:
+        self.admission = admission
+
+    def describe(self) -> Iterable[Any]:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        calls = GaugeMetricFamily("croupier_rpc_in_progress", "Calls being served (a join until it is recorded).")
+        calls.add_metric([], self.admission.calls)
+        waiting = GaugeMetricFamily("croupier_joins_waiting", "Joins waiting for their generation's other ranks.")
+        waiting.add_metric([], self.admission.waiting)
+        yield calls
+        yield waiting
 
 
 class _JobsCollector(Collector):

@@ -28,9 +28,14 @@ class ServerOptions:
         max_request_bytes: Largest request message the server accepts; a larger one is
             RESOURCE_EXHAUSTED with a message naming ``--max-request-bytes`` (counted in the
             metrics), or, past twice the limit, refused by gRPC itself before it is read.
-        max_concurrent_joins: Joins in progress at once (a join waits for its generation to
-            start); one more is RESOURCE_EXHAUSTED at once, so that a flood of joins cannot take
-            every serving thread from the jobs that train.
+        max_concurrent_joins: Joins waiting at once for their generation's other ranks (a
+            waiting join holds no thread: a few KiB each); one more is recorded, then refused the
+            wait with RESOURCE_EXHAUSTED and a retry hint.
+        max_calls: Calls in progress at once, all jobs together (a join counts until it is
+            recorded, not while it waits); one more is refused at once with RESOURCE_EXHAUSTED,
+            naming the bound, with a retry hint the client honours (trailing metadata
+            ``croupier-retry-after-ms``).
+        max_job_calls: The same, for the calls of one job: one job's storm leaves room for the others.
         metrics_port: Port of the HTTP endpoint with ``/metrics`` (Prometheus) and the status
             page; None serves neither, 0 picks a free port.
         metrics_host: Interface of that endpoint.
@@ -53,7 +58,9 @@ class ServerOptions:
     max_jobs: int = 10_000
     max_world: int = MAX_WORLD
     max_request_bytes: int = 64 << 20
-    max_concurrent_joins: int = 96
+    max_concurrent_joins: int = 65_536
+    max_calls: int = 32_768
+    max_job_calls: int = 24_576
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     log_format: str = "text"
@@ -65,7 +72,8 @@ class ServerOptions:
             raise ValueError(f"tls_cert and tls_key go together (got tls_cert={self.tls_cert!r}, tls_key={self.tls_key!r})")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError(f"tls_client_ca={self.tls_client_ca!r} needs tls_cert and tls_key (mutual TLS is TLS first)")
-        for name in ("max_jobs", "max_request_bytes", "max_concurrent_joins", "snapshot_every"):
+        for name in ("max_jobs", "max_request_bytes", "max_concurrent_joins", "max_calls", "max_job_calls",
+                     "snapshot_every"):
             check_int(name, getattr(self, name), 1)
         check_int("max_world", self.max_world, 1, MAX_WORLD + 1)
         check_int("max_staleness_ms", self.max_staleness_ms, 0, 60_001)

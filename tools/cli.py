@@ -203,7 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=opt.max_request_bytes,
                    help=f"largest request accepted, in bytes (default {opt.max_request_bytes})")
     s.add_argument("--max-concurrent-joins", type=int, default=opt.max_concurrent_joins,
-                   help=f"joins in progress at once (default {opt.max_concurrent_joins}, of the 128 serving threads)")
+                   help=f"joins waiting at once for their generation's other ranks (default {opt.max_concurrent_joins}; "
+                        "a waiting join holds no thread)")
+    s.add_argument("--max-calls", type=int, default=opt.max_calls,
+                   help=f"calls in progress at once, all jobs together; one more is refused at once with a retry hint "
+                        f"(default {opt.max_calls})")
+    s.add_argument("--max-job-calls", type=int, default=opt.max_job_calls,
+                   help=f"calls of one job in progress at once (default {opt.max_job_calls})")
     s.add_argument("--metrics-port", type=int, default=opt.metrics_port,
                    help="serve /metrics (Prometheus) and the status page over HTTP on this port (default: off)")
     s.add_argument("--metrics-host", default=opt.metrics_host,
