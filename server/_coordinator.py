@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -27,16 +28,17 @@ from croupier.core.api import (
 )
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
-from croupier.core.errors import InvalidArgument, ResourceExhausted, Unavailable
+from croupier.core.errors import InvalidArgument, ResourceExhausted
 from croupier.core.ftsteps import CommittedStep
 from croupier.core.ledger import Ledger, pack, unpack
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
-from croupier.server._commits import T, commits_for
+from croupier.server._commits import commits_for
 from croupier.server._events import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._journal import pack_snapshot, recover
-from croupier.server._store import Store, StoreError
+from croupier.server._state import State
+from croupier.server._store import Store
 
 log = logging.getLogger("croupier.server")
 
@@ -88,21 +90,10 @@ class Coordinator:
             raise ValueError(f"max_staleness_s must be in [0, 60] seconds (got {max_staleness_s=})")
         self.max_staleness_s = max_staleness_s
         try:
-            self._state, rec = recover(store)
+            state, rec = recover(store)
         except BaseException:
             store.close()
             raise
-        self._seq = rec.last_seq
-        self._durable = self._seq
-        self._since_snapshot = len(rec.records)
-        self._failed: str | None = None
-        #: Why the store takes no writes for now (it is full), or None: calls are UNAVAILABLE meanwhile.
-        self._outage: str | None = None
-        #: How often the state went back to what the store holds after an outage (see _wait_durable).
-        self._rollbacks = 0
-        #: The last seq the store held at each such rollback: a change up to it was durable.
-        self._kept: dict[int, int] = {}
-        self._closing = False
         self._cond = threading.Condition()
         #: Calls waiting for a generation to start or be replaced: job -> generation -> callbacks (see on_start).
         self._listeners: dict[str, dict[int, list[Callable[[], None]]]] = {}
@@ -114,12 +105,34 @@ class Coordinator:
         #: append took, records); a shared store's appends are not timed. It MUST be quick and
         #: MUST NOT raise (the metrics set it).
         self.on_commit: Callable[[float, int], None] | None = None
-        #: How decisions reach the store: one writer with group commit, or replicas on a shared store.
-        self._commits = commits_for(self)
-        self._writer = threading.Thread(target=self._commits.run, name="croupier-journal", daemon=True)
-        self._writer.start()
+        #: How decisions reach the store (one writer with group commit, or replicas on a shared store);
+        #: it holds the state, the journal position and why calls are refused.
+        self._commits = commits_for(store, self._cond, state, rec, snapshot_every, max_staleness_s,
+                                    self._timed, self._changed)
+        self._commits.start()
         log.info("recovered %d jobs from %s (snapshot at %d, %d journal records)",
-                 len(self._state.jobs), store.url, rec.snapshot_seq, len(rec.records))
+                 len(state.jobs), store.url, rec.snapshot_seq, len(rec.records))
+
+    @property
+    def _state(self) -> State:
+        """The state (read it under the lock): the commit protocol holds it."""
+        return self._commits.state
+
+    def _timed(self, took: float, records: int) -> None:
+        if self.on_commit is not None:
+            self.on_commit(took, records)
+
+    @contextlib.contextmanager
+    def _reading(self, force: bool = False) -> Iterator[State]:
+        """The state brought up to date (Unavailable if the store failed), under the lock.
+
+        NOTE: the refresh runs before the lock is taken: it may be a round trip to a shared store,
+        which no call makes holding the lock. On a shared store, unless `force`, it may trust the
+        watch of the journal within the staleness bound (see ``SharedCommits.refresh``).
+        """
+        self._commits.refresh(force)
+        with self._cond:
+            yield self._commits.state
 
     # ---------------------------------------------------------------- writes
 
@@ -134,42 +147,39 @@ class Coordinator:
             events = self._state.decide_join(req)
             return events, events
 
-        with self._cond:
-            events = self._commit(decide, durable=True)
+        events = self._commits.commit(decide, durable=True)
         _log_join(req, events)  # durable now; written outside the lock, as a wait would release it
-        with self._cond:
-            self._fresh()
-            deadline = time.monotonic() + wait_s
-            gen = self._state.current(req.job)
-            # NOTE: each commit wakes every waiting join; a wake-up looks at the generation's start
-            # alone (O(1)): the answer, which names the ranks still missing, is made once, at the end.
-            number = gen.number
-            while gen.start is None and gen.number == number:
+        deadline = time.monotonic() + wait_s
+        number = None
+        force = False
+        while True:
+            with self._reading(force) as state:
+                # NOTE: each commit wakes every waiting join; a wake-up looks at the generation's start
+                # alone (O(1)): the answer, which names the ranks still missing, is made once, at the end.
+                gen = state.current(req.job)
+                number = gen.number if number is None else number
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    break
+                if gen.start is not None or gen.number != number or left <= 0:
+                    result = state.join_result(req.job, req.rank)
+                    if result.start is not None:
+                        # The start we saw may be another rank's event still on its way to disk.
+                        self._commits.wait_durable()
+                    return result
                 # NOTE: on a shared store the other ranks may join through other replicas, whose
                 # events this one reads from the database: it looks every 50 ms while it waits.
                 poll = self._commits.join_poll_s
                 self._cond.wait(left if poll is None else min(left, poll))
-                self._fresh(force=True)
-                gen = self._state.current(req.job)
-            result = self._state.join_result(req.job, req.rank)
-            if result.start is not None and self._durable < self._seq:
-                # The start we saw may be another rank's event still on its way to disk.
-                self._wait_durable(self._seq)
-            return result
+            force = True
 
     def join_answer(self, job: str, rank: int) -> JoinResult:
         """Where `rank` of `job`'s current generation stands, after its join: a waiting join's answer.
 
         A start it names is durable first (it may be another rank's event still on its way to disk).
         """
-        with self._cond:
-            self._fresh()
-            result = self._state.join_result(job, rank)
-            if result.start is not None and self._durable < self._seq:
-                self._wait_durable(self._seq)
+        with self._reading() as state:
+            result = state.join_result(job, rank)
+            if result.start is not None:
+                self._commits.wait_durable()
             return result
 
     def on_start(self, job: str, number: int, fn: Callable[[], None]) -> bool:
@@ -200,14 +210,12 @@ class Coordinator:
     def poll(self) -> None:
         """Reads what other replicas journaled (a shared store; nothing for a single writer), waking the
         joins whose generation started meanwhile; Unavailable when the store cannot be read."""
-        with self._cond:
-            self._fresh(force=True)
+        self._commits.refresh(force=True)
 
     def _settled(self, job: str, number: int) -> bool:
         j = self._state.jobs.get(job)
         gen = None if j is None else j.generation
-        return (gen is None or gen.number != number or gen.start is not None or self._failed is not None
-                or self._outage is not None or self._closing)
+        return gen is None or gen.number != number or gen.start is not None or self._commits.stopped()
 
     def _changed(self, jobs: set[str] | None) -> None:
         """Under the lock, after events of `jobs` (None: any job) were applied: calls the listeners of
@@ -236,13 +244,12 @@ class Coordinator:
         Returns:
             The checkpoint's cursor (for dynamic dealing, computed here), or None without one.
         """
-        with self._cond:
-            if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches):
-                return None
-            return self._commit(
-                lambda: self._state.decide_report(job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep,
-                                                  items),
-                durable=checkpoint is not None)
+        if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches):
+            return None
+        return self._commits.commit(
+            lambda: self._state.decide_report(job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep,
+                                              items),
+            durable=checkpoint is not None)
 
     def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
         """Records a change of a running mixture (``croupier.core.amend``); answers once it is durable.
@@ -251,18 +258,15 @@ class Coordinator:
         resize or a rollback starts one), so that no rank of the running generation, which computes
         its own batches, deals by other rules than its peers.
         """
-        with self._cond:
-            self._fresh()
-            return self._commit(lambda: self._state.decide_amend(job, kind, values), durable=True)
+        return self._commits.commit(lambda: self._state.decide_amend(job, kind, values), durable=True)
 
     def ledger(self, job: str) -> tuple[Spec, bytes, bytes]:
         """The job's spec, its step ledger's segments, packed (``croupier.server._ledger``), and a
         fault-tolerant job's committed steps, packed (``croupier.core.ftsteps``); NotFound for an unknown job."""
-        with self._cond:
-            self._fresh()
-            j = self._state.jobs.get(job)
+        with self._reading() as state:
+            j = state.jobs.get(job)
             if j is None or (j.generation is None and not j.steps.runs):
-                self._state.current(job)  # NotFound, as for any call naming an unknown job
+                state.current(job)  # NotFound, as for any call naming an unknown job
             assert j is not None
             steps = msgpack.packb([r.to_dict() for r in j.steps.runs]) if j.steps.runs else b""
             return j.spec, pack(j.ledger), steps
@@ -271,10 +275,8 @@ class Coordinator:
                     step: CommittedStep) -> bool:
         """Records a fault-tolerant job's committed step (``croupier.core.ftsteps``); answers once it is
         durable, False when it was recorded already."""
-        with self._cond:
-            self._fresh(force=True)
-            return self._commit(lambda: self._state.decide_step(job, spec, run, parent, resumed, mode, batch, step),
-                                durable=True)
+        return self._commits.commit(lambda: self._state.decide_step(job, spec, run, parent, resumed, mode, batch, step),
+                                    durable=True)
 
     def step_ledger(self, job: str) -> Ledger:
         """The job's step ledger (``croupier.core.ledger.Ledger``) as it stands now; NotFound for an unknown job.
@@ -289,49 +291,12 @@ class Coordinator:
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest
         record for None (NotFound if none)."""
-        with self._cond:
-            self._fresh()
-            record = self._state.checkpoint(job, step)
+        with self._reading() as state:
+            record = state.checkpoint(job, step)
             # NOTE: a record still on its way to disk must not be answered: a relaunch resuming from
             # it, then a crash that loses it, would skip what it names.
-            self._wait_durable(self._seq)
-            return self._state.jobs[job].spec, record
-
-    def _commit(self, decide: Callable[[], tuple[T, list[Event]]], durable: bool) -> T:
-        """Under the lock: `decide` of the current state returns its value and its events; the events
-        are journaled and applied by the store's commit protocol (croupier.server._commits), and
-        the value returned once they are durable when `durable` (a shared store's are, always)."""
-        return self._commits.commit(decide, durable)
-
-    def _fresh(self, force: bool = False) -> None:
-        """Under the lock: Unavailable if the store failed; on a shared store, first reads what
-        other replicas journaled since this one last looked (fencing needs the latest generation),
-        or, for a read and unless `force`, trusts its watch of the journal within the staleness bound."""
-        self._check_ok()
-        self._commits.refresh(force)
-
-    def _wait_durable(self, target: int) -> None:
-        """Under the lock: waits until the journal is durable up to `target` (Unavailable if the store fails)."""
-        rollbacks = self._rollbacks
-        while self._durable < target and self._failed is None and self._rollbacks == rollbacks:
-            self._cond.wait()
-        if self._failed is not None:
-            self._check_ok()
-        if self._rollbacks != rollbacks and target > self._kept[rollbacks + 1]:
-            # decided, then dropped in an outage (the state went back to what the store holds)
-            raise Unavailable(f"{self._outage or 'the store had no room'}; this call's change was not stored: retry")
-
-    def _fail(self, e: StoreError) -> None:
-        log.error("store %s failed; no longer acknowledging: %s", self.store.url, e)
-        self._failed = f"the coordinator's store {self.store.url} failed: {e}"
-        self._changed(None)
-        self._cond.notify_all()
-
-    def _check_ok(self) -> None:
-        if self._failed is not None:
-            raise Unavailable(f"{self._failed}; restart the coordinator to recover from what it made durable")
-        if self._outage is not None:
-            raise Unavailable(f"{self._outage}; the coordinator goes on by itself once it has room")
+            self._commits.wait_durable()
+            return state.jobs[job].spec, record
 
     # ---------------------------------------------------------------- reads
 
@@ -341,10 +306,9 @@ class Coordinator:
         check_int(f"{what} count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
             raise ResourceExhausted(f"{what} count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
-        with self._cond:
-            self._fresh()
-            gen = self._state.generation(job, generation)
-            spec = self._state.jobs[job].dealing_spec
+        with self._reading() as state:
+            gen = state.generation(job, generation)
+            spec = state.jobs[job].dealing_spec
             start, world = gen.start, gen.world
         assert start is not None
         check_int("rank", rank, 0, world, InvalidArgument)
@@ -384,8 +348,8 @@ class Coordinator:
         """Dynamic dealing: batches first .. first + count - 1 of `rank`'s sequence in `epoch`, as
         runs of global batches (new ones are durable before this returns), and whether the epoch
         has nothing left to deal."""
-        with self._cond:
-            return self._commit(lambda: self._state.decide_deal(job, generation, rank, epoch, first, count), durable=True)
+        return self._commits.commit(lambda: self._state.decide_deal(job, generation, rank, epoch, first, count),
+                                    durable=True)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
               progress: tuple[int, int] | None = None) -> Grant:
@@ -403,10 +367,9 @@ class Coordinator:
 
     def job(self, job: str) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
-        with self._cond:
-            self._fresh()
-            gen = self._state.current(job)
-            j = self._state.jobs[job]
+        with self._reading() as state:
+            gen = state.current(job)
+            j = state.jobs[job]
             result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, None, gen.waiting())
             amendments = (*j.held, *j.pending)
             progress = sorted(j.progress.items())
@@ -419,9 +382,8 @@ class Coordinator:
 
     def jobs(self) -> list[str]:
         """The names of the jobs the coordinator holds, sorted."""
-        with self._cond:
-            self._fresh()
-            return sorted(self._state.jobs)
+        with self._reading() as state:
+            return sorted(state.jobs)
 
     def snapshot_state(self) -> bytes:
         """The whole state, msgpack-encoded (for tests that check a call changed nothing)."""
@@ -431,15 +393,11 @@ class Coordinator:
     @property
     def failed(self) -> str | None:
         """Why the coordinator stopped acknowledging, or None."""
-        return self._failed
+        return self._commits.failed
 
     def close(self) -> None:
         """Flushes what is queued, stops the writer and closes the store."""
-        with self._cond:
-            self._closing = True
-            self._changed(None)
-            self._cond.notify_all()
-        self._writer.join()
+        self._commits.close()
         self.store.close()
 
 

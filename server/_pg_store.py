@@ -14,6 +14,7 @@ import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from croupier.core.checks import check_int, check_seconds, is_int
+from croupier.server import _deadline as deadline
 from croupier.server._pg_watch import JournalWatch
 from croupier.server._store import (
     Recovered,
@@ -260,9 +261,12 @@ class PostgresStore:
             text = text.replace(secret, "***")
         return text
 
-    def _unavailable(self, doing: str, exc: BaseException, hint: str = "") -> StoreUnavailable:
+    def _unavailable(self, doing: str, exc: BaseException, hint: str = "", waited: float | None = None) -> StoreUnavailable:
         if isinstance(exc, psycopg_pool.PoolTimeout):
-            why = f"no connection to the database within {self.timeout:g} s (is the server up and reachable?)"
+            if waited is not None and waited < self.timeout:
+                why = f"no connection to the database within the {waited:.3g} s left to the call's deadline"
+            else:
+                why = f"no connection to the database within {self.timeout:g} s (is the server up and reachable?)"
         else:
             why = self._reason(exc)
         return StoreUnavailable(f"postgresql store {self.url}: {doing}: {why}{hint}")
@@ -277,17 +281,28 @@ class PostgresStore:
 
     @contextlib.contextmanager
     def _connection(self, doing: str, hint: str = "") -> Iterator[Connection]:
-        """A pooled connection; psycopg errors leave as :class:`StoreUnavailable` (or corrupt)."""
+        """A pooled connection; psycopg errors leave as :class:`StoreUnavailable` (or corrupt).
+
+        NOTE: the checkout waits at most ``timeout``, and no longer than what is left to the deadline
+        of the call this thread serves (``croupier.server._deadline``); a call past its deadline gets
+        no connection at all: its caller is gone.
+        """
         if self._closed:
             raise StoreUnavailable(f"postgresql store {self.url} is closed")
+        left = deadline.remaining()
+        if left is not None and left <= 0:
+            raise StoreUnavailable(f"postgresql store {self.url}: {doing}: the call's deadline passed: not asked")
+        wait = self.timeout if left is None else min(self.timeout, left)
         used: Connection | None = None
         try:
-            with self._pool.connection() as conn:
+            with self._pool.connection(timeout=wait) as conn:
                 used = conn
                 yield conn
         except psycopg.Error as exc:
             if used is not None and used.closed:  # lost mid-call, not refused by the server
                 raise self._unavailable(doing, exc, hint) from exc
+            if isinstance(exc, psycopg_pool.PoolTimeout):
+                raise self._unavailable(doing, exc, waited=wait) from exc  # nothing was sent
             raise self._translate(doing, exc) from exc
 
     # -- the schema ---------------------------------------------------------------------------

@@ -165,9 +165,9 @@ def test_journal_commits_are_timed_and_counted(mserver: Server) -> None:
     after = scrape(mserver)
     # Every event the coordinator journaled (its sequence number) was committed and counted
     # before the call that made it was answered.
-    assert value(after, "croupier_journal_records_total") == mserver.core._seq > 0
+    assert value(after, "croupier_journal_records_total") == mserver.core._commits.seq > 0
     commits = value(after, "croupier_journal_commit_seconds_count")
-    assert commits is not None and 1 <= commits <= mserver.core._seq
+    assert commits is not None and 1 <= commits <= mserver.core._commits.seq
     assert value(after, "croupier_journal_commit_seconds_bucket", le="+Inf") == commits
     assert 0 < (value(after, "croupier_journal_commit_seconds_sum") or 0) < 10
 
@@ -285,12 +285,12 @@ def test_the_endpoint_serves_reads_only_and_stops_with_the_server(tmp_path: path
             urllib.request.urlopen(req, timeout=10)
         assert e.value.code == 501
         # A failed coordinator: /healthz says so, the metrics too, and the jobs cannot be read.
-        server.core._failed = "the store failed: disk gone"
+        server.core._commits.failed = "the store failed: disk gone"
         assert get(server, "/healthz")[0] == 503
         m = scrape(server)
         assert value(m, "croupier_coordinator_failed") == 1 and value(m, "croupier_jobs") is None
         assert json.loads(get(server, "/api/jobs")[2])["coordinator_failed"] == "the store failed: disk gone"
-        server.core._failed = None
+        server.core._commits.failed = None
     finally:
         server.stop(grace=0.5)
     assert server.metrics_address is None
