@@ -30,15 +30,7 @@ from croupier.server import _deadline as deadline
 from croupier.server._events import Event
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
 from croupier.server._state import State
-from croupier.server._store import (
-    Recovered,
-    Store,
-    StoreConflict,
-    StoreError,
-    StoreFull,
-    StoreUnavailable,
-    Watched,
-)
+from croupier.server._store import Recovered, Store, StoreConflict, StoreError, StoreFull, StoreUnavailable, Watched
 
 log = logging.getLogger("croupier.server")
 
@@ -136,18 +128,10 @@ class Commits(Protocol):
 
 def commits_for(store: Store, cond: threading.Condition, state: State, rec: Recovered, snapshot_every: int,
                 max_staleness_s: float, timed: Callable[[float, int], None], changed: Changed) -> Commits:
-    """The commit protocol of `store`, holding `state` as recovered from `rec` (see :class:`Commits`).
-
-    Args:
-        store: The coordinator's store.
-        cond: The coordinator's lock.
-        state: The recovered state.
-        rec: What recovery read (the journal position, and how many records since the snapshot).
-        snapshot_every: Events between two snapshots.
-        max_staleness_s: A watched shared store's staleness bound for reads (0: ask every time).
-        timed: Called by a single writer after each group commit with (seconds, records).
-        changed: Called under the lock after every apply, replay, rollback, failure and close.
-    """
+    """The commit protocol of `store` (see :class:`Commits`), holding `state` as recovered from `rec`,
+    under the coordinator's lock `cond`; `max_staleness_s` bounds a watched shared store's reads,
+    `timed(seconds, records)` is called after a single writer's group commits, and `changed` under
+    the lock after every apply, replay, rollback, failure and close."""
     if store.shared:
         return SharedCommits(store, cond, state, rec, snapshot_every, changed, max_staleness_s)
     return WriterCommits(store, cond, state, rec, snapshot_every, changed, timed)
@@ -434,14 +418,12 @@ class SharedCommits(_Journaled):
     def refresh(self, force: bool = False) -> None:
         """Reads what other replicas journaled since this one last looked (fencing needs the latest generation).
 
-        NOTE: where the store is watched (:class:`Watched`) and the coordinator has a staleness bound,
-        the journal's end comes from the watch while it confirmed it within the bound, so a grant
-        asks the database nothing (nor waits for this replica's round trips): it is answered from
-        the state of at most the bound ago. That is safe for what such calls decide: a grant
-        authorises nothing (a rank computes its batches without one through an outage, and a
-        generation resumes from a checkpoint, which is journaled). Every decision (a join, a
-        checkpoint, the reports) and a join's wait read with `force`, and append at the seq they
-        read: writes stay exact.
+        NOTE: where the store is watched (:class:`Watched`) and there is a staleness bound, the journal's
+        end comes from the watch while it confirmed it within the bound, so a grant asks the database
+        nothing (nor waits for this replica's round trips): it is answered from the state of at most
+        the bound ago. That is safe for what such calls decide: a grant authorises nothing (a rank
+        computes its batches without one through an outage, and a generation resumes from a journaled
+        checkpoint). Every decision and a join's wait read with `force`: writes stay exact.
         """
         self.check_ok()
         if not force:
