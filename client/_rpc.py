@@ -328,7 +328,7 @@ class CoordinatorClient:
         r = self._call("amend", lambda: self.stub.Amend(m, timeout=self.call_timeout), retry_for=0.0)
         return amendment_from_proto(r.amendment)
 
-    def join_started(self, req: JoinRequest, timeout: float = 600.0, poll_s: float = 0.5) -> JoinResult:
+    def join_started(self, req: JoinRequest, timeout: float = 600.0, poll_s: float = 5.0) -> JoinResult:
         """Joins and keeps waiting (short long-polls, no busy loop) until every rank has joined.
 
         NOTE: a waiting join holds no thread of the server (it waits as a coroutine); polls of
@@ -342,7 +342,8 @@ class CoordinatorClient:
         busy = 0.05
         while True:
             try:
-                r = self.join(req, wait_s=min(poll_s, max(0.0, end - time.monotonic())), request_id=request_id)
+                # each poll ends by the time a warning is due or the rank gives up, whichever comes first
+                r = self.join(req, wait_s=min(poll_s, max(0.0, min(end, say) - time.monotonic())), request_id=request_id)
             except E.ResourceExhausted as e:
                 # Only the limit of joins in progress passes: the others (jobs, world) stay.
                 if "--max-concurrent-joins" not in str(e) or time.monotonic() >= end:

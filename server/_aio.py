@@ -14,10 +14,10 @@ import grpc
 from google.protobuf.message import Message
 
 from croupier.core import errors as E
-from croupier.core.api import MAX_JOIN_WAIT_S
+from croupier.core.api import MAX_JOIN_WAIT_S, JoinResult
 from croupier.server import _deadline
 from croupier.server._auth import Authorizer, Credential
-from croupier.server._coordinator import Coordinator
+from croupier.server._coordinator import Coordinator, WouldWait
 from croupier.server._options import ServerOptions
 from croupier.server._rpcs import REQUESTS, CoordinatorServicer, job_of, join_reply, parse
 from croupier.v1 import coordinator_pb2 as pb
@@ -109,14 +109,16 @@ class Admission:
 
 
 class _Start:
-    """The joins waiting for one generation to start: one event, one listener on the coordinator."""
+    """The joins waiting for one generation to start: one event, one listener on the coordinator, one answer."""
 
-    __slots__ = ("event", "waiters", "fn", "registered")
+    __slots__ = ("event", "waiters", "fn", "registered", "answer")
 
     def __init__(self, event: asyncio.Event, fn: Callable[[], None]) -> None:
         self.event, self.fn = event, fn
         self.waiters = 0
         self.registered: asyncio.Future[bool] | None = None
+        #: The answer once the event fired, asked of the core once for every waiting rank (it names no rank).
+        self.answer: asyncio.Future[JoinResult] | None = None
 
 
 def _in_thread(deadline: float | None, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
@@ -168,6 +170,16 @@ class Serving:
         job = job_of(m)
         self.admission.enter(job)
         try:
+            if method == "Grant" and not self.core.store.shared:
+                # NOTE: a grant of a plan the ranks compute, on a single writer's store, asks the store
+                # nothing and waits for nothing (its progress report is journaled later): it is answered
+                # here, on the loop, without the hop to a thread and back that would cost it more than
+                # the grant itself. The rest (dynamic dealing) is handed to a thread, changed nothing.
+                assert isinstance(m, pb.GrantRequest)
+                try:
+                    return self.servicer.Grant(m, who, at_once=True)
+                except WouldWait:
+                    pass
             out: Message = await self.run(deadline, getattr(self.servicer, method), m, who)
             return out
         finally:
@@ -205,13 +217,16 @@ class Serving:
             wait_s = min(m.wait_ms / 1000.0, MAX_JOIN_WAIT_S)
             if deadline is not None:
                 wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))
-            await self._wait_start(m.job, result.generation, wait_s)
+            answer = await self._wait_start(m.job, result.generation, wait_s)
         finally:
             self.admission.waiting -= 1
-        return join_reply(await self.run(deadline, self.core.join_answer, m.job, m.rank), req)
+        if answer is None:
+            answer = await self.run(deadline, self.core.join_answer, m.job, m.rank)
+        return join_reply(answer, req)
 
-    async def _wait_start(self, job: str, number: int, timeout: float) -> None:
-        """Until generation `number` of `job` starts or is replaced, the coordinator stops, or `timeout` passes."""
+    async def _wait_start(self, job: str, number: int, timeout: float) -> JoinResult | None:
+        """Until generation `number` of `job` starts or is replaced, the coordinator stops, or `timeout` passes;
+        then the answer of every rank that waited for it (None: the wait timed out, the rank asks its own)."""
         key = (job, number)
         st = self._starts.get(key)
         if st is None:
@@ -227,9 +242,15 @@ class Serving:
                 self._poller = asyncio.ensure_future(self._poll())
         st.waiters += 1
         try:
-            await asyncio.wait_for(st.event.wait(), timeout)
-        except TimeoutError:
-            pass
+            try:
+                await asyncio.wait_for(st.event.wait(), timeout)
+            except TimeoutError:
+                return None
+            # NOTE: a generation's start wakes all its waiting ranks at once; their answer is the
+            # same (it names no rank), so the core is asked once for all of them, not once each.
+            if st.answer is None:
+                st.answer = asyncio.ensure_future(self.run(None, self.core.join_answer, job, 0))
+            return await asyncio.shield(st.answer)
         finally:
             st.waiters -= 1
             if st.waiters == 0 and self._starts.get(key) is st:

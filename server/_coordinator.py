@@ -43,6 +43,10 @@ from croupier.server._store import Store
 log = logging.getLogger("croupier.server")
 
 
+class WouldWait(Exception):
+    """A call asked to answer at once would wait for the store or ask it: it changed nothing."""
+
+
 class Coordinator:
     """Holds the jobs: decides, journals, applies, replies.
 
@@ -352,13 +356,21 @@ class Coordinator:
                                     durable=True)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
-              progress: tuple[int, int] | None = None) -> Grant:
+              progress: tuple[int, int] | None = None, at_once: bool = False) -> Grant:
         """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices.
 
         With dynamic dealing, `first` counts batches of the rank's own sequence, and the grant
         names the global batches dealt to it (see :meth:`deal`).
+
+        With `at_once`, raises :class:`WouldWait` (having changed nothing) where answering would wait
+        for the store or ask it -- a shared store, a plan the coordinator deals -- so that an event
+        loop may answer the rest itself and hand only those to a thread.
         """
+        if at_once and self.store.shared:
+            raise WouldWait("grant")
         spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count)
+        if at_once and p is not None and p.coordinator_deals:
+            raise WouldWait("grant")
         if progress is not None:
             self.report(job, generation, rank, *progress)
         if p is None:

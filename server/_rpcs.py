@@ -121,9 +121,10 @@ class CoordinatorServicer:
         return pb.LeaseResponse(indices=data, sizes=lease.sizes, itemsize=itemsize,
                                 end_of_epoch=lease.end_of_epoch, epoch_samples=lease.epoch_samples)
 
-    def Grant(self, m: pb.GrantRequest, who: Credential | None) -> pb.GrantResponse:
+    def Grant(self, m: pb.GrantRequest, who: Credential | None, at_once: bool = False) -> pb.GrantResponse:
+        """A grant; with `at_once`, WouldWait where it would wait for the store (see ``Coordinator.grant``)."""
         _allow(who, "Grant", m.job)
-        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
+        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m), at_once)
         return pb.GrantResponse(batches=g.batches, last_size=g.last_size, end_of_epoch=g.end_of_epoch,
                                 epoch_samples=g.epoch_samples, dealt=pack_runs(g.runs))
 

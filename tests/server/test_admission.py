@@ -166,3 +166,30 @@ def test_a_departed_callers_call_never_reaches_the_store(tmp_path: pathlib.Path)
                 pb.ListJobsRequest().SerializeToString(), timeout=20).jobs == ["a"]
         assert server.core.snapshot_state() == before
         assert server.core.store.last_seq() == seq
+
+
+def test_a_static_grant_needs_no_worker_thread_and_a_dealt_one_waits_for_one(tmp_path: pathlib.Path) -> None:
+    """The one worker thread busy: a grant of a plan the ranks compute is answered all the same (on the event
+    loop); a grant the coordinator deals (durable first) waits for the thread, then deals what it would have."""
+    with Server(f"sqlite:///{tmp_path}/c.db", max_workers=1) as server:
+        with CoordinatorClient(server.address) as c:
+            static = c.join_started(JoinRequest("static", SPEC, "t", 1, 0), timeout=20).generation
+            dealt = c.join_started(JoinRequest("dealt", Spec(n=100, batch_size=4, dealing="dynamic", tail="uneven"), "t", 1, 0),
+                                   timeout=20).generation
+        blocked = _Blocked(server)
+        with grpc.insecure_channel(server.address) as ch:
+            held = ch.unary_unary(f"/{SERVICE}/GetJob").future(pb.GetJobRequest(job="static").SerializeToString(), timeout=30)
+            blocked.enter(1)
+            grant = ch.unary_unary(f"/{SERVICE}/Grant", response_deserializer=pb.GrantResponse.FromString)
+            g = grant(pb.GrantRequest(job="static", generation=static, rank=0, epoch=0, first_batch=0, count=3,
+                                      progress=pb.Progress(epoch=0, batches=0)).SerializeToString(), timeout=5)
+            assert g.batches == 3 and not g.dealt
+            waiting = grant.future(pb.GrantRequest(job="dealt", generation=dealt, rank=0, epoch=0, first_batch=0,
+                                                   count=3).SerializeToString(), timeout=30)
+            with pytest.raises(grpc.FutureTimeoutError):
+                waiting.result(timeout=0.5)  # its deal waits for the busy thread
+            blocked.go.set()
+            held.result()
+            d = waiting.result(timeout=20)
+            assert d.batches == 3 and d.dealt
+        assert server.core.job("static").ranks[0].batches == 0  # the loop's grant journaled its progress report
