@@ -1,18 +1,15 @@
 """How a coordinator's decisions reach its store: two commit protocols, each owning the state and its journal position.
 
-* :class:`WriterCommits` — a single-writer store (``memory://``, ``sqlite:///``): decisions are
-  applied at once, in order, and queued; one writer thread appends everything queued in one
-  call (group commit: one fsync acknowledges many callers).
-* :class:`SharedCommits` — a shared store (``postgresql://``, several replicas, no leader): a
-  decision is appended at the seq this replica has applied up to; a conflict (another replica
-  wrote first) reads what it wrote and decides again. This replica's round trips to the store
-  are serialized by a lock of their own, never the coordinator's: a read answered from the state
-  waits for no append. Progress reports, which are advisory, are gathered and appended by a
-  background thread.
+* :class:`WriterCommits` — a single-writer store (``memory://``, ``sqlite:///``): decisions are applied
+  at once, in order, and queued; one writer thread appends everything queued in one call (group
+  commit: one fsync acknowledges many callers).
+* :class:`SharedCommits` — a shared store (``postgresql://``, replicas, no leader): a decision is appended
+  at the seq this replica has applied; a conflict (another replica wrote first) reads what it wrote and
+  decides again. The replica's round trips take turns on a lock of their own, never the coordinator's.
+  Progress reports, which are advisory, are gathered and appended by a background thread.
 
-A protocol is built from what it needs (the store, the coordinator's lock, the recovered state,
-two callbacks), never from the coordinator; the coordinator asks it through :class:`Commits`.
-:func:`commits_for` picks one from the store's ``shared``.
+A protocol is built from what it needs (the store, the coordinator's lock, the recovered state, two
+callbacks), never from the coordinator, which asks it through :class:`Commits` (:func:`commits_for` picks one).
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from croupier.server._events import Event
 from croupier.server._journal import pack_event, pack_snapshot, recover, replay
 from croupier.server._state import State
 from croupier.server._store import Recovered, Store, StoreConflict, StoreError, StoreFull, StoreUnavailable, Watched
+from croupier.server._turns import FairLock
 
 log = logging.getLogger("croupier.server")
 
@@ -301,11 +299,14 @@ class WriterCommits(_Journaled):
             self._outage = f"the coordinator's store {store.url} is full: {e}"
             self._pending.clear()
             self._snapshots.clear()
-            try:
-                self.state, rec = recover(store)
-            except StoreError as err:
+        try:  # outside the lock: no decision is taken during an outage, and this thread is the store's one caller
+            state, rec = recover(store)
+        except StoreError as err:
+            with cond:
                 self._fail(err)
-                return
+            return
+        with cond:
+            self.state = state
             self.seq = self._durable = rec.last_seq
             self._since_snapshot = len(rec.records)
             self._rollbacks += 1
@@ -346,7 +347,7 @@ class SharedCommits(_Journaled):
                  changed: Changed, max_staleness_s: float) -> None:
         super().__init__(store, cond, state, rec, snapshot_every, changed)
         self._max_staleness_s = max_staleness_s
-        self._io = threading.Lock()
+        self._io = FairLock()  # taken in turn: a waiter sits through the appends asked before it, no more
         #: progress reports not journaled yet: (job, generation, rank) -> (epoch, batches, ms)
         self._reports: dict[tuple[str, int, int], tuple[int, int, int]] = {}
 

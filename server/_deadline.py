@@ -6,6 +6,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 from croupier.core.errors import Unavailable
 
@@ -36,7 +37,15 @@ def check(doing: str) -> None:
         raise Unavailable(f"the call's deadline passed before {doing}: its caller is no longer waiting (not done)")
 
 
-def wait_for(lock: threading.Lock, doing: str) -> None:
+class Acquirable(Protocol):
+    """A lock ``wait_for`` takes: ``threading.Lock``, or one with its ``acquire``."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool:
+        """Takes the lock within `timeout` seconds (-1: as long as it takes); whether it was taken."""
+        ...
+
+
+def wait_for(lock: Acquirable, doing: str) -> None:
     """Takes `lock` within this thread's call's deadline (without one: as long as it takes), else Unavailable."""
     left = remaining()
     if left is None:
