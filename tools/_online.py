@@ -1,5 +1,6 @@
 """The chaos run's faults that the job trains through: kills of the coordinator or of a replica (restarted on
-its port), restarts of the database, and the data-center faults of :mod:`croupier.tools._faults`.
+its port), restarts of the database, and the data-center faults of :mod:`croupier.tools._faults` (one
+coordinator) and :mod:`croupier.tools._dc_replicas` (replicas).
 
 :class:`OnlineFaults` is a part of :class:`croupier.tools.chaos.Run`, kept apart for length; it uses the
 run's servers, tally, random choices and log.
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from croupier.tools import _faults, history
+from croupier.tools import _dc_replicas, _faults, history
 from croupier.tools._serve import ServeGroup, active_clients
 from croupier.tools.cluster import runs_trainer
 from croupier.tools.history import ChaosError
@@ -54,6 +55,11 @@ class OnlineFaults:
         port), or a restart of the database."""
         at = _where(st)
         members = self.servers.members
+        if isinstance(self.datacenter, _dc_replicas.ReplicatedDatacenter) and kind in _dc_replicas.KINDS:
+            said = self.datacenter.inject(kind, self.servers, self.tally, self.time_left, st, at)
+            if said is not None:
+                self._say(said)
+            return
         if kind in _faults.KINDS:
             self._datacenter_fault(kind, st, at)
             return
@@ -67,7 +73,7 @@ class OnlineFaults:
         if kind == "replica":
             # Both drawn every time so that a seed replays the same choices whatever the traffic.
             busiest, other = self.rng.random() < 0.5, self.rng.randrange(len(members))
-            active = [active_clients(m.port) for m in members]
+            active = [active_clients(m.port, prefix=m.prefix) for m in members]
             if self.tally.replica_kills == 0:
                 i, why = 0, "the first endpoint, every rank's first choice"
             elif busiest and max(active) > 0:

@@ -164,14 +164,15 @@ class ServeGroup:
             m.kill()
 
 
-def active_clients(port: int, within_ms: int = 2000) -> int:
-    """Connections to local `port` that sent something in the last `within_ms` (from ``ss -ti``); 0 without ss.
+def active_clients(port: int, within_ms: int = 2000, prefix: Sequence[str] = ()) -> int:
+    """Connections to local `port` that sent something in the last `within_ms` (from ``ss -ti``, run through
+    `prefix`: ``ip netns exec NAME`` for a server in a network namespace); 0 without ss.
 
     NOTE: a client keeps the channels of replicas it moved away from open, idle; counting only
     connections with recent traffic tells the replica the ranks are using from one they used.
     """
     try:
-        out = subprocess.run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
+        out = subprocess.run([*prefix, "ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True,
                              text=True, timeout=5, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return 0

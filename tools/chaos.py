@@ -29,6 +29,10 @@ on that database instead of the one coordinator, every rank given all k endpoint
 * ``database``: a restart of the PostgreSQL server (through a :class:`DatabaseControl`), with a
   fast and an immediate shutdown in turn; the replicas answer UNAVAILABLE meanwhile, and recover.
 
+``datacenter`` adds faults the job trains through: with one coordinator, :mod:`croupier.tools._faults`'s;
+with ``replicas`` k > 1 and no ``store``, the run starts PostgreSQL, the k replicas and the job on hosts of
+their own and adds :mod:`croupier.tools._dc_replicas`'s (replica pauses, partitions, slow links).
+
 Every rank records the join it got acknowledged (WORKDIR/joins.jsonl, see
 ``croupier.tools.demo_train``); at the end, :func:`croupier.tools.history.check_history` reads the journal from the
 database and checks that no generation was accepted twice or out of order and that no
@@ -52,7 +56,7 @@ import sys
 import time
 from typing import IO, Any
 
-from croupier.tools import _faults, history, linearize
+from croupier.tools import _dc_replicas, _faults, history, linearize
 from croupier.tools._online import DatabaseControl, OnlineFaults, _where
 from croupier.tools._serve import ServeGroup, ServeProcess
 from croupier.tools.audit import EpochReport, render
@@ -88,8 +92,11 @@ NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
 #: partitions, a slow link).
 DATACENTER_KINDS = (*KINDS, *_faults.KINDS)
 DATACENTER_WEIGHTS = (0.10, 0.09, 0.12, 0.15, 0.12, 0.12, 0.12, 0.10, 0.08)
+#: ``--datacenter --replicas K``: the replicated mode's faults and those of tools/_dc_replicas.py.
+REPLICATED_DATACENTER_KINDS = (*REPLICATED_KINDS, *_dc_replicas.KINDS)
+REPLICATED_DATACENTER_WEIGHTS = (0.08, 0.10, 0.08, 0.12, 0.10, 0.08, 0.12, 0.12, 0.10, 0.10)
 #: Faults the job trains through (the others end the launch).
-ONLINE = frozenset({"coordinator", "replica", "database", *_faults.KINDS})
+ONLINE = frozenset({"coordinator", "replica", "database", *_faults.KINDS, *_dc_replicas.KINDS})
 
 
 def _history(work: pathlib.Path) -> list[pathlib.Path]:
@@ -118,7 +125,10 @@ class Run(OnlineFaults):
         self.datacenter = datacenter
         self.step_ms = step_ms
         self.time_left = math.inf  # seconds of the job left, as last estimated by watch()
-        if datacenter is not None:
+        if datacenter is not None and replicated:  # a short run still restarts the database with either shutdown mode
+            self.kinds, self.weights = REPLICATED_DATACENTER_KINDS, REPLICATED_DATACENTER_WEIGHTS
+            first = (*REPLICATED_DATACENTER_KINDS, "database")
+        elif datacenter is not None:
             self.kinds, self.weights, first = DATACENTER_KINDS, DATACENTER_WEIGHTS, DATACENTER_KINDS
         elif not replicated:
             self.kinds, self.weights, first = KINDS, WEIGHTS, KINDS
@@ -367,8 +377,10 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             source epoch.
         datacenter: Also pause the coordinator and workers, jump the coordinator's wall clock, fill
             its store's file system, and cut or slow the network between the job and the coordinator,
-            each on a host of its own (``croupier.tools._faults``; single coordinator only, as root with
-            libfaketime and network namespaces).
+            each on a host of its own (``croupier.tools._faults``; as root with libfaketime and network
+            namespaces). With `replicas` > 1 (and no `store`): a PostgreSQL server of the run's own, the
+            replicas and the job each on a host of its own, replicas paused, cut from the database or the
+            job, their links slowed (``croupier.tools._dc_replicas``), beside the replicated faults.
         step_ms: Simulated compute per training step: a longer step leaves the job more steps to
             host faults it trains through (a pause or a full disk lasts seconds).
 
@@ -384,11 +396,13 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         raise ValueError(f"faults must be >= 0, epochs and n >= 1 (got {faults=}, {epochs=}, {n=})")
     if n < 4 * BATCH:
         raise ValueError(f"n must be at least {4 * BATCH} so that 4 workers each get a batch (got {n=})")
-    if replicas < 1 or replicas > 1 and store is None:
+    replicated = store is not None or datacenter and replicas > 1
+    if replicas < 1 or replicas > 1 and not replicated:
         raise ValueError(f"replicas must be >= 1, and more than 1 needs a shared store (got {replicas=}, "
                          f"store={'given' if store else None})")
-    if datacenter and (store is not None or _faults.available() is not None):
-        raise ValueError(f"datacenter faults need the single coordinator and {_faults.available() or 'no store='}")
+    if datacenter and (why := "no store= (with --replicas the run starts a PostgreSQL server on a host of its own)"
+                       if store is not None else _dc_replicas.available() if replicated else _faults.available()):
+        raise ValueError(f"datacenter faults need {why}")
     if database is not None and store is None:
         raise ValueError("a database control needs the replicated mode (store=postgresql://...)")
     if store is not None:
@@ -417,9 +431,13 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     with contextlib.ExitStack() as logs:
         tlog = logs.enter_context(open(work / "train.log", "a"))
-        dc = logs.enter_context(_faults.Faults(work, random.Random(seed + 1))) if datacenter else None
+        dc = None if not datacenter else logs.enter_context(
+            _dc_replicas.ReplicatedDatacenter(work, random.Random(seed + 1), replicas) if replicated
+            else _faults.Faults(work, random.Random(seed + 1)))
         db = work / ("disk" if dc else ".") / "coordinator.db"
-        if store is None:
+        if isinstance(dc, _dc_replicas.ReplicatedDatacenter):  # PostgreSQL, the replicas and the job on hosts of their own
+            (store, database), servers = dc.db(), ServeGroup(dc.replicas(logs, ChaosError))
+        elif store is None:
             # The whole journal is kept (no snapshot prunes it) so that its history is checked to the first record.
             servers = ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
                                                error=ChaosError, env=dc.env() if dc else None,
@@ -429,7 +447,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         else:
             servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
                                                f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
-        run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, store is not None,
+        run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, replicated,
                   mixture, dc, step_ms)
         checked: history.History | None = None
         calls = linearize.Verdict(True, 0, 0)
@@ -451,7 +469,7 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
                 checked = history.check_history(f"sqlite:///{db}", work)
             # A replica may answer a grant from a state up to its staleness bound old (croupier serve's default).
             calls = linearize.check(linearize.load(sorted(str(f) for f in (work / "calls").glob("*.jsonl"))),
-                                    stale_s=STALENESS_S if store is not None else 0.0)
+                                    stale_s=STALENESS_S if replicated else 0.0)
             if not calls.ok:
                 raise ChaosError(f"the ranks' calls are not linearizable: {calls.why}")
         except Exception as e:  # anything unexpected fails the run, with its cause
@@ -468,11 +486,11 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         print(f"\nchaos: FAILED: the job ended without finishing epochs {unfinished}")
         return 1
     if run.tally.faults < faults:
-        print(f"\n{history.summary(run.tally, reports, time.perf_counter() - t0, replicated=store is not None)}\n"
+        print(f"\n{history.summary(run.tally, reports, time.perf_counter() - t0, replicated=replicated)}\n"
               f"chaos: FAILED: the job ended after {run.tally.faults} of the {faults} faults asked: give it more "
               "epochs (--epochs) or longer steps (--step-ms)", flush=True)
         return 1
-    print("\n" + history.summary(run.tally, reports, time.perf_counter() - t0, replicated=store is not None), flush=True)
+    print("\n" + history.summary(run.tally, reports, time.perf_counter() - t0, replicated=replicated), flush=True)
     if checked is not None:
         print(history.history_line(checked), flush=True)
         print(f"calls: {calls.calls} joins, grants and checkpoints of the ranks recorded with their times "

@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="postgresql://... URL of an empty database: run --replicas croupier serve replicas on it, kill "
                         "them instead of the coordinator, and check the journal's history at the end (default: one "
                         "coordinator on a sqlite store in the workdir)")
-    c.add_argument("--replicas", type=int, default=1, help="replicas on --store (default 1)")
+    c.add_argument("--replicas", type=int, default=1,
+                   help="replicas on --store, or with --datacenter on a PostgreSQL server the run starts (default 1)")
     c.add_argument("--batching", choices=("fixed", "tokens", "dynamic"), default="fixed",
                    help="fixed batches (default), token-budget batches, or batches dealt dynamically (DDP's Join)")
     c.add_argument("--mixture", action="store_true",
@@ -262,8 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--datacenter", action="store_true",
                    help="also stop (SIGSTOP) the coordinator and workers for a while, jump the coordinator's wall clock "
                         "an hour, fill its store's file system, and cut or slow (200 ms, 10%% loss) the network between "
-                        "the job and the coordinator, each on a host (network namespace) of its own (single "
-                        "coordinator; root, libfaketime)")
+                        "the job and the coordinator, each on a host (network namespace) of its own (root, "
+                        "libfaketime); with --replicas K (no --store): a PostgreSQL server of the run's own, the K "
+                        "replicas and the job each on a host of its own, with replica kills and pauses, PostgreSQL "
+                        "restarts, a replica cut from the database or the job, or its link to either slowed (200 ms, "
+                        "1%% loss to the database, 10%% to the job), instead of the clock and disk faults (root, "
+                        "PostgreSQL's server binaries)")
     c.set_defaults(func=_chaos_cmd)
 
     f = sub.add_parser("infer-demo", help="exactly-once batch inference on preemptible workers (dynamic dealing) under "

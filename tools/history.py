@@ -46,12 +46,24 @@ class Tally:
     disk_fulls: int = 0  # --datacenter: the store's file system full for a while
     partitions: int = 0  # --datacenter: the job's network cut from the coordinator's for a while
     slow_links: int = 0  # --datacenter: the link between them slow and lossy for a while
+    replica_pauses: int = 0  # --datacenter with replicas: SIGSTOP of a replica, then SIGCONT
+    db_partitions: int = 0  # --datacenter with replicas: a replica cut from the database for a while
+    job_partitions: int = 0  # --datacenter with replicas: the job cut from a replica for a while
+    db_slow_links: int = 0  # --datacenter with replicas: a replica's link to the database slow and lossy
+    job_slow_links: int = 0  # --datacenter with replicas: the job's link to a replica slow and lossy
 
     @property
     def faults(self) -> int:
         return (self.rank_kills + self.coordinator_kills + self.preemptions + self.replica_kills
                 + sum(self.database_restarts.values()) + self.coordinator_pauses + self.rank_pauses
-                + self.clock_jumps + self.disk_fulls + self.partitions + self.slow_links)
+                + self.clock_jumps + self.disk_fulls + self.partitions + self.slow_links + self.replicated_datacenter)
+
+    @property
+    def replicated_datacenter(self) -> int:
+        """The faults of the replicated data-center mode beside its kills and restarts (a worker's pause is a
+        rank pause)."""
+        return (self.replica_pauses + self.db_partitions + self.job_partitions + self.db_slow_links
+                + self.job_slow_links)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +270,11 @@ def summary(t: Tally, reports: list[EpochReport], seconds: float, replicated: bo
                  f"restarts ({db['fast']} fast, {db['immediate']} immediate)")
     else:
         kills = f"{t.rank_kills} rank kills, {t.coordinator_kills} coordinator kills"
-    if t.coordinator_pauses + t.rank_pauses + t.clock_jumps + t.disk_fulls + t.partitions + t.slow_links:
+    if replicated and t.replicated_datacenter + t.rank_pauses:
+        kills += (f", {t.replica_pauses} replica pauses, {t.rank_pauses} rank pauses, {t.db_partitions} replica-database "
+                  f"partitions, {t.job_partitions} job-replica partitions, {t.db_slow_links} slow replica-database "
+                  f"links, {t.job_slow_links} slow job-replica links")
+    elif t.coordinator_pauses + t.rank_pauses + t.clock_jumps + t.disk_fulls + t.partitions + t.slow_links:
         kills += (f", {t.coordinator_pauses} coordinator pauses, {t.rank_pauses} rank pauses, {t.clock_jumps} clock "
                   f"jumps, {t.disk_fulls} full disks, {t.partitions} partitions, {t.slow_links} slow links")
     return (f"chaos: {t.faults} faults injected ({kills}, {t.preemptions} preemptions), {t.resizes} resizes, "
