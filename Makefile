@@ -48,9 +48,10 @@ soak: $(STAMP)  ## 1,000 faults mixed (kills, preemptions, rollbacks, coordinato
 bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot (out/bench/bench.png)
 	$(PY) benchmarks/bench.py
 
-bench-scale: $(STAMP)  ## the join storm (1,024 to 16,384 ranks, beside this machine's ceiling), steady training of 16,384 ranks, and a coordinator of 1,000 jobs recovered after kill -9: out/bench/scale.md and scale.png
+bench-scale: $(STAMP)  ## the join storm (1,024 to 16,384 ranks) and steady training of 16,384 ranks on this tree's coordinator and on the threaded one of 42a3d40, beside this machine's grpc.aio ceiling; 10,000 waiting joins on both; a coordinator of 1,000 jobs recovered after kill -9: out/bench/scale.md, scale.png and waiting.md
 	mkdir -p out/bench
-	$(PY) benchmarks/scale_bench.py --jobs 1000 --events 1000000 --snapshot-every 100000 --steady 16384 --steady-lease 256,16 --out out/bench/scale.md
+	$(PY) benchmarks/scale_bench.py --baseline 42a3d40 --jobs 1000 --events 1000000 --snapshot-every 100000 --steady 16384 --steady-lease 256,16 --out out/bench/scale.md
+	$(PY) benchmarks/waiting_bench.py --baseline 42a3d40 --ranks 10000 --window 10 --out out/bench/waiting.md
 
 fuzz: $(STAMP)  ## ten minutes of coverage-guided fuzzing of every RPC's request bytes (fuzz/rpc_fuzz.py)
 	mkdir -p out/fuzz

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -145,12 +145,13 @@ def _in_process_coordinator() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _serve_process(store: str, args: Sequence[str] = ()) -> Iterator[str]:
-    """`croupier serve` in a child process (its log on this one's stderr), with more of its options in `args`;
-    yields its address and stops it on exit."""
+def _serve_process(store: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """`croupier serve` in a child process (its log on this one's stderr), with more of its options in `args` and
+    variables of `env` in its environment (baseline.Serving.env: an older commit's code); yields its address and
+    stops it on exit."""
     from croupier.tools._serve import ServeProcess
 
-    p = ServeProcess(store, sys.stderr, args=args).start()
+    p = ServeProcess(store, sys.stderr, args=args, env=env).start()
     try:
         yield p.address
     finally:

@@ -20,6 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench.py: the serve process, the job join, the report helpers
 sys.path.insert(0, str(HERE.parent / "tests"))  # _postgres.py: the throwaway PostgreSQL server
 
+from baseline import CURRENT, THREADED, Serving, baseline  # noqa: E402
 from bench import (  # noqa: E402
     CAPACITY_N,
     LEASE_INDICES,
@@ -234,10 +235,11 @@ def _floors(pg_url: str, sqlite_path: Path, count: int) -> dict[str, dict[str, f
 
 
 @contextlib.contextmanager
-def _replicas(store: str, count: int, args: Sequence[str] = ()) -> Iterator[list[str]]:
-    """`count` `croupier serve` processes on `store` (more options in `args`); yields their addresses, stops them all on exit."""
+def _replicas(store: str, count: int, args: Sequence[str] = (), serving: Serving = CURRENT) -> Iterator[list[str]]:
+    """`count` `croupier serve` processes of `serving`'s code on `store` (more options in `args`); yields their addresses,
+    stops them all on exit."""
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(_serve_process(store, args)) for _ in range(count)]
+        yield [stack.enter_context(_serve_process(store, args, serving.environ())) for _ in range(count)]
 
 
 # --------------------------------------------------------------------------- report
@@ -296,6 +298,38 @@ def _table(res: dict[str, dict[str, Any]], replicas: Sequence[int], ranks: int) 
     return "\n".join(lines)
 
 
+def _compare(runs: dict[str, dict[str, dict[str, Any]]], replicas: Sequence[int], ranks: int) -> str:
+    """Each figure of the new serving beside the old one's, and how many times better it is."""
+    configs = ["sqlite"] + [f"pg{n}" for n in replicas]
+    cols = ["SQLite, 1 replica"] + [f"PostgreSQL, {n} replica{'s' if n > 1 else ''}" for n in replicas]
+    lines = ["| measure | load | " + " | ".join(f"{c}: old -> new" for c in cols) + " |", "|" + "---|" * (2 + len(cols))]
+    for m in _measures(ranks):
+        fmt = _rate if m.field == "per_s" else _ms
+        cells = []
+        for c in configs:
+            old, new = runs["old"][c][m.key][m.field], runs["new"][c][m.key][m.field]
+            x = (old / new if m.lower_is_better else new / old) if old and new else float("nan")
+            cells.append(f"{fmt(old)} -> {fmt(new)} ({x:.2f}x)")
+        lines.append(f"| {m.what} | {m.load} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+#: The grant rates the new serving must keep: no lower than the old serving's in the same run.
+TARGETS = (("sqlite", "SQLite, 1 coordinator"), ("pg3", "PostgreSQL, 3 replicas"))
+
+
+def _targets(runs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The grant rates of one SQLite coordinator and of 3 PostgreSQL replicas, new beside old, met or MISSED."""
+    lines = ["| grants/s | load | old | new | new / old | target |", "|---|---|---|---|---|---|"]
+    for config, name in TARGETS:
+        for kind, load in (("moved", "progress moved"), ("same", "progress unchanged")):
+            old, new = runs["old"][config][kind]["per_s"], runs["new"][config][kind]["per_s"]
+            ok = new >= old
+            lines.append(f"| {name} | {load} | {_rate(old)} | {_rate(new)} | {new / old if old else float('nan'):.2f}x | "
+                         f"no lower than old: {'met' if ok else 'MISSED'} |")
+    return "\n".join(lines)
+
+
 def _errors(res: dict[str, dict[str, Any]]) -> list[str]:
     """A note per run whose calls failed (they are left out of its figures)."""
     notes = []
@@ -323,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/bench"), help="where ha.md goes (default out/bench)")
     parser.add_argument("--max-staleness-ms", type=int, default=None,
                         help="the replicas' --max-staleness-ms (default: croupier serve's; 0 asks the database on every grant)")
+    parser.add_argument("--baseline", metavar="REF",
+                        help=f"also: every configuration on REF's coordinator (e.g. {THREADED}, the threaded serving), "
+                             "in the same run; the ratios new / old")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -348,27 +385,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t_begin:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     serve_args = () if args.max_staleness_ms is None else ("--max-staleness-ms", str(args.max_staleness_ms))
-    res: dict[str, dict[str, Any]] = {}
+    servings = [CURRENT]
+    # NOTE: each configuration is measured on both servings one after the other (not all of one, then all of
+    # the other), so that the load of the shared cores drifts alike for both.
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
     pg = Postgres()
-    try:
-        step("starting PostgreSQL")
-        pg.start()
-        versions = _versions(pg.url())
-        with tempfile.TemporaryDirectory() as tmp:
-            step("floors: the stores from one connection")
-            floors = _floors(pg.fresh_database("floor"), Path(tmp) / "floor.db", 20 if quick else 300)
-            step("SQLite, 1 replica")
-            with _replicas(f"sqlite:///{tmp}/coordinator.db", 1) as addresses:
-                res["sqlite"] = _measure(addresses, joins, ranks, seconds, drivers)
-        for n in replicas:
-            step(f"PostgreSQL, {n} replica(s)")
-            with _replicas(pg.fresh_database(f"ha{n}"), n, serve_args) as addresses:
-                res[f"pg{n}"] = _measure(addresses, joins, ranks, seconds, drivers)
-    finally:
-        pg.close()
+    with contextlib.ExitStack() as stack:
+        if args.baseline:
+            servings.append(stack.enter_context(baseline(args.baseline)))
+        try:
+            step("starting PostgreSQL")
+            pg.start()
+            versions = _versions(pg.url())
+            with tempfile.TemporaryDirectory() as tmp:
+                step("floors: the stores from one connection")
+                floors = _floors(pg.fresh_database("floor"), Path(tmp) / "floor.db", 20 if quick else 300)
+                for sv in servings:
+                    step(f"SQLite, 1 replica, {sv.label}")
+                    with _replicas(f"sqlite:///{tmp}/coordinator-{sv.name}.db", 1, serving=sv) as addresses:
+                        runs.setdefault(sv.name, {})["sqlite"] = _measure(addresses, joins, ranks, seconds, drivers)
+            for n in replicas:
+                for sv in servings:
+                    step(f"PostgreSQL, {n} replica(s), {sv.label}")
+                    with _replicas(pg.fresh_database(f"ha{n}{sv.name}"), n, serve_args, sv) as addresses:
+                        runs[sv.name][f"pg{n}"] = _measure(addresses, joins, ranks, seconds, drivers)
+        finally:
+            pg.close()
+    res = runs["new"]
 
     took = time.perf_counter() - t_begin
-    command = "python benchmarks/ha_bench.py" + (" --quick" if quick else "") + "".join(f" {a}" for a in serve_args)
+    command = ("python benchmarks/ha_bench.py" + (" --quick" if quick else "") + "".join(f" {a}" for a in serve_args)
+               + (f" --baseline {args.baseline}" if args.baseline else ""))
     machine = _machine(versions)
     load = f"load average {load_before} before, {_load()} after"
     table = _table(res, replicas, ranks)
@@ -388,6 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         "and the load.",
         *_errors(res),
     ]
+    if len(servings) > 1:
+        old = servings[1]
+        table += (f"\n\nThe same on {old.label}'s coordinator, in the same run (each configuration measured on both, one "
+                  f"after the other):\n\n{_table(runs['old'], replicas, ranks)}\n\nNew / old, each figure of the new "
+                  f"serving beside the old one's (the ratio: how many times better the new is):\n\n"
+                  f"{_compare(runs, replicas, ranks)}\n\n{_targets(runs)}")
+        notes += [f"{old.label}: {e}" for e in _errors(runs["old"])]
     print(table)
     print()
     for note in notes:

@@ -1,25 +1,28 @@
 """A join storm: every rank of a restarted world joins one coordinator in the same second, then takes its first batch.
 
-Each rank is a real gRPC client making the calls a sampler makes (``Join`` long polls of 0.5 s until
-its generation starts, backing off when the coordinator holds too many waiting joins, then the
-``Grant`` of its first lease), as asyncio tasks spread over a few driver processes. The
+Each rank is a real gRPC client making the calls a sampler makes (``Join`` long polls of 5 s until its
+generation starts, asking again after the coordinator's hint when its admission refuses a call, then
+the ``Grant`` of its first lease, given 1 s), as asyncio tasks spread over a few driver processes. The
 coordinator is a ``croupier serve`` process on a SQLite store, so its CPU time and RSS are its own
-(read from /proc).
+(read from /proc). With ``--baseline REF`` the same storms run on REF's coordinator too (baseline.py),
+whose joins poll 500 ms and back off up to 2 s when its waiting places (--max-concurrent-joins) are
+taken, as its client did.
 
-Printed, per world size: joins per second (from the first join sent to the last acknowledged), the
-time from the last join acknowledged to each rank's first batch (p50, p99, max), and the
-coordinator's CPU-seconds and RSS growth per rank; with the targets of the issue beside them
-(first batch p99 < 100 ms at 1,024 ranks and < 1 s at 16,384; the cost per joining rank flat from
-1,024 to 16,384).
+Printed, per world size and serving: the time from the last join acknowledged to each rank's first
+batch (p50, p99, max) beside the bare grpc.aio ceiling of the same run (scale_ceiling.py) and their
+ratio, the calls the server cancelled, the refusals, the first grants not answered within 1 s, the
+coordinator's CPU-seconds and RSS growth per rank and the joins per second; each beside its target
+(p99 within 1.2x the ceiling, 0 cancelled, every first grant within 1 s, the CPU per rank flat).
 
-    python benchmarks/scale_bench.py                  # 1,024, 4,096 and 16,384 ranks
-    python benchmarks/scale_bench.py --worlds 256     # a quick run (the suite's)
+    python benchmarks/scale_bench.py --baseline 42a3d40   # 1,024, 4,096 and 16,384 ranks, both servings
+    python benchmarks/scale_bench.py --worlds 256         # a quick run (the suite's)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -30,34 +33,40 @@ import tempfile
 import time
 from typing import Any
 
+import baseline
 import numpy as np
 import scale_ceiling
 import scale_recovery
+import scale_report
 from scale_recovery import proc_rss as _proc_rss
 
 BENCH = pathlib.Path(__file__).resolve()
 RESULT = scale_recovery.RESULT
-#: The issue's targets: first batch p99 after the last join, by world size (seconds).
-TARGET_P99_S = {1024: 0.1, 16384: 1.0}
-#: CPU-seconds per joining rank may grow at most this much from the smallest world to the largest.
-TARGET_FLAT = 1.5
+#: A join's long poll, as this tree's client asks it (CoordinatorClient.join_started's poll_s); the threaded
+#: server's client asked 0.5 s (baseline.POLL_MS_THREADED).
+JOIN_POLL_MS = baseline.POLL_MS
+#: The status codes the client retries (client/_rpc.py RETRYABLE); of them, those of a call the server
+#: cancelled or could not take (counted as ``cancelled``).
+RETRYABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
+CANCELLED = frozenset({"UNAVAILABLE", "CANCELLED"})
 
 
 # --------------------------------------------------------------------------- a driver process
 
 
 async def _ranks(address: str, job: str, incarnation: str, world: int, ranks: list[int], lease: int,
-                 steady: dict[str, float] | None = None) -> dict[str, Any]:
+                 steady: dict[str, float] | None = None, poll_ms: int = JOIN_POLL_MS) -> dict[str, Any]:
     """Joins `ranks` of a world as the samplers do, then grants each its first lease; times on CLOCK_MONOTONIC.
 
-    With `steady` (``lease`` batches a grant, ``step_s`` a step, ``duration_s``), the driver then says
-    READY on stdout, waits for the parent's ``GO T0`` on stdin and, from T0 for ``duration_s``, has each
-    rank ask a grant (with its progress report) every ``lease * step_s`` seconds, the ranks' phases spread
-    evenly over that period: the samplers' calls in steady training.
+    A join long-polls `poll_ms` (the client's poll). With `steady` (``lease`` batches a grant, ``step_s`` a
+    step, ``duration_s``), the driver then says READY on stdout, waits for the parent's ``GO T0`` on stdin and,
+    from T0 for ``duration_s``, has each rank ask a grant (with its progress report) every ``lease * step_s``
+    seconds, the ranks' phases spread evenly over that period: the samplers' calls in steady training.
     """
     import grpc
 
     from croupier.client import CHANNEL_OPTIONS
+    from croupier.client._rpc import RETRY_AFTER_KEY
     from croupier.core.spec import Spec
     from croupier.core.wire import spec_to_proto
     from croupier.v1 import coordinator_pb2 as pb
@@ -76,26 +85,37 @@ async def _ranks(address: str, job: str, incarnation: str, world: int, ranks: li
     first: dict[int, float] = {}
     started_at: dict[int, float] = {}
     generation: dict[int, int] = {}
-    exhausted = retried = ungranted = 0
-    RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+    n = dict(refused_waits=0, refused=0, cancelled=0, retried=0, ungranted=0)
+
+    def hint_s(e: Any) -> float | None:
+        """The coordinator's retry hint of a refusal by its admission (seconds), jittered; None without one."""
+        hint = dict(e.trailing_metadata() or ()).get(RETRY_AFTER_KEY)
+        return None if hint is None else int(hint) / 1000 * (0.5 + np.random.random())
 
     async def rank(r: int) -> None:
-        nonlocal exhausted, retried, ungranted
         stub = stubs[r % len(stubs)]
         req = pb.JoinRequest(request_id=f"{incarnation}-{r}", job=job, spec=spec, incarnation=incarnation, world=world, rank=r,
-                             wait_ms=500)
+                             wait_ms=poll_ms)
         busy = 0.05
         while True:
             try:
                 resp = await stub.Join(req, timeout=60)
             except grpc.aio.AioRpcError as e:
-                if e.code() in RETRYABLE:  # as the client retries them (client/_rpc.py RETRYABLE)
-                    retried += 1
+                if e.code().name in RETRYABLE:  # as the client retries them (client/_rpc.py RETRYABLE)
+                    n["retried"] += 1
+                    n["cancelled"] += e.code().name in CANCELLED
                     await asyncio.sleep(0.05 * (0.5 + np.random.random()))  # backoff, not synchronisation
                     continue
-                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "--max-concurrent-joins" not in (e.details() or ""):
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
-                exhausted += 1
+                wait = hint_s(e)
+                if wait is not None:  # refused by the coordinator's admission: asked again after its hint, jittered
+                    n["refused"] += 1
+                    await asyncio.sleep(wait)  # the hint, not synchronisation
+                    continue
+                if "--max-concurrent-joins" not in (e.details() or ""):
+                    raise
+                n["refused_waits"] += 1
                 joined.setdefault(r, time.monotonic())  # refused for the wait only: the join is recorded
                 # NOTE: the client's backoff between two asks (client/_rpc.py join_started), not synchronisation
                 await asyncio.sleep(busy * (0.5 + np.random.random()))
@@ -106,21 +126,30 @@ async def _ranks(address: str, job: str, incarnation: str, world: int, ranks: li
                 started_at[r] = time.monotonic()
                 generation[r] = resp.generation
                 break
-        # As the sampler's prefetcher asks: one second for the grant, else the rank computes its lease itself.
-        try:
-            g = await stub.Grant(pb.GrantRequest(job=job, generation=generation[r], rank=r, epoch=0, first_batch=0,
-                                                 count=lease), timeout=1.0)
-            assert g.batches > 0
-        except grpc.aio.AioRpcError as e:
-            if e.code() not in RETRYABLE:
-                raise
-            ungranted += 1
+        # As the sampler's prefetcher asks: one second for the grant (a refusal asked again after its hint
+        # within it), else the rank computes its lease itself.
+        end = time.monotonic() + 1.0
+        while True:
+            try:
+                g = await stub.Grant(pb.GrantRequest(job=job, generation=generation[r], rank=r, epoch=0, first_batch=0,
+                                                     count=lease), timeout=max(0.001, end - time.monotonic()))
+                assert g.batches > 0
+            except grpc.aio.AioRpcError as e:
+                wait = hint_s(e) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if wait is not None and time.monotonic() + wait < end:
+                    n["refused"] += 1
+                    await asyncio.sleep(wait)  # the hint, not synchronisation
+                    continue
+                if e.code().name not in RETRYABLE and wait is None:
+                    raise
+                n["cancelled"] += e.code().name in CANCELLED
+                n["ungranted"] += 1
+            break
         first[r] = time.monotonic()
 
     sent = time.monotonic()
     await asyncio.gather(*(rank(r) for r in ranks))
-    out: dict[str, Any] = {"sent": sent, "joined": joined, "first": first, "started": started_at, "exhausted": exhausted,
-                           "retried": retried, "ungranted": ungranted}
+    out: dict[str, Any] = {"sent": sent, "joined": joined, "first": first, "started": started_at, **n}
     if steady is not None:
         out["steady"] = await _steady(stubs, job, generation, int(steady["lease"]), steady["step_s"], steady["duration_s"])
     for ch in channels:
@@ -183,12 +212,12 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
-          steady: dict[str, float] | None = None) -> dict[str, Any]:
-    """One join storm of `world` ranks on a fresh `croupier serve`; its figures (and, with `steady`, the
-    figures of the steady training that follows it: see `_ranks`)."""
+          steady: dict[str, float] | None = None, serving: baseline.Serving = baseline.CURRENT) -> dict[str, Any]:
+    """One join storm of `world` ranks on a fresh `croupier serve` of `serving`'s code; its figures (and, with
+    `steady`, the figures of the steady training that follows it: see `_ranks`)."""
     with tempfile.TemporaryDirectory() as tmp:
         serve = subprocess.Popen([sys.executable, "-m", "croupier.tools.cli", "serve", "--port", "0", "--store",
-                                  f"sqlite:///{tmp}/c.db"], stdout=subprocess.PIPE, text=True)
+                                  f"sqlite:///{tmp}/c.db"], stdout=subprocess.PIPE, text=True, env=serving.environ())
         try:
             assert serve.stdout is not None
             line = serve.stdout.readline().strip()
@@ -201,9 +230,9 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
             parts = [list(range(world))[i::drivers] for i in range(drivers)]
             procs = [subprocess.Popen([sys.executable, str(BENCH), "--driver", json.dumps(dict(
                 address=address, job="storm", incarnation=f"w{world}", world=world, ranks=p,
-                lease=lease if steady is None else int(steady["lease"]), steady=steady))],
+                lease=lease if steady is None else int(steady["lease"]), steady=steady, poll_ms=serving.join_poll_ms))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for p in parts]
-            window: dict[str, float] = {}
+            window: dict[str, Any] = {}
             if steady is not None:
                 for p in procs:  # every rank has its first batch: the storm is over
                     assert p.stdout is not None
@@ -244,7 +273,8 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
     after = (first - last_join) * 1e3  # ms from the last join to each rank's first batch
     if steady is not None:
         lat = np.array([x for r in results for x in r["steady"]["latencies_ms"]])
-        window.update(world=world, lease=int(steady["lease"]), step_s=steady["step_s"], duration_s=steady["duration_s"],
+        window.update(serving=serving.label, world=world, lease=int(steady["lease"]), step_s=steady["step_s"],
+                      duration_s=steady["duration_s"],
                       grants=len(lat), grants_per_s=len(lat) / steady["duration_s"],
                       failed=sum(r["steady"]["failed"] for r in results),
                       grant_p50_ms=float(np.percentile(lat, 50)) if len(lat) else math.nan,
@@ -252,87 +282,13 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
                       grant_max_ms=float(lat.max()) if len(lat) else math.nan,
                       late_p99_ms=max(r["steady"]["late_p99_ms"] for r in results))
     return {
-        "steady": window or None,
+        "steady": window or None, "serving": serving.label, "poll_ms": serving.join_poll_ms,
         "world": world, "joins_per_s": world / max(max(joined) - sent, 1e-9),
         "first_p50_ms": float(np.percentile(after, 50)), "first_p99_ms": float(np.percentile(after, 99)),
         "first_max_ms": float(after.max()), "storm_s": float(first.max() - sent),
         "cpu_s": cpu, "cpu_ms_per_rank": cpu / world * 1e3, "rss_bytes_per_rank": rss / world,
-        "refused_waits": sum(r["exhausted"] for r in results), "retried": sum(r["retried"] for r in results),
-        "ungranted": sum(r["ungranted"] for r in results),
+        **{k: sum(r[k] for r in results) for k in ("refused_waits", "refused", "cancelled", "retried", "ungranted")},
     }
-
-
-#: The issue's targets for steady training: the coordinator below one core, grant p99 below 10 ms.
-TARGET_STEADY_CORES, TARGET_STEADY_P99_MS = 1.0, 10.0
-
-
-def render_steady(rows: list[dict[str, Any]]) -> str:
-    lines = ["| ranks | a grant every | grants/s offered (answered) | coordinator cores | grant p50 / p99 / max "
-             "| failed | target |", "|---|---|---|---|---|---|---|"]
-    lines.extend(_steady_row(r) for r in rows)
-    return "\n".join(lines)
-
-
-def _steady_row(r: dict[str, Any]) -> str:
-    ok = r["cores"] < TARGET_STEADY_CORES and r["grant_p99_ms"] < TARGET_STEADY_P99_MS and not r["failed"]
-    return (
-        f"| {r['world']:,} | {r['lease']} steps of {r['step_s']:g} s | {r['world'] / (r['lease'] * r['step_s']):,.0f} "
-        f"({r['grants_per_s']:,.0f}) | {r['cores']:.3f} | {r['grant_p50_ms']:.1f} / {r['grant_p99_ms']:.1f} / "
-        f"{r['grant_max_ms']:.1f} ms | {r['failed']} | < {TARGET_STEADY_CORES:g} core and p99 < "
-        f"{TARGET_STEADY_P99_MS:g} ms: {scale_recovery.verdict(ok)} |"
-    )
-
-
-def render(rows: list[dict[str, Any]]) -> str:
-    """The table, with each target beside its figure."""
-    head = ("| ranks | joins/s | first batch after the last join p50 / p99 / max | ceiling: bare gRPC, p50 / p99 "
-            "| coordinator CPU per rank | RSS per rank | waits refused | target |")
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        t = TARGET_P99_S.get(r["world"])
-        c = r.get("ceiling")
-        target = (f"p99 < {t * 1e3:g} ms: {scale_recovery.verdict(r['first_p99_ms'] < t * 1e3)}" if t is not None else "")
-        if t is not None and c is not None and c["p99_ms"] >= t * 1e3:
-            target += " (out of reach here: the ceiling's p99 is over it)"
-        ceiling = f"{c['p50_ms']:.0f} / {c['p99_ms']:.0f} ms" if c is not None else "-"
-        lines.append(f"| {r['world']:,} | {r['joins_per_s']:,.0f} | {r['first_p50_ms']:.0f} / {r['first_p99_ms']:.0f} / "
-                     f"{r['first_max_ms']:.0f} ms | {ceiling} | {r['cpu_ms_per_rank']:.2f} ms "
-                     f"| {r['rss_bytes_per_rank'] / 1024:.1f} KiB | {r['refused_waits']:,} | {target} |")
-    if len(rows) > 1:
-        lo, hi = rows[0], rows[-1]
-        ratio = hi["cpu_ms_per_rank"] / lo["cpu_ms_per_rank"] if lo["cpu_ms_per_rank"] else math.inf
-        lines.append("")
-        lines.append(f"CPU per joining rank, {hi['world']:,} ranks / {lo['world']:,} ranks: {ratio:.2f} "
-                     f"(flat: <= {TARGET_FLAT}; {scale_recovery.verdict(ratio <= TARGET_FLAT)})")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
-    """The storm's figures by world size: first batch p99 beside the ceiling and the targets, and the CPU per rank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    worlds = [r["world"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    a.plot(worlds, [r["first_p99_ms"] for r in rows], "o-", label="croupier: first batch p99 after the last join")
-    a.plot(worlds, [r["first_p50_ms"] for r in rows], "o--", label="croupier: p50")
-    a.plot(worlds, [r["ceiling"]["p99_ms"] for r in rows], "s-", label="ceiling here: bare gRPC hold and release, p99")
-    a.plot(list(TARGET_P99_S), [t * 1e3 for t in TARGET_P99_S.values()], "k*", markersize=12, label="target (p99)")
-    a.set(xscale="log", yscale="log", xlabel="ranks", ylabel="ms", title="time to every rank's first batch")
-    a.legend(fontsize=8)
-    b.plot(worlds, [r["cpu_ms_per_rank"] for r in rows], "o-", label="coordinator CPU per joining rank")
-    b.set(xscale="log", xlabel="ranks", ylabel="ms of CPU per rank", title="cost per joining rank (flat: O(1) per join)")
-    b.set_ylim(bottom=0)
-    b.legend(fontsize=8)
-    for ax in (a, b):
-        ax.minorticks_off()
-        ax.set_xticks(worlds, [f"{w:,}" for w in worlds])
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,37 +308,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-step", type=float, default=1.0, help="seconds per training step (default 1)")
     ap.add_argument("--steady-duration", type=float, default=0.0,
                     help="seconds of steady training measured (default: one lease's period, so every rank asks once)")
+    ap.add_argument("--baseline", metavar="REF",
+                    help=f"also: the same storms and steady training on REF's coordinator (e.g. {baseline.THREADED}, the "
+                         "threaded serving), its joins polling 500 ms as its client did")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.driver:
         _driver(json.loads(args.driver))
         return 0
+    with contextlib.ExitStack() as stack:
+        servings = [baseline.CURRENT]
+        if args.baseline:
+            servings.append(stack.enter_context(baseline.baseline(args.baseline)))
+        table, rows = measure(args, servings)
+    print(table)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(table + "\n")
+        if len({r["world"] for r in rows}) > 1:
+            scale_report.plot(rows, out.with_suffix(".png"))
+    return 0
+
+
+def measure(args: argparse.Namespace, servings: list[baseline.Serving]) -> tuple[str, list[dict[str, Any]]]:
+    """The runs `args` ask for, on each of `servings`' coordinators; the tables and the storm's rows."""
     rows = []
     for w in [int(x) for x in args.worlds.split(",") if x]:
-        rows.append(storm(w, args.drivers, profile=args.profile))
-        rows[-1]["ceiling"] = scale_ceiling.ceiling(w, args.drivers)
-        print(json.dumps(rows[-1]), flush=True)
-    table = render(rows) if rows else ""
+        mine = [storm(w, args.drivers, profile=args.profile, serving=s) for s in servings]
+        ceiling = scale_ceiling.ceiling(w, args.drivers)
+        for r in mine:
+            r["ceiling"] = ceiling
+            print(json.dumps(r), flush=True)
+        rows.extend(mine)
+    table = scale_report.render(rows) if rows else ""
     if args.steady:
         steady = []
         for lease in [int(x) for x in args.steady_lease.split(",")]:
             # by default, one lease's period: every rank asks its grant once
             duration = args.steady_duration or lease * args.steady_step
-            steady.append(storm(args.steady, args.drivers, steady=dict(lease=lease, step_s=args.steady_step,
-                                                                       duration_s=duration))["steady"])
-            print(json.dumps(steady[-1]), flush=True)
-        table += ("\n\n" if table else "") + render_steady(steady)
+            for s in servings:
+                steady.append(storm(args.steady, args.drivers, serving=s, steady=dict(
+                    lease=lease, step_s=args.steady_step, duration_s=duration))["steady"])
+                print(json.dumps(steady[-1]), flush=True)
+        table += ("\n\n" if table else "") + scale_report.render_steady(steady)
     if args.jobs:
         rec = scale_recovery.recovery(args.jobs, args.events, args.snapshot_every)
         print(json.dumps(rec), flush=True)
         table += ("\n\n" if table else "") + scale_recovery.render(rec)
-    print(table)
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.write_text(table + "\n")
-        if len(rows) > 1:
-            plot(rows, out.with_suffix(".png"))
-    return 0
+    return table, rows
 
 
 if __name__ == "__main__":
