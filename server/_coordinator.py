@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -62,6 +61,10 @@ class Coordinator:
     A grant or a lease touches the store when it carries a progress report and, with dynamic
     dealing, when it deals batches; computing its indices does not. A snapshot of the whole
     state is written every ``snapshot_every`` events so that recovery replays a short journal.
+
+    NOTE: no call holds the coordinator's lock across a round trip to the store: a call brings the
+    state up to date (``Commits.refresh``: on a shared store, possibly a read) before it takes the
+    lock, and commits without it (the protocol takes it to decide and to apply).
 
     If the store fails (anything but a shared store's lost connection, after which the next call
     reads the journal again), the coordinator stops acknowledging: every call raises Unavailable
@@ -126,18 +129,6 @@ class Coordinator:
         if self.on_commit is not None:
             self.on_commit(took, records)
 
-    @contextlib.contextmanager
-    def _reading(self, force: bool = False) -> Iterator[State]:
-        """The state brought up to date (Unavailable if the store failed), under the lock.
-
-        NOTE: the refresh runs before the lock is taken: it may be a round trip to a shared store,
-        which no call makes holding the lock. On a shared store, unless `force`, it may trust the
-        watch of the journal within the staleness bound (see ``SharedCommits.refresh``).
-        """
-        self._commits.refresh(force)
-        with self._cond:
-            yield self._commits.state
-
     # ---------------------------------------------------------------- writes
 
     def join(self, req: JoinRequest, wait_s: float = 0.0) -> JoinResult:
@@ -157,7 +148,9 @@ class Coordinator:
         number = None
         force = False
         while True:
-            with self._reading(force) as state:
+            self._commits.refresh(force)  # before the lock: it may be a round trip to a shared store
+            with self._cond:
+                state = self._commits.state
                 # NOTE: each commit wakes every waiting join; a wake-up looks at the generation's start
                 # alone (O(1)): the answer, which names the ranks still missing, is made once, at the end.
                 gen = state.current(req.job)
@@ -180,7 +173,9 @@ class Coordinator:
 
         A start it names is durable first (it may be another rank's event still on its way to disk).
         """
-        with self._reading() as state:
+        self._commits.refresh()
+        with self._cond:
+            state = self._commits.state
             result = state.join_result(job, rank)
             if result.start is not None:
                 self._commits.wait_durable()
@@ -267,7 +262,9 @@ class Coordinator:
     def ledger(self, job: str) -> tuple[Spec, bytes, bytes]:
         """The job's spec, its step ledger's segments, packed (``croupier.server._ledger``), and a
         fault-tolerant job's committed steps, packed (``croupier.core.ftsteps``); NotFound for an unknown job."""
-        with self._reading() as state:
+        self._commits.refresh()
+        with self._cond:
+            state = self._commits.state
             j = state.jobs.get(job)
             if j is None or (j.generation is None and not j.steps.runs):
                 state.current(job)  # NotFound, as for any call naming an unknown job
@@ -295,7 +292,9 @@ class Coordinator:
     def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest
         record for None (NotFound if none)."""
-        with self._reading() as state:
+        self._commits.refresh()
+        with self._cond:
+            state = self._commits.state
             record = state.checkpoint(job, step)
             # NOTE: a record still on its way to disk must not be answered: a relaunch resuming from
             # it, then a crash that loses it, would skip what it names.
@@ -310,7 +309,9 @@ class Coordinator:
         check_int(f"{what} count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
             raise ResourceExhausted(f"{what} count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
-        with self._reading() as state:
+        self._commits.refresh()
+        with self._cond:
+            state = self._commits.state
             gen = state.generation(job, generation)
             spec = state.jobs[job].dealing_spec
             start, world = gen.start, gen.world
@@ -379,7 +380,9 @@ class Coordinator:
 
     def job(self, job: str) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
-        with self._reading() as state:
+        self._commits.refresh()
+        with self._cond:
+            state = self._commits.state
             gen = state.current(job)
             j = state.jobs[job]
             result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, None, gen.waiting())
@@ -394,7 +397,9 @@ class Coordinator:
 
     def jobs(self) -> list[str]:
         """The names of the jobs the coordinator holds, sorted."""
-        with self._reading() as state:
+        self._commits.refresh()
+        with self._cond:
+            state = self._commits.state
             return sorted(state.jobs)
 
     def snapshot_state(self) -> bytes:
