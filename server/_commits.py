@@ -38,8 +38,7 @@ T = TypeVar("T")
 #: row after which a decision gives up (UNAVAILABLE: the client retries).
 SHARED_POLL_S, CONFLICTS = 0.05, 100
 
-#: Called under the coordinator's lock after events of these jobs (None: any job) were applied,
-#: the state was replaced, or calls began or stopped being refused.
+#: Called under the lock after events of these jobs (None: any) were applied, the state replaced, or refusals changed.
 Changed = Callable[[set[str] | None], None]
 
 
@@ -49,7 +48,7 @@ class Commits(Protocol):
     The coordinator's lock (given at construction) is NOT held when :meth:`commit`, :meth:`refresh`,
     :meth:`report`, :meth:`start` or :meth:`close` is called: they take it to decide and to apply,
     and never hold it across a round trip to the store. It IS held to read :attr:`state` and to
-    call :meth:`check_ok`, :meth:`stopped` and :meth:`wait_durable`.
+    call :meth:`stopped` and :meth:`wait_durable`; :meth:`check_ok` only reads, with it or without.
 
     Invariants every protocol MUST keep:
         * ``commit(decide, durable)`` calls ``decide()`` under the lock on the current state (on
@@ -72,7 +71,8 @@ class Commits(Protocol):
           coordinator commits the report as any other decision.
         * ``close()`` returns once nothing the protocol queued is left unwritten (or the store
           failed) and its thread has stopped.
-        * Once the store failed, :meth:`commit`, :meth:`refresh` and :meth:`check_ok` raise Unavailable.
+        * Once the store failed, :meth:`commit`, :meth:`refresh` and :meth:`check_ok` raise Unavailable;
+          so do :meth:`commit` and :meth:`refresh` before any round trip of a call past its deadline.
         * The ``changed`` callback is called under the lock after every apply, replay, rollback,
           failure and close.
     """
