@@ -51,7 +51,7 @@ bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot
 bench-scale: $(STAMP)  ## the join storm (1,024 to 16,384 ranks) and steady training of 16,384 ranks on this tree's coordinator and on the threaded one of 42a3d40, beside this machine's grpc.aio ceiling; 10,000 waiting joins on both; a coordinator of 1,000 jobs recovered after kill -9: out/bench/scale.md, scale.png and waiting.md
 	mkdir -p out/bench
 	$(PY) benchmarks/scale_bench.py --baseline 42a3d40 --jobs 1000 --events 1000000 --snapshot-every 100000 --steady 16384 --steady-lease 256,16 --out out/bench/scale.md
-	$(PY) benchmarks/waiting_bench.py --baseline 42a3d40 --ranks 10000 --window 10 --out out/bench/waiting.md
+	$(PY) benchmarks/waiting_bench.py --baseline 42a3d40 --ranks 10000 --window 10 --poll-ms 5000,30000 --out out/bench/waiting.md
 
 fuzz: $(STAMP)  ## ten minutes of coverage-guided fuzzing of every RPC's request bytes (fuzz/rpc_fuzz.py)
 	mkdir -p out/fuzz

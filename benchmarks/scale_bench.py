@@ -85,7 +85,7 @@ async def _ranks(address: str, job: str, incarnation: str, world: int, ranks: li
     first: dict[int, float] = {}
     started_at: dict[int, float] = {}
     generation: dict[int, int] = {}
-    n = dict(refused_waits=0, refused=0, cancelled=0, retried=0, ungranted=0)
+    n = dict(refused_waits=0, refused=0, cancelled=0, cancelled_grants=0, retried=0, ungranted=0)
 
     def hint_s(e: Any) -> float | None:
         """The coordinator's retry hint of a refusal by its admission (seconds), jittered; None without one."""
@@ -142,7 +142,7 @@ async def _ranks(address: str, job: str, incarnation: str, world: int, ranks: li
                     continue
                 if e.code().name not in RETRYABLE and wait is None:
                     raise
-                n["cancelled"] += e.code().name in CANCELLED
+                n["cancelled_grants"] += e.code().name in CANCELLED
                 n["ungranted"] += 1
             break
         first[r] = time.monotonic()
@@ -287,7 +287,8 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
         "first_p50_ms": float(np.percentile(after, 50)), "first_p99_ms": float(np.percentile(after, 99)),
         "first_max_ms": float(after.max()), "storm_s": float(first.max() - sent),
         "cpu_s": cpu, "cpu_ms_per_rank": cpu / world * 1e3, "rss_bytes_per_rank": rss / world,
-        **{k: sum(r[k] for r in results) for k in ("refused_waits", "refused", "cancelled", "retried", "ungranted")},
+        **{k: sum(r[k] for r in results) for k in ("refused_waits", "refused", "cancelled", "cancelled_grants", "retried",
+                                                        "ungranted")},
     }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,6 +31,8 @@ from typing import Any
 import baseline
 import numpy as np
 from scale_recovery import RESULT, proc_rss
+
+from croupier.core.api import MAX_JOIN_WAIT_S
 
 BENCH = pathlib.Path(__file__).resolve()
 JOB = "waiting"
@@ -239,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=10_000, help="joins that wait (the job has one rank more)")
     ap.add_argument("--drivers", type=int, default=4, help="driver processes the ranks are spread over")
     ap.add_argument("--window", type=float, default=10.0, help="seconds of waiting measured")
+    ap.add_argument("--poll-ms", default=str(baseline.POLL_MS),
+                    help="this tree's joins' long poll (ms), comma-separated for a run of each (default: the client's, "
+                         f"{baseline.POLL_MS}; {int(MAX_JOIN_WAIT_S * 1000)}, the longest the coordinator holds a join, "
+                         "measures the waits without their asking again)")
     ap.add_argument("--baseline", metavar="REF", help=f"also on REF's coordinator (e.g. {baseline.THREADED})")
     ap.add_argument("--out", help="write the table (markdown) here too")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
@@ -251,9 +258,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name} must be >= 1 (got {value})")
     if args.window < 0.5:
         ap.error(f"--window must be >= 0.5 s, a sample every half second (got {args.window})")
+    try:
+        polls = [int(x) for x in args.poll_ms.split(",")]
+    except ValueError:
+        ap.error(f"--poll-ms must be milliseconds, comma-separated (got {args.poll_ms!r})")
+    if not polls or not all(0 < x <= MAX_JOIN_WAIT_S * 1000 for x in polls):
+        ap.error(f"--poll-ms must each be in 1 .. {int(MAX_JOIN_WAIT_S * 1000)} (got {args.poll_ms!r})")
     rows = []
     with contextlib.ExitStack() as stack:
-        servings = [baseline.CURRENT]
+        servings = [dataclasses.replace(baseline.CURRENT, join_poll_ms=x) for x in polls]
         if args.baseline:
             servings.append(stack.enter_context(baseline.baseline(args.baseline)))
         for s in servings:

@@ -48,7 +48,7 @@ def test_a_baseline_that_names_no_commit_is_refused() -> None:
 def _row(p99: float, ceiling_p99: float, cancelled: int = 0, ungranted: int = 0) -> dict[str, Any]:
     return {"world": 1024, "serving": baseline.CURRENT.label, "poll_ms": 5000, "first_p50_ms": 10.0, "first_p99_ms": p99,
             "first_max_ms": p99, "ceiling": {"p50_ms": 5.0, "p99_ms": ceiling_p99, "second_over_1s": 0},
-            "cancelled": cancelled, "retried": cancelled, "refused": 0, "refused_waits": 0, "ungranted": ungranted,
+            "cancelled": cancelled, "cancelled_grants": 1 if cancelled else 0, "retried": cancelled, "refused": 0, "refused_waits": 0, "ungranted": ungranted,
             "cpu_ms_per_rank": 1.0, "rss_bytes_per_rank": 1024.0, "joins_per_s": 100.0}
 
 
@@ -56,7 +56,7 @@ def test_the_storm_table_says_missed_beside_each_figure_over_its_target() -> Non
     table = scale_report.render([_row(110.0, 100.0)])
     assert "| 1.10x |" in table and "p99 <= 1.2x ceiling: met; 0 cancelled: met; every first grant within 1 s: met" in table
     table = scale_report.render([_row(130.0, 100.0, cancelled=3, ungranted=2)])
-    assert "| 1.30x | 3 (3) |" in table
+    assert "| 1.30x | 3 / 1 |" in table
     assert "p99 <= 1.2x ceiling: MISSED; 0 cancelled: MISSED; every first grant within 1 s: MISSED" in table
 
 
