@@ -114,7 +114,8 @@ def _cpu_s(pid: int) -> float:
 
 
 def _waiting(address: str) -> int | None:
-    """How many ranks the job's generation waits for, as GetJob says (None: no job yet)."""
+    """How many ranks the job's generation waits for, as GetJob says (None: no job yet, or no answer in time while the
+    joins flood the coordinator)."""
     import grpc
 
     from croupier.v1 import coordinator_pb2 as pb
@@ -124,7 +125,8 @@ def _waiting(address: str) -> int | None:
         try:
             return int(pb_grpc.CoordinatorStub(ch).GetJob(pb.GetJobRequest(job=JOB), timeout=10).waiting)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                 return None
             raise
 
