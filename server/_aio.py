@@ -32,6 +32,8 @@ RETRY_AFTER_KEY = "croupier-retry-after-ms"
 HINT_BASE_MS, HINT_MAX_MS = 50, 2000
 #: A join refused for a limit that does not pass with time is answered after this long, up to _HELD_REFUSALS at a time.
 _HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
+#: The deadline of a call whose client set none, or a longer one (seconds): a join's wait (30 s at most) and its work.
+CALL_DEADLINE_S = 120.0
 #: How often waiting joins look at a shared store's journal (other replicas' joins arrive there).
 SHARED_POLL_S = 0.05
 
@@ -163,7 +165,9 @@ class Serving:
         who = None if self.auth is None else self.auth.identify(context)  # type: ignore[arg-type]
         m = parse(REQUESTS[method], raw)
         left = context.time_remaining()
-        deadline = None if left is None else time.monotonic() + left
+        # NOTE: every call has a deadline that reaches the store: the client's, or CALL_DEADLINE_S for
+        # a client that sets none (a store's round trips never outlive every caller).
+        deadline = time.monotonic() + (CALL_DEADLINE_S if left is None else min(left, CALL_DEADLINE_S))
         if method == "Join":
             assert isinstance(m, pb.JoinRequest)
             return await self._join(m, who, deadline)
