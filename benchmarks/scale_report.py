@@ -91,6 +91,7 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, ScalarFormatter
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     worlds = sorted({r["world"] for r in rows})
@@ -112,6 +113,8 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
         ax.minorticks_off()
         ax.set_xticks(worlds, [f"{w:,}" for w in worlds])
         ax.grid(alpha=0.3)
+    a.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    a.yaxis.set_major_formatter(ScalarFormatter())
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
