@@ -175,3 +175,44 @@ def test_a_postgres_checkout_waits_no_longer_than_the_calls_deadline(postgres_ur
         for conn in busy:
             store._pool.putconn(conn)
         store.close()
+
+
+class HeldPostgres(PostgresStore):
+    """A PostgreSQL store whose appends wait (on an Event) before they reach the database, as over a slow link."""
+
+    go = threading.Event()
+    appending = threading.Event()
+
+    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+        self.appending.set()
+        assert self.go.wait(60.0), "the append was never let go"
+        return super().append_at(expected_last, records)
+
+
+def test_a_replica_on_postgres_grants_while_its_append_is_held(postgres_url: str) -> None:
+    """The same on PostgreSQL, with the journal's end confirmed by the store's watch: a grant is
+    answered from the state at once while a join's append waits. Fails with the lock held across the append."""
+    store = HeldPostgres(postgres_url)
+    store.go, store.appending = threading.Event(), threading.Event()
+    store.go.set()
+    core = Coordinator(store, max_staleness_s=5.0)
+    slow = None
+    try:
+        gen = core.join(JoinRequest("j", SPEC, "t1", 1, 0)).generation
+        core.grant("j", gen, 0, 0, 0, 4)  # starts the watch
+        confirmed_by = time.monotonic() + 10.0
+        while store.known_last(5.0) is None:  # until its first heartbeat is answered
+            assert time.monotonic() < confirmed_by, "the watch never confirmed the journal's end"
+        store.go.clear()
+        store.appending.clear()
+        slow = threading.Thread(target=core.join, args=(JoinRequest("other", SPEC, "t1", 1, 0),), name="slow-append")
+        slow.start()
+        assert store.appending.wait(10.0)
+        t0 = time.monotonic()
+        assert _in_thread("grant", lambda: core.grant("j", gen, 0, 0, 4, 4), 5.0).batches == 4
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        store.go.set()
+        if slow is not None:
+            slow.join()
+        core.close()
