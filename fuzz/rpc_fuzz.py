@@ -26,7 +26,6 @@ import asyncio
 import os
 import sys
 import tempfile
-from collections.abc import AsyncIterator
 from typing import Any
 
 import atheris
@@ -71,16 +70,12 @@ class Context:
         return None
 
 
-async def _one(raw: bytes) -> AsyncIterator[bytes]:
-    yield raw
-
-
 def _setup() -> tuple[Coordinator, dict[str, Any]]:
     tmp = tempfile.mkdtemp(prefix="croupier-fuzz-")
     core = Coordinator(open_store(f"sqlite:///{tmp}/c.db"))
     serving = Serving(core, ServerOptions(max_concurrent_joins=1, max_request_bytes=MAX_REQUEST), None, workers=4)
     serving.admission.waiting = 1  # every waiting place taken: a join that would wait is refused at once
-    handlers = {name: serving.handler(name, None, None).stream_unary for name in RPCS}
+    handlers = {name: serving.handler(name, None, None).unary_unary for name in RPCS}
     if os.environ.get("CROUPIER_FUZZ_PLANT") == "1":
         # A planted fault, for tests/project/test_fuzz.py: GetJob registers a job before it reads its request.
         get_job = serving.servicer.GetJob
@@ -138,7 +133,7 @@ def main() -> None:
         raw = data[1:]
         before = core.snapshot_state()
         try:
-            loop.run_until_complete(handlers[name](_one(raw), Context()))
+            loop.run_until_complete(handlers[name](raw, Context()))
             counts["ok"] = counts.get("ok", 0) + 1
         except Refused as r:
             counts[r.code.name] = counts.get(r.code.name, 0) + 1

@@ -300,28 +300,19 @@ class Serving:
     def handler(self, method: str, observe: Callable[[str, grpc.StatusCode, float], None] | None,
                 unread: Callable[[str], None] | None) -> grpc.RpcMethodHandler[Any, Any]:
         """The gRPC handler of one RPC: croupier's errors turned into their status, a refusal's retry hint in
-        the trailing metadata, each call timed and counted by `observe` and a call whose request never
-        arrived by `unread`.
+        the trailing metadata, each call timed and counted by `observe` and, with `unread`, a call whose
+        request never arrived counted by it.
 
         NOTE: a request over gRPC's receive limit is refused by gRPC itself (RESOURCE_EXHAUSTED) before a
-        unary handler runs, so a unary handler never learns of it. The call is therefore served as a
-        stream of one request: the handler reads the request itself, and a call whose request never
-        arrives is counted (gRPC's refusal ends the call: the read fails or finds the stream closed).
-        Nothing changes on the wire.
+        unary handler runs, so a unary handler never learns of it. With `unread` (a server with
+        metrics), the call is therefore served as a stream of one request: the handler reads the
+        request itself, and a call whose request never arrives is counted (gRPC's refusal ends the call:
+        the read fails or finds the stream closed). Nothing changes on the wire; a stream's handler
+        costs a grpc.aio server more per call, so a server without metrics serves unary handlers.
         """
+        respond = lambda m: m.SerializeToString()  # noqa: E731
 
-        async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> Message:
-            try:
-                raw = await requests.__anext__()
-            except StopAsyncIteration:
-                if unread is not None:
-                    unread(method)
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method!r} requires exactly one request message")
-                raise  # unreachable: abort raises
-            except (grpc.RpcError, asyncio.CancelledError):
-                if unread is not None:
-                    unread(method)
-                raise
+        async def served(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
             t0 = time.perf_counter()
             code: grpc.StatusCode | None = grpc.StatusCode.UNKNOWN
             try:
@@ -345,5 +336,21 @@ class Serving:
                 if observe is not None and code is not None:
                     observe(method, code, time.perf_counter() - t0)
 
-        return grpc.stream_unary_rpc_method_handler(call, request_deserializer=None,
-                                                    response_serializer=lambda m: m.SerializeToString())
+        if unread is None:
+            return grpc.unary_unary_rpc_method_handler(served, request_deserializer=None, response_serializer=respond)
+        counted = unread
+
+        async def read_then_served(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+            try:
+                raw = await requests.__anext__()
+            except StopAsyncIteration:
+                counted(method)
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method!r} requires exactly one request message")
+                raise  # unreachable: abort raises
+            except (grpc.RpcError, asyncio.CancelledError):
+                counted(method)
+                raise
+            return await served(raw, context)
+
+        return grpc.stream_unary_rpc_method_handler(read_then_served, request_deserializer=None,
+                                                    response_serializer=respond)
