@@ -123,6 +123,16 @@ class _Start:
         self.answer: asyncio.Future[JoinResult] | None = None
 
 
+def _deadline_of(context: grpc.aio.ServicerContext[Any, Any]) -> float:
+    """The call's deadline on time.monotonic().
+
+    NOTE: every call has a deadline that reaches the store: the client's, or CALL_DEADLINE_S for a
+    client that sets none (a store's round trips never outlive every caller).
+    """
+    left = context.time_remaining()
+    return time.monotonic() + (CALL_DEADLINE_S if left is None else min(left, CALL_DEADLINE_S))
+
+
 def _in_thread(deadline: float | None, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
     """Runs a call's work on a worker thread, with its deadline in reach of the store; not at all once it passed."""
     with _deadline.until(deadline):
@@ -164,13 +174,9 @@ class Serving:
                 f"(croupier serve --max-request-bytes {limit}; a join carries 8 bytes a sample when its spec has lengths)")
         who = None if self.auth is None else self.auth.identify(context)  # type: ignore[arg-type]
         m = parse(REQUESTS[method], raw)
-        left = context.time_remaining()
-        # NOTE: every call has a deadline that reaches the store: the client's, or CALL_DEADLINE_S for
-        # a client that sets none (a store's round trips never outlive every caller).
-        deadline = time.monotonic() + (CALL_DEADLINE_S if left is None else min(left, CALL_DEADLINE_S))
         if method == "Join":
             assert isinstance(m, pb.JoinRequest)
-            return await self._join(m, who, deadline)
+            return await self._join(m, who, _deadline_of(context))
         job = job_of(m)
         self.admission.enter(job)
         try:
@@ -184,7 +190,7 @@ class Serving:
                     return self.servicer.Grant(m, who, at_once=True)
                 except WouldWait:
                     pass
-            out: Message = await self.run(deadline, getattr(self.servicer, method), m, who)
+            out: Message = await self.run(_deadline_of(context), getattr(self.servicer, method), m, who)
             return out
         finally:
             self.admission.leave(job)
