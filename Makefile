@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint site docs slow chaos soak bench bench-scale fuzz clean
+.PHONY: demo test check lint site docs slow chaos soak soak-replicas bench bench-scale fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,9 @@ chaos: $(STAMP)  ## the full chaos run (100 faults), audited
 
 soak: $(STAMP)  ## 1,000 faults mixed (kills, preemptions, rollbacks, coordinator and worker pauses, clock jumps, a full disk, partitions, a slow lossy link) on one job, audited, its call history checked linearizable: under two hours (105 min here); as root with libfaketime
 	$(VENV)/bin/croupier chaos --datacenter --faults 1000 --epochs 70 --step-ms 200 --workdir out/soak
+
+soak-replicas: $(STAMP)  ## 200 faults mixed on one job and 3 replicas on a PostgreSQL server of the run's own, each on a host of its own (replica kills and pauses, PostgreSQL restarts, a replica cut from the database or the job, slow lossy links, rank kills and pauses, preemptions), audited, its journal and call history checked: about half an hour; as root with PostgreSQL's server binaries
+	$(VENV)/bin/croupier chaos --datacenter --replicas 3 --faults 200 --epochs 16 --step-ms 200 --workdir out/soak-replicas
 
 bench: $(STAMP)  ## every benchmark: one table (out/bench/bench.md) and one plot (out/bench/bench.png)
 	$(PY) benchmarks/bench.py
