@@ -7,7 +7,11 @@
     python tests/_partition_agents.py probe HISTORY
         Calls on command: one JSON line per call on stdin ({"op": "join" | "grant", "addr", "job",
         "incarnation" | "generation", and "timeout" in seconds if not CALL_S}), each recorded (croupier.tools.linearize) and answered on stdout with its
-        status code, its seconds and, for a join, its generation.
+        status code, its seconds and, for a join, its generation. Batches, each answered with the lists
+        "codes" and "seconds" of its calls: {"op": "grants", "count", ...} (grants one after the other),
+        {"op": "depart", "jobs", "timeout", ...} (a join of each job at once), {"op": "writes", "incarnation",
+        ...} (joins opening generation after generation in a thread, incarnations "incarnation0", "...1", ...,
+        answered at once) and {"op": "settle"} (ends the writes after the join in flight, answered with them).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -57,11 +64,13 @@ def probe(history: str) -> int:
     rec = Recorder(history, "probe")
     spec = spec_to_proto(Spec(n=1000, batch_size=10))
     channels: dict[str, grpc.Channel] = {}
-    for line in sys.stdin:
-        cmd = json.loads(line)
+    writer: dict[str, Any] = {}
+
+    def one(cmd: dict[str, Any]) -> dict[str, Any]:
+        """One call, recorded: its status code, its seconds and, for a join, its generation."""
         ch = channels.get(cmd["addr"]) or channels.setdefault(cmd["addr"], grpc.insecure_channel(cmd["addr"], options=FAST))
         stub = pb_grpc.CoordinatorStub(ch)
-        answer: dict[str, object] = {"code": "OK"}
+        answer: dict[str, Any] = {"code": "OK"}
         t0 = time.monotonic()
         kind = "join" if cmd["op"] == "join" else "grant"
         try:
@@ -77,14 +86,43 @@ def probe(history: str) -> int:
                                                    first_batch=0, count=1), timeout=cmd.get("timeout", CALL_S),
                                    wait_for_ready=True)
                 except grpc.RpcError as e:
+                    answer["seconds"] = time.monotonic() - t0
                     answer["code"] = e.code().name
                     if e.code() == grpc.StatusCode.ABORTED:
                         out["outcome"] = "fenced"
                     raise
+                answer["seconds"] = time.monotonic() - t0  # the call's own time, not the record's
         except grpc.RpcError:
             pass
-        answer["seconds"] = time.monotonic() - t0
-        print(json.dumps(answer), flush=True)
+        return answer
+
+    def batch(answers: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"codes": [a["code"] for a in answers], "seconds": [a["seconds"] for a in answers]}
+
+    def writes(cmd: dict[str, Any], stop: threading.Event, done: list[dict[str, Any]]) -> None:
+        while not stop.is_set():
+            done.append(one({**cmd, "op": "join", "incarnation": f"{cmd['incarnation']}{len(done)}"}))
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "grants":  # `count` grants, one after the other
+            out = batch([one({**cmd, "op": "grant"}) for _ in range(cmd["count"])])
+        elif cmd["op"] == "depart":  # a join of each of `jobs` at once, each with `timeout`
+            joins = [{**cmd, "op": "join", "job": job, "incarnation": job} for job in cmd["jobs"]]
+            with ThreadPoolExecutor(len(joins)) as pool:
+                out = batch(list(pool.map(one, joins)))
+        elif cmd["op"] == "writes":  # joins opening generation after generation, in a thread, until "settle"
+            writer.update(stop=threading.Event(), done=[])
+            writer["thread"] = threading.Thread(target=writes, args=(cmd, writer["stop"], writer["done"]))
+            writer["thread"].start()
+            out = {"code": "OK"}
+        elif cmd["op"] == "settle":  # the writes end with the join in flight
+            writer["stop"].set()
+            writer["thread"].join()
+            out = batch(writer["done"])
+        else:
+            out = one(cmd)
+        print(json.dumps(out), flush=True)
     return 0
 
 
