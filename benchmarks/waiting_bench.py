@@ -114,8 +114,8 @@ def _cpu_s(pid: int) -> float:
 
 
 def _waiting(address: str) -> int | None:
-    """How many ranks the job's generation waits for, as GetJob says (None: no job yet, or no answer in time while the
-    joins flood the coordinator)."""
+    """How many ranks the job's generation waits for, as GetJob says (None: no job yet, or no answer while the joins
+    flood the coordinator: the threaded one cancels calls past gRPC's pending limit)."""
     import grpc
 
     from croupier.v1 import coordinator_pb2 as pb
@@ -125,7 +125,7 @@ def _waiting(address: str) -> int | None:
         try:
             return int(pb_grpc.CoordinatorStub(ch).GetJob(pb.GetJobRequest(job=JOB), timeout=10).waiting)
         except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED,
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                 return None
             raise
