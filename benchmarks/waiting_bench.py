@@ -140,12 +140,21 @@ def _join_last(address: str, world: int) -> tuple[float, float]:
     from croupier.v1 import coordinator_pb2 as pb
     from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 
+    req = pb.JoinRequest(request_id="w-last", job=JOB, spec=spec_to_proto(Spec(n=world * 4, batch_size=1)),
+                         incarnation="w", world=world, rank=world - 1, wait_ms=0)
     with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=60)  # connected before the clock starts
         stub = pb_grpc.CoordinatorStub(ch)
-        stub.GetJob(pb.GetJobRequest(job=JOB), timeout=10)  # the channel connected before the clock starts
         sent = time.monotonic()
-        resp = stub.Join(pb.JoinRequest(request_id="w-last", job=JOB, spec=spec_to_proto(Spec(n=world * 4, batch_size=1)),
-                                        incarnation="w", world=world, rank=world - 1, wait_ms=0), timeout=60)
+        while True:
+            try:
+                resp = stub.Join(req, timeout=60)
+                break
+            except grpc.RpcError as e:  # as the client asks again (the threaded coordinator cancels calls in a flood)
+                if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.DEADLINE_EXCEEDED) or time.monotonic() - sent > 300:
+                    raise
+                time.sleep(0.05)  # NOTE: the client's backoff, not synchronisation
         if not resp.started:
             raise RuntimeError(f"the last rank's join did not start the generation ({resp})")
         return sent, time.monotonic()
