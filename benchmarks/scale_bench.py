@@ -211,6 +211,29 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: Steady training is measured once the coordinator is quiet after the storm: its CPU under this share of a
+#: core over SETTLE_EVERY_S (at most SETTLE_MAX_S after the storm).
+SETTLE_CORES, SETTLE_EVERY_S, SETTLE_MAX_S = 0.05, 0.5, 30.0
+
+
+def _settle(pid: int) -> float:
+    """Seconds until the coordinator `pid` finished the storm's work (its CPU under SETTLE_CORES).
+
+    NOTE: grpc.aio finishes the storm's calls (their completions and tasks) for a second or two after the
+    ranks have their answers, holding the event loop; steady training is what comes after. The sleeps are
+    the intervals the CPU is sampled over, not synchronisation: the loop ends on the figure, or SETTLE_MAX_S.
+    """
+    t0 = time.monotonic()
+    cpu = _proc_cpu_s(pid)
+    while time.monotonic() - t0 < SETTLE_MAX_S:
+        time.sleep(SETTLE_EVERY_S)
+        now = _proc_cpu_s(pid)
+        if now - cpu < SETTLE_CORES * SETTLE_EVERY_S:
+            break
+        cpu = now
+    return time.monotonic() - t0
+
+
 def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
           steady: dict[str, float] | None = None, serving: baseline.Serving = baseline.CURRENT) -> dict[str, Any]:
     """One join storm of `world` ranks on a fresh `croupier serve` of `serving`'s code; its figures (and, with
@@ -225,8 +248,12 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
                 raise RuntimeError(f"croupier serve did not start: {line!r}")
             address = line.split()[-1]
             cpu0, rss0 = _proc_cpu_s(serve.pid), _proc_rss(serve.pid)
-            spy = (subprocess.Popen(["py-spy", "record", "-o", profile, "-r", "200", "--gil", "--pid", str(serve.pid),
-                                     "-f", "raw"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if profile else None)
+            def record() -> subprocess.Popen[bytes] | None:
+                return (subprocess.Popen(["py-spy", "record", "-o", profile, "-r", "200", "--gil", "--pid", str(serve.pid),
+                                          "-f", "raw"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        if profile else None)
+
+            spy = None if steady is not None else record()  # steady training: its window alone
             parts = [list(range(world))[i::drivers] for i in range(drivers)]
             procs = [subprocess.Popen([sys.executable, str(BENCH), "--driver", json.dumps(dict(
                 address=address, job="storm", incarnation=f"w{world}", world=world, ranks=p,
@@ -241,6 +268,8 @@ def storm(world: int, drivers: int, lease: int = 64, profile: str | None = None,
                             break
                     else:
                         raise RuntimeError(f"a driver ended before its storm did (exit {p.wait()})")
+                spy = record()
+                window["settle_s"] = _settle(serve.pid)
                 window["cpu"] = _proc_cpu_s(serve.pid)
                 window["t0"] = time.monotonic() + 0.2
                 for p in procs:
@@ -297,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="1024,4096,16384", help="world sizes, comma-separated")
     ap.add_argument("--drivers", type=int, default=4, help="driver processes the ranks are spread over")
     ap.add_argument("--out", help="write the table (markdown) here too")
-    ap.add_argument("--profile", help="record the coordinator with py-spy into this file (raw, collapsed stacks)")
+    ap.add_argument("--profile", help="record the coordinator with py-spy into this file (raw, collapsed stacks; "
+                    "of steady training, its window alone)")
     ap.add_argument("--jobs", type=int, default=0,
                     help="also: a coordinator of this many jobs (1 to 512 ranks each) recovered after kill -9")
     ap.add_argument("--events", type=int, default=1_000_000, help="events journaled for --jobs (default 1e6)")
@@ -349,7 +379,7 @@ def measure(args: argparse.Namespace, servings: list[baseline.Serving]) -> tuple
             # by default, one lease's period: every rank asks its grant once
             duration = args.steady_duration or lease * args.steady_step
             for s in servings:
-                steady.append(storm(args.steady, args.drivers, serving=s, steady=dict(
+                steady.append(storm(args.steady, args.drivers, profile=args.profile, serving=s, steady=dict(
                     lease=lease, step_s=args.steady_step, duration_s=duration))["steady"])
                 print(json.dumps(steady[-1]), flush=True)
         table += ("\n\n" if table else "") + scale_report.render_steady(steady)

@@ -75,11 +75,12 @@ def _steady_target(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def render_steady(rows: list[dict[str, Any]]) -> str:
     """Steady training's table: a row per lease and serving."""
-    lines = ["| ranks | a grant every | grants/s offered (answered) | coordinator cores | grant p50 / p99 / max "
-             "| failed | serving | target |", "|" + "---|" * 8]
+    lines = ["| ranks | a grant every | quiet after the storm | grants/s offered (answered) | coordinator cores "
+             "| grant p50 / p99 / max | failed | serving | target |", "|" + "---|" * 9]
     for r in rows:
         lines.append(
-            f"| {r['world']:,} | {r['lease']} steps of {r['step_s']:g} s | {r['world'] / (r['lease'] * r['step_s']):,.0f} "
+            f"| {r['world']:,} | {r['lease']} steps of {r['step_s']:g} s | {r.get('settle_s', math.nan):.1f} s "
+            f"| {r['world'] / (r['lease'] * r['step_s']):,.0f} "
             f"({r['grants_per_s']:,.0f}) | {r['cores']:.3f} | {r['grant_p50_ms']:.1f} / {r['grant_p99_ms']:.1f} / "
             f"{r['grant_max_ms']:.1f} ms | {r['failed']} | {r['serving']} | {_steady_target(r, rows)} |")
     return "\n".join(lines)
