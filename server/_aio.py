@@ -17,7 +17,8 @@ from croupier.core import errors as E
 from croupier.core.api import MAX_JOIN_WAIT_S, JoinResult
 from croupier.server import _deadline
 from croupier.server._auth import Authorizer, Credential
-from croupier.server._coordinator import Coordinator, WouldWait
+from croupier.server._coordinator import Coordinator
+from croupier.server._deadline import WouldWait
 from croupier.server._options import ServerOptions
 from croupier.server._rpcs import REQUESTS, CoordinatorServicer, job_of, join_reply, parse
 from croupier.v1 import coordinator_pb2 as pb
@@ -180,11 +181,13 @@ class Serving:
         job = job_of(m)
         self.admission.enter(job)
         try:
-            if method == "Grant" and not self.core.store.shared:
-                # NOTE: a grant of a plan the ranks compute, on a single writer's store, asks the store
-                # nothing and waits for nothing (its progress report is journaled later): it is answered
+            if method == "Grant":
+                # NOTE: a grant of a plan the ranks compute asks the store nothing and waits for nothing
+                # on a single writer's store, nor on a shared one whose watch confirmed the journal's end
+                # within the staleness bound (its progress report is journaled later): it is answered
                 # here, on the loop, without the hop to a thread and back that would cost it more than
-                # the grant itself. The rest (dynamic dealing) is handed to a thread, changed nothing.
+                # the grant itself. The rest (dynamic dealing, a journal to read) is handed to a thread,
+                # changed nothing.
                 assert isinstance(m, pb.GrantRequest)
                 try:
                     return self.servicer.Grant(m, who, at_once=True)

@@ -1,8 +1,7 @@
 """How a coordinator's decisions reach its store: two commit protocols, each owning the state and its journal position.
 
-* :class:`WriterCommits` — a single-writer store (``memory://``, ``sqlite:///``): decisions are applied
-  at once, in order, and queued; one writer thread appends everything queued in one call (group
-  commit: one fsync acknowledges many callers).
+* :class:`WriterCommits` — a single-writer store (``memory://``, ``sqlite:///``): decisions are applied at once, in
+  order, and queued; one writer thread appends everything queued in one call (group commit: one fsync, many callers).
 * :class:`SharedCommits` — a shared store (``postgresql://``, replicas, no leader): a decision is appended
   at the seq this replica has applied; a conflict (another replica wrote first) reads what it wrote and
   decides again. The replica's round trips take turns on a lock of their own, never the coordinator's.
@@ -66,6 +65,7 @@ class Commits(Protocol):
         * After ``refresh(force=True)`` the state holds every event any writer had made durable
           before the call (a single writer holds them already); without `force`, a watched shared
           store may answer from a journal end confirmed within the staleness bound.
+        * Within ``_deadline.at_once()``, ``refresh()`` and ``report()`` raise WouldWait before a round trip, changing nothing.
         * ``report(...)`` either takes a progress report to journal later, after checking it
           (a bad report raises its domain error), and returns True, or returns False and the
           coordinator commits the report as any other decision.
@@ -126,10 +126,9 @@ class Commits(Protocol):
 
 def commits_for(store: Store, cond: threading.Condition, state: State, rec: Recovered, snapshot_every: int,
                 max_staleness_s: float, timed: Callable[[float, int], None], changed: Changed) -> Commits:
-    """The commit protocol of `store` (see :class:`Commits`), holding `state` as recovered from `rec`,
-    under the coordinator's lock `cond`; `max_staleness_s` bounds a watched shared store's reads,
-    `timed(seconds, records)` is called after a single writer's group commits, and `changed` under
-    the lock after every apply, replay, rollback, failure and close."""
+    """The commit protocol of `store` (see :class:`Commits`), holding `state` as recovered from `rec`, under the
+    coordinator's lock `cond`; `max_staleness_s` bounds a watched shared store's reads, `timed(seconds, records)` is
+    called after a single writer's group commits, `changed` under the lock after every apply, replay, rollback, failure, close."""
     if store.shared:
         return SharedCommits(store, cond, state, rec, snapshot_every, changed, max_staleness_s)
     return WriterCommits(store, cond, state, rec, snapshot_every, changed, timed)
@@ -431,6 +430,7 @@ class SharedCommits(_Journaled):
             last = self._watched_last()
             if last is not None and last <= self.seq:  # a watch may not have seen this replica's own latest append yet
                 return
+        deadline.check_at_once("read the journal")
         with self._round_trips("read the journal"):
             self._read(force)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ from croupier.core.ledger import Ledger, pack, unpack
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
+from croupier.server import _deadline
 from croupier.server._commits import commits_for
 from croupier.server._events import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._journal import pack_snapshot, recover
@@ -40,10 +42,6 @@ from croupier.server._state import State
 from croupier.server._store import Store
 
 log = logging.getLogger("croupier.server")
-
-
-class WouldWait(Exception):
-    """A call asked to answer at once would wait for the store or ask it: it changed nothing."""
 
 
 class Coordinator:
@@ -363,17 +361,17 @@ class Coordinator:
         With dynamic dealing, `first` counts batches of the rank's own sequence, and the grant
         names the global batches dealt to it (see :meth:`deal`).
 
-        With `at_once`, raises :class:`WouldWait` (having changed nothing) where answering would wait
-        for the store or ask it -- a shared store, a plan the coordinator deals -- so that an event
-        loop may answer the rest itself and hand only those to a thread.
+        With `at_once`, raises :class:`~croupier.server._deadline.WouldWait` (having changed nothing) where answering would wait
+        for the store or ask it -- a plan the coordinator deals, a shared store whose watch has not
+        confirmed the journal's end within the staleness bound -- so that an event loop may answer
+        the rest itself and hand only those to a thread.
         """
-        if at_once and self.store.shared:
-            raise WouldWait("grant")
-        spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count)
-        if at_once and p is not None and p.coordinator_deals:
-            raise WouldWait("grant")
-        if progress is not None:
-            self.report(job, generation, rank, *progress)
+        with _deadline.at_once() if at_once else contextlib.nullcontext():
+            spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count)
+            if at_once and p is not None and p.coordinator_deals:
+                raise _deadline.WouldWait("deal a grant")
+            if progress is not None:
+                self.report(job, generation, rank, *progress)
         if p is None:
             return Grant(0, 0, True, 0)
         return self._grant(p, job, generation, rank, epoch, first, count)

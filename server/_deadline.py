@@ -1,4 +1,5 @@
-"""The deadline of the call a thread serves, so that it reaches the store: no round trip for a caller that is gone."""
+"""The bounds of the call a thread serves, so that they reach the store: its deadline (no round trip for a caller
+that is gone) and, on an event loop's thread, that it is answered at once (no round trip at all)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,25 @@ def wait_for(lock: Acquirable, doing: str) -> None:
         return
     if left <= 0.0 or not lock.acquire(timeout=left):
         raise Unavailable(f"the call's deadline passed while waiting to {doing}: not done")
+
+
+class WouldWait(Exception):
+    """A call asked to answer at once would wait for the store or ask it: it changed nothing."""
+
+
+@contextlib.contextmanager
+def at_once() -> Iterator[None]:
+    """Within the block, this thread answers a call at once (an event loop's thread): :func:`check_at_once`
+    raises :class:`WouldWait` where the call would make a round trip to the store or wait for one."""
+    before = getattr(_local, "at_once", False)
+    _local.at_once = True
+    try:
+        yield
+    finally:
+        _local.at_once = before
+
+
+def check_at_once(doing: str) -> None:
+    """WouldWait, naming `doing`, when this thread answers at once (see :func:`at_once`)."""
+    if getattr(_local, "at_once", False):
+        raise WouldWait(doing)

@@ -15,6 +15,7 @@ from croupier.core.api import JoinRequest
 from croupier.core.errors import Aborted
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
+from croupier.server._deadline import WouldWait
 from croupier.server._pg_store import PostgresStore
 from croupier.server._pg_watch import APPLICATION, JournalWatch
 
@@ -84,6 +85,31 @@ def test_a_watched_replica_answers_grants_without_asking_the_database(postgres_u
             unwatched.grant("j", gen, 0, 0, i, 1)
         assert store0.asked - before >= 20  # the bound at 0: a query per grant, as before the watch
     finally:
+        unwatched.close()
+
+
+def test_a_grant_answered_at_once_asks_the_database_nothing_or_waits_for_a_thread(postgres_url: str) -> None:
+    """The event loop's grants (``at_once``): a watched replica whose watch confirmed the journal's end
+    answers them, its progress report kept for the writer; an unwatched one refuses with WouldWait
+    before any query, having changed nothing (the call goes to a worker thread). Fails if an at-once
+    grant reads the journal (a round trip on the event loop's thread)."""
+    a, store = _replica(postgres_url, 0.5)
+    unwatched, store0 = _replica(postgres_url, 0.0)
+    try:
+        gen = _start(a, 2, "t1")
+        a.grant("j", gen, 0, 0, 0, 1)  # starts the watch
+        _until(lambda: store.known_last(0.5) is not None, 10.0)
+        before = store.asked
+        g = a.grant("j", gen, 1, 0, 0, 2, progress=(0, 1), at_once=True)
+        assert g.batches == 2 and store.asked == before
+        before0, state = store0.asked, unwatched.snapshot_state()
+        with pytest.raises(WouldWait):
+            unwatched.grant("j", gen, 0, 0, 1, 1, progress=(0, 1), at_once=True)
+        assert store0.asked == before0 and unwatched.snapshot_state() == state
+        assert unwatched.grant("j", gen, 0, 0, 1, 1, progress=(0, 1)).batches == 1  # on a thread: it reads the journal
+        assert store0.asked > before0
+    finally:
+        a.close()
         unwatched.close()
 
 
