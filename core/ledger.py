@@ -152,7 +152,12 @@ class Ledger:
                 e, first = last.epoch + 1, last.first + last.steps
             else:
                 e, first = seg.start.epoch, seg.step
-            if e > self._last_epoch(seg):
+            # NOTE: the steps up to the segment's last checkpoint were trained whether or not a report
+            # names their epochs: reports ride on grant requests (a rank whose epoch is one lease long
+            # asks once, before its loop took anything), and a checkpoint at an epoch's end reports the
+            # next epoch's start (0 micro-batches, which a segment does not record). So a segment that
+            # is no longer the newest is computed on past its reported epochs up to that step.
+            if e > self._last_epoch(seg) and first >= self._checkpointed(seg):
                 return chunks
             plan = self._plan(seg, e)
             micro = self._epoch_micro(seg, e, plan) if plan is not None else 0
@@ -171,6 +176,12 @@ class Ledger:
         known = self._known_epoch(seg)
         return known if seg is not self.segments[-1] else max(known, 2**62)
 
+    @staticmethod
+    def _checkpointed(seg: Segment) -> int:
+        """The step of `seg`'s last checkpoint (its resume step without one): every step up to it was trained."""
+        assert seg.step is not None
+        return max([seg.step, *seg.checkpoints])
+
     def _reached_step(self, seg: Segment) -> int:
         """The last step `seg` trained: its last checkpoint's, or the last step its reports cover wholly."""
         if seg.generation not in self._reached:
@@ -178,8 +189,7 @@ class Ledger:
         return self._reached[seg.generation]
 
     def _reached_uncached(self, seg: Segment) -> int:
-        assert seg.step is not None
-        best = max([seg.step, *seg.checkpoints])
+        best = self._checkpointed(seg)
         for e, micro in sorted(seg.reached.items()):
             for c in self._chunks_to(seg, epoch=e):
                 if c.epoch == e:

@@ -146,6 +146,23 @@ def test_a_rampup_grows_the_global_batch_by_steps() -> None:
     assert sizes == [4, 4, 4, 8, 8, 8, 12, 12, 12, 16, 16, 16, 16]
 
 
+def test_a_replaced_generation_keeps_its_steps_up_to_a_checkpoint_no_report_placed() -> None:
+    """A generation whose ranks' only report is a checkpoint at an epoch's end (an epoch one lease long
+    asks for its grant before the loop takes a batch; the checkpoint names the next epoch's start, 0
+    micro-batches): once a later generation resumed from that checkpoint, its steps are still placed."""
+    spec = Spec(n=4, seed=5, batch_size=2)  # one step per epoch on 2 ranks
+    model = Model(spec)
+    model.generation(2, 3, None, Schedule())
+    first = model.segments[0]
+    first.reached.clear()
+    first.checkpoints = [3]
+    first.report(3, 0)  # what the coordinator heard of it: step 3's checkpoint, at epoch 3's start
+    model.generation(3, 2, None, Schedule())  # resumes from that checkpoint
+    ledger = Ledger("job", spec, model.segments)
+    assert [r.kept and r.kept.generation for r in ledger.steps(1, 5)] == [1, 1, 1, 2, 2]
+    _check(model)
+
+
 def test_errors_name_the_value_and_the_reason() -> None:
     spec = Spec(n=50, batch_size=2)
     model = Model(spec)

@@ -402,16 +402,16 @@ class Elastic(RuleBasedStateMachine):
     @rule(data=st.data())
     def provenance(self, data: st.DataObject) -> None:
         """The ledger says what the loop trained at a step up to the last checkpoint, and finds an index of it there.
-        NOTE: who got which batch can depend on timing (dynamic dealing): the draws are numbers modulo what is there."""
+        NOTE: who got which batch and how many steps the loop took can depend on timing (dynamic dealing,
+        prefetchers): the draws are numbers modulo what is there, all three drawn every time, so replays agree."""
         self.busy = True
         ledger = self.client.ledger(JOB)
-        t = data.draw(st.integers(1, self.model.known), label="step")
+        step, r, i = (data.draw(st.integers(0, 1 << 16), label=label) for label in ("step", "rank", "index"))
+        t = 1 + step % self.model.known
         self.stats[check_step(ledger, self.model, t)] += 1
         if t > self.model.missing_to:
-            _, batches = self.model.timeline[t]
-            rank = sorted(batches)[data.draw(st.integers(0, 1 << 16), label="rank") % len(batches)]
-            pick = data.draw(st.integers(0, 1 << 16), label="index") % len(batches[rank])
-            check_index(ledger, self.model, t, rank, batches[rank][pick])
+            rank, b = sorted(self.model.timeline[t][1].items())[r % len(self.model.timeline[t][1])]
+            check_index(ledger, self.model, t, rank, b[i % len(b)])
 
     @invariant()
     def no_duplicates_so_far(self) -> None:
