@@ -68,7 +68,7 @@ class Elastic(RuleBasedStateMachine):
         self.finished: list[tuple[int, int]] = []  # (epoch, final world) of the epochs finished
         self.checkpoints: list[Checkpoint] = []
         self.model = Steps()  # the loop's steps (tests/server/_machine_steps.py)
-        self.ck_steps: list[tuple[int, int, Any]] = []  # each checkpoint's step, store it was recorded in, timeline
+        self.ck_steps: list[tuple[int, int, Any, int]] = []  # each checkpoint's step, store, timeline, missing_to
         self.stores = 0  # stores lost so far
         self.held: tuple[Amendment, ...] = ()  # a mixture's amendments held by the latest generation
         self.epoch = start or 0  # the training loop's epoch variable
@@ -209,7 +209,7 @@ class Elastic(RuleBasedStateMachine):
             self.end_worlds.setdefault(self.epoch, live.world)
         self.checkpoints.append(
             Checkpoint(saved, tuple(self.log), tuple(self.end_worlds.items()), tuple(self.finished), self.epoch))
-        self.ck_steps.append((self.model.count, self.stores, self.model.saved()))
+        self.ck_steps.append((self.model.count, self.stores, self.model.saved(), self.model.missing_to))
         self.model.known = self.model.count
 
     @precondition(lambda self: bool(self.checkpoints))
@@ -435,11 +435,11 @@ class Elastic(RuleBasedStateMachine):
         assert self.live is None
         i = data.draw(st.integers(0, len(self.checkpoints) - 1), label="checkpoint")
         ck = self.checkpoints[i]
-        step, store, timeline = self.ck_steps[i]
+        step, store, timeline, missing_to = self.ck_steps[i]
         if store != self.stores:  # a checkpoint recorded in a store that is gone: the ledger starts at it
             self.model.resume_unknown(step, timeline)
         else:
-            self.model.rollback(step, timeline)
+            self.model.rollback(step, timeline, missing_to)
         hint = data.draw(st.booleans(), label="set_epoch loop")
         hint_first = hint and data.draw(st.booleans(), label="set_epoch before load_state_dict")
         # Ranks that existed before load the state; ranks added by a scale-up have none. Every

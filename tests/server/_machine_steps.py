@@ -26,7 +26,7 @@ class Steps:
     abandoned: dict[tuple[int, str], dict[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     last: dict[str, int] = dataclasses.field(default_factory=dict)  # incarnation -> its last step
     known: int = 0  # steps the coordinator must know: up to the latest checkpoint (or resume) of the timeline
-    missing_to: int = 0  # steps up to this one are in a store that was lost: the ledger cannot place them
+    missing_to: int = 0  # the timeline's steps up to this one are in a store that was lost: the ledger cannot place them
 
     def record(self, incarnation: str, batches: dict[int, tuple[int, ...]]) -> None:
         self.count += 1
@@ -37,9 +37,14 @@ class Steps:
         """The timeline as a checkpoint saves it (a rollback to it restores it)."""
         return dict(self.timeline)
 
-    def rollback(self, step: int, timeline: dict[int, Trained]) -> None:
+    def rollback(self, step: int, timeline: dict[int, Trained], missing_to: int) -> None:
         """The job resumes from a checkpoint of step `step` that saved `timeline` (it may be one that an
-        earlier rollback abandoned): every step of the current timeline not on it is abandoned."""
+        earlier rollback abandoned): every step of the current timeline not on it is abandoned.
+
+        NOTE: `missing_to` is the checkpoint's, saved with it: the steps a store cannot place belong to a
+        timeline, not to the job (docs/provenance.md: a store rebuilt from a checkpoint holds the history
+        from it). A resume from an older checkpoint of a lost store lowers it; a rollback within the store
+        to a checkpoint saved before that resume raises it again, to where the store was rebuilt from."""
         for t, (name, batches) in self.timeline.items():
             if timeline.get(t, (None,))[0] != name:
                 self.abandoned[(t, name)] = batches
@@ -47,12 +52,12 @@ class Steps:
         for t, (name, _) in timeline.items():
             self.abandoned.pop((t, name), None)
         self.count = self.known = step
+        self.missing_to = missing_to
 
     def resume_unknown(self, step: int, timeline: dict[int, Trained]) -> None:
         """A rollback to a checkpoint recorded in a store that is gone: the coordinator's history starts
         at it (the versions its own store recorded, abandoned ones included, it still knows)."""
-        self.rollback(step, timeline)
-        self.missing_to = step
+        self.rollback(step, timeline, step)
 
 
 def _per_rank(v: Version) -> dict[int, tuple[int, ...]]:
