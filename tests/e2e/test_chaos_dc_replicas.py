@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from _procs import processes_naming
 
 from croupier.tools import _dc_replicas, chaos, linearize
 
@@ -33,17 +33,8 @@ def _leftovers(work: pathlib.Path, pid: int, out: str) -> list[str]:
     names its workdir or its PostgreSQL directory, that directory, its hosts' network namespaces."""
     m = re.search(r"host=(/\S*croupier-chaos-pg-[^&\s)]+)", out)
     assert m, "the run did not name its database's directory"
-    needles = (str(work).encode(), m[1].encode())
     found = [f"directory {m[1]}"] if pathlib.Path(m[1]).exists() else []
-    for d in pathlib.Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            seen = (d / "cmdline").read_bytes() + (d / "environ").read_bytes()
-        except OSError:
-            continue
-        if any(n in seen for n in needles):
-            found.append(f"{d.name}: {(d / 'cmdline').read_bytes().replace(bytes(1), b' ').decode(errors='replace')}")
+    found += processes_naming(str(work), m[1])
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout.split()
     return found + [f"namespace {ns}" for ns in netns if ns.startswith(f"cr{pid % 100000}-")]  # tools/_netns.Hosts.tag
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING
 
 import pytest
+from _procs import processes_naming
 
 from croupier.server import GenerationOpened, GenerationStarted, open_store, read_journal
 from croupier.tools import chaos
@@ -31,21 +31,6 @@ SUMMARY = re.compile(
 HISTORY = re.compile(r"history: (?P<gens>\d+) generations of job 'chaos' opened in journal order, numbered "
                      r"1\.\.(?P=gens): none twice, none out of order, .* (?P<acked>\d+) acknowledged joins .*"
                      r"no acknowledged join lost")
-
-
-def _leftovers(*needles: str) -> list[str]:
-    """Processes whose command line or environment mentions one of `needles` (the workdir, the database)."""
-    found = []
-    for d in pathlib.Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            seen = (d / "cmdline").read_bytes() + (d / "environ").read_bytes()
-        except OSError:
-            continue  # gone, or not ours
-        if any(n.encode() in seen for n in needles):
-            found.append(f"{d.name}: {(d / 'cmdline').read_bytes().replace(bytes(1), b' ').decode(errors='replace')}")
-    return found
 
 
 def _journal(url: str) -> tuple[list[tuple[int, str]], set[int]]:
@@ -76,7 +61,7 @@ def _replicated_run(work: pathlib.Path, url: str, pg: Postgres, capsys: pytest.C
     assert code == 0, tail
     m, h = SUMMARY.search(out), HISTORY.search(out)
     assert m and h, tail
-    assert not _leftovers(str(work), url), "processes left behind"
+    assert not processes_naming(str(work), url), "processes left behind"
     assert int(m["faults"]) == faults
     assert int(m["rank"]) + int(m["replica"]) + int(m["db"]) + int(m["preempt"]) == faults
     assert int(m["first"]) >= 1 and int(m["busy"]) >= 1, m[0]  # the endpoint every rank uses first, in use
@@ -120,7 +105,7 @@ def test_the_command_line_runs_without_database_faults(tmp_path: pathlib.Path, p
     assert (int(m["faults"]), int(m["replica"]), int(m["db"])) == (1, 1, 0), m[0]
     assert int(m["dups"]) == 0 and int(m["missing"]) == 0
     assert postgres_url.split(":")[2].split("@")[0] not in out.stdout + out.stderr, "the password was printed"
-    assert not _leftovers(str(work), postgres_url), "processes left behind"
+    assert not processes_naming(str(work), postgres_url), "processes left behind"
 
 
 def test_a_database_that_holds_a_journal_is_refused(tmp_path: pathlib.Path, postgres_url: str) -> None:
