@@ -14,16 +14,18 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
-# NOTE: the in-process tests run on both cores (pytest-xdist); the end-to-end runs, which start
-# processes of their own and measure stalls, run one at a time, but for the trainers' integrations
-# (marked paired in tests/conftest.py), which run two at a time.
+# NOTE: the in-process tests run in three workers on the two cores (pytest-xdist: they wait on
+# fsyncs, PostgreSQL and timeouts for a third of their time, and three finish sooner than two or
+# four here); the end-to-end runs, which start processes of their own, run two at a time (each takes
+# the next when it is done; three at a time took longer), but for those that assert a stall, a
+# latency or a duration (SERIAL in tests/conftest.py), which run alone.
 test: lint site  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
-	$(PY) -m pytest -q -n 2 -m "not slow and not e2e" --durations=10
-	$(PY) -m pytest -q -n 2 -m "e2e and paired and not slow" --durations=10
+	$(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "e2e and paired and not slow" --durations=10
 	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25
 
 check: lint site  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machines 12 examples)
-	CROUPIER_QUICK=1 CROUPIER_SM_EXAMPLES=12 $(PY) -m pytest -q -x -n 2 -m "not slow and not e2e and not exhaustive"
+	CROUPIER_QUICK=1 CROUPIER_SM_EXAMPLES=12 $(PY) -m pytest -q -x -n 3 -m "not slow and not e2e and not exhaustive"
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
 	$(VENV)/bin/ruff check .

@@ -63,7 +63,7 @@ class Endpoint:
         except OSError as e:
             raise OSError(e.errno, f"could not bind the metrics endpoint {host}:{port}: {e.strerror}") from None
         self.host, self.port = host, int(self._httpd.server_address[1])
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.5},
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="croupier-metrics", daemon=True)
         self._thread.start()
 

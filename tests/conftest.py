@@ -12,19 +12,24 @@ from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
 from croupier.tools import _serve
 
-#: End-to-end tests that may run beside another one (make test runs them two at a time): the trainers'
-#: integrations, each on its own embedded coordinator, ports and directories, none measuring a stall.
-PAIRED = ("test_integration_lightning.py", "test_integration_accelerate.py", "test_integration_transformers.py",
-          "test_integration_dcp.py", "test_integration_grain.py", "test_integration_mixture.py")
+#: End-to-end tests that run alone (make test runs the others two at a time): those that assert a
+#: stall, a latency or a duration (partitions, pauses, clock jumps, an outage, a full disk, the
+#: admission limits), which a neighbour's load on the shared cores would move, and Ray's, whose
+#: restart resumes from the checkpoints Ray's controller took in before the worker's kill (it polls
+#: the workers: beside another run it resumed from none, 1 run in 4). The rest each start
+#: their own coordinators, PostgreSQL servers, network namespaces (named after the process) on free
+#: ports and in directories of their own, and assert counts and orders only.
+SERIAL = ("test_partitions.py", "test_pauses.py", "test_clock_jumps.py", "test_outage.py", "test_full_disk.py",
+          "test_limits.py", "test_integration_ray.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`); the
-    integrations' end-to-end tests are `paired`."""
+    """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`); an
+    end-to-end test not in a :data:`SERIAL` file is `paired`."""
     for item in items:
         if "serve_process" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
-        if item.path.name in PAIRED and item.get_closest_marker("e2e") is not None:
+        if item.path.name not in SERIAL and item.get_closest_marker("e2e") is not None:
             item.add_marker(pytest.mark.paired)
 
 

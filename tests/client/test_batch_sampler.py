@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _budget import cases
 from _ranks import Ranks
 from _resume_cases import (
     SEED,
@@ -92,7 +93,7 @@ OTHER = [
 ]
 
 
-@pytest.mark.parametrize("case", MATRIX + OTHER, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", cases(MATRIX) + OTHER, ids=lambda c: c.id)
 def test_resume_under_another_world(server: Server, case: Case) -> None:
     check_everything(kill_and_resize(server, case))
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _budget import examples, quick
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -14,7 +15,7 @@ from croupier.core import feistel as _feistel
 from croupier.core.order import Cursor, FixedPlan, bind, fixed_plan, fresh, order, part_bounds
 from croupier.core.spec import PARTITIONS, TAILS, Spec
 
-PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # The shuffling kinds that work at any N (torch and bucket hold O(N) state and are tested up to 2**16).
 SCALABLE = ("none", "feistel", "window", "feistel-rank", "window-rank")
@@ -42,7 +43,8 @@ def _order(spec: Spec, epoch: int, positions: np.ndarray, world: int = 3) -> np.
 # --------------------------------------------------------------------------- bijections
 
 
-EXHAUSTIVE_N = [1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 1000, 4095, 4096, 4097, 2**16 - 1, 2**16]
+# make check (quick) stops below 2**16, the sizes that take a second each.
+EXHAUSTIVE_N = [1, 2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 1000, 4095, 4096, 4097, *(() if quick() else (2**16 - 1, 2**16))]
 
 
 @pytest.mark.parametrize("n", EXHAUSTIVE_N)
@@ -325,7 +327,7 @@ def test_many_resizes_serve_every_index_once(
     assert sorted(got) == list(range(n))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(n=st.integers(2, 2**62), seed=st.integers(0, 2**32), data=st.data())
 def test_feistel_scalar_path_equals_vector_path(n: int, seed: int, data: st.DataObject) -> None:
     """Inputs of at most _feistel.SMALL positions take a pure-Python path; it is the same bijection."""

@@ -101,6 +101,7 @@ def test_broken_restriping_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
 
+@pytest.mark.exhaustive  # in make test, not in make check: its search takes 0.5 to 30 s here
 def test_a_rank_dropped_from_a_dynamic_checkpoint_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state machine can fail: dynamic dealing's checkpoint without the last rank's consumed batches."""
     real = EpochDeals.credits
