@@ -159,6 +159,15 @@ def test_a_departed_callers_call_never_reaches_the_store(tmp_path: pathlib.Path)
             with pytest.raises(grpc.RpcError) as e:
                 ch.unary_unary(f"/{SERVICE}/Join")(m.SerializeToString(), timeout=0.3)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # NOTE: the server learns that the caller left when its own deadline passes (counted from the
+            # call's arrival: a little after the client's) or when the client's cancellation reaches it; the
+            # call leaves the admission's count then. Before that the call may still run (on loaded cores the
+            # thread freed at once took it): the test waits for it, bounded, then frees the thread.
+            admission = server.service.admission
+            until = time.monotonic() + 10
+            while admission.calls > 1 and time.monotonic() < until:  # the held GetJob's is the one left
+                threading.Event().wait(0.01)
+            assert admission.calls == 1, f"the server still counts {admission.calls} calls in progress"
             blocked.go.set()
             held.result()
             # Whatever the server still had of the departed call has run by now: a call after it on the one thread.
