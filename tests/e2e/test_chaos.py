@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+from _procs import processes_naming
 
 from croupier.tools import _faults
 
@@ -23,24 +23,6 @@ SUMMARY = re.compile(
 )
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    """Processes whose command line or environment mentions `text` (the run's workdir)."""
-    found = []
-    needle = text.encode()
-    for d in pathlib.Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            cmdline = (d / "cmdline").read_bytes()
-            environ = (d / "environ").read_bytes()
-        except OSError:
-            continue  # gone, or not ours
-        if needle in cmdline or needle in environ:
-            shown = cmdline.replace(bytes(1), b" ").decode(errors="replace")
-            found.append(f"{d.name}: {shown}")
-    return found
-
-
 def chaos(workdir: pathlib.Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess[str], re.Match[str]]:
     out = subprocess.run([sys.executable, "-m", "croupier.tools.cli", "chaos", "--workdir", str(workdir), *args],
                          capture_output=True, text=True, timeout=timeout)
@@ -48,7 +30,7 @@ def chaos(workdir: pathlib.Path, *args: str, timeout: float) -> tuple[subprocess
     assert out.returncode == 0, tail
     m = SUMMARY.search(out.stdout)
     assert m, tail
-    left = _processes_mentioning(str(workdir))
+    left = processes_naming(str(workdir))
     assert not left, f"processes left behind: {left}"
     return out, m
 

@@ -410,7 +410,7 @@ class Elastic(RuleBasedStateMachine):
         t = 1 + step % self.model.known
         self.stats[check_step(ledger, self.model, t)] += 1
         if t > self.model.missing_to:
-            rank, b = sorted(self.model.timeline[t][1].items())[r % len(self.model.timeline[t][1])]
+            rank, b = sorted((batches := self.model.timeline[t][1]).items())[r % len(batches)]
             check_index(ledger, self.model, t, rank, b[i % len(b)])
 
     @invariant()

@@ -164,9 +164,7 @@ def test_a_departed_callers_call_never_reaches_the_store(tmp_path: pathlib.Path)
             # call leaves the admission's count then. Before that the call may still run (on loaded cores the
             # thread freed at once took it): the test waits for it, bounded, then frees the thread.
             admission = server.service.admission
-            until = time.monotonic() + 10
-            while admission.calls > 1 and time.monotonic() < until:  # the held GetJob's is the one left
-                threading.Event().wait(0.01)
+            _until(lambda: admission.calls <= 1, timeout=10)  # the held GetJob's is the one left
             assert admission.calls == 1, f"the server still counts {admission.calls} calls in progress"
             blocked.go.set()
             held.result()
