@@ -48,6 +48,12 @@ def _refuse_torchft() -> None:
             "croupier.integrations.torchft.StepLoader, which deals each step by its quorum and the committed steps")
 
 
+def _none_before(start: Cursor) -> int:
+    """:meth:`_Base._taken_before` of a plan the coordinator deals: none (a rank counts its items from its
+    generation's start)."""
+    return 0
+
+
 class _Base(Checkpointing, Amending, Sampler[Any]):
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state.
 
@@ -102,8 +108,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._audit_dir = audit_dir or settings.get("CROUPIER_AUDIT_DIR")
         self._audit: AuditLog | None = None
         self._audit_path: tuple[str, str, str, int] | None = None  # where this rank's audit log is, once joined
-        self._checkpointer = Checkpointer(self, empty=empty, unit=self._unit, lockstep=self._lockstep,
-                                          coordinator_deals=self._kind.coordinator_deals)
+        self._checkpointer = Checkpointer(self, empty=empty, unit=self._unit, kind=self._kind, lockstep=self._lockstep)
         self._amender = Amender(self)
 
     # ---------------------------------------------------------------- what the checkpointer and the amender ask
@@ -180,14 +185,14 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._amendments = r.amendments
         self._generation, self._start = r.generation, r.start
         # the epoch just before the start, if set_epoch named it, is complete: its iteration yields nothing
-        self._progress = p = p.join(r.start.epoch, self._taken_before(r.start))
+        self._progress = p = p.join(self.spec, r.start, self._taken_before(r.start))
         if self._audit_dir and _first_of_its_rank(self._world.group, rank):
             self._audit_path = (self._audit_dir, self.job, incarnation, rank)
             self._audit = AuditLog(*self._audit_path)
             # NOTE: the audit record's key stays "token" (the log's format; croupier audit reads it)
             self._audit.start(job=self.job, token=incarnation, generation=r.generation, world=num_replicas,
                               rank=rank, n=self.spec.n, tail=self.spec.tail, partition=self.spec.partition,
-                              unit=self._unit if self._kind.fixed_batches else 0, origin=self._checkpointer.origin,
+                              unit=self._kind.item_unit(self._unit), origin=self._checkpointer.origin,
                               resumed=resumed_record(taken, self._checkpointer.resumed), epoch=r.start.epoch,
                               dealing=self.spec.dealing, **mixture_record(self.spec, self._amendments))
             if p.cut_on_join is not None:
@@ -244,8 +249,13 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         already dealt in this world's items; for a resume at the same world size that is the
         same number.
         """
-        if is_fresh(self.spec, start) or self._kind.coordinator_deals:
-            return 0  # a plan the coordinator deals counts a rank's items from its generation's start
+        if is_fresh(self.spec, start):
+            return 0
+        # a plan the coordinator deals counts a rank's items from its generation's start: none before it
+        return self._kind.either(computed=self._counted_before, dealt=_none_before)(start)
+
+    def _counted_before(self, start: Cursor) -> int:
+        """:meth:`_taken_before` of a plan the ranks compute: the state's count, or the positions dealt."""
         p = self._progress
         if p.resume is not None and p.resume_items is not None and p.resume.epoch == start.epoch:
             return p.resume_items

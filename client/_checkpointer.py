@@ -16,6 +16,7 @@ from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, epoch_agrees, fresh, show
 from croupier.core.errors import CroupierError, NotFound
 from croupier.core.plan import EpochPlan
+from croupier.core.registry import PlanKind
 from croupier.core.spec import Spec
 
 log = logging.getLogger("croupier")
@@ -96,8 +97,10 @@ class Checkpointer:
         sampler: The sampler it checkpoints (it asks only what :class:`Checkpointed` names).
         empty: The dataset is empty: the state is ``{}``.
         unit: Positions per item: 1 for indices, the batch size for batches.
-        coordinator_deals: The coordinator deals the job's batches (it computes the checkpoints).
-        lockstep: With a coordinator that deals, every rank steps with this one (its count is theirs).
+        kind: The job's way of dealing: whether this rank computes its checkpoints' cursors from its
+            plan, or the coordinator from its deals (a plan it deals).
+        lockstep: With a coordinator that deals, every rank steps with this one (its count is theirs);
+            ``False``: each rank commits its own progress.
 
     Attributes:
         origin: The origin of the state loaded (its name), for the audit log.
@@ -107,9 +110,14 @@ class Checkpointer:
         read_ahead: A known wrapper that reads the sampler ahead of the loop, if any (``consumed=`` needed).
     """
 
-    def __init__(self, sampler: Checkpointed, *, empty: bool, unit: int, coordinator_deals: bool, lockstep: bool) -> None:
+    def __init__(self, sampler: Checkpointed, *, empty: bool, unit: int, kind: PlanKind, lockstep: bool) -> None:
         self._s = sampler
-        self._empty, self._unit, self._deals, self._lockstep = empty, unit, coordinator_deals, lockstep
+        self._empty, self._unit, self._lockstep = empty, unit, kind.lockstep(lockstep)
+        # NOTE: the checkpointer's two ways, picked once: a checkpoint's cursor is this rank's plan's (its
+        # advance), and an epoch over is the rank's share of it; or, for a plan the coordinator deals, the
+        # cursor is the coordinator's (from its deals), and an epoch over is what the rank took of it.
+        self._epoch_state = kind.either(computed=self._planned_state, dealt=self._dealt_state)
+        self._taken_over = kind.either(computed=self._share, dealt=EpochProgress.taken)
         self.origin: str | None = None
         self.taken = Taken()
         self.resumed: tuple[int, int | None] | None = None
@@ -140,13 +148,21 @@ class Checkpointer:
         # NOTE: an independent worker's (lockstep=False) state is the union of every worker's
         # commits, which only the coordinator knows: its epoch being over for this worker says
         # nothing of the others' batches in flight.
-        own = self._deals and not self._lockstep
+        own = not self._lockstep
         if p.over or consumed is None and s._finished() and not own:  # the epoch is over
-            taken = p.taken() if self._deals else s._rest(p.epoch)
+            taken = self._taken_over(p)
             return self._stamp(at, fresh(s.spec, p.epoch + 1), p.epoch + 1, 0, step,
                                (p.epoch, taken * self._unit // s.spec.batch_size))
-        if self._deals:
-            return self._dealt_state(at, consumed, step)
+        return self._epoch_state(at, consumed, step)
+
+    def _share(self, p: EpochProgress) -> int:
+        """This rank's items of `p`'s epoch: its whole share of the plan."""
+        return self._s._rest(p.epoch)
+
+    def _planned_state(self, at: Session, consumed: int | None, step: int | None) -> dict[str, Any]:
+        """The checkpoint state of a plan this rank computes: its cursor is the plan's advance by the
+        batches every rank took."""
+        s, p = self._s, self._s._progress
         items = s.items_done if consumed is None else check_int("consumed", consumed, 0, None, ValueError)
         before = s._items_before(p.epoch)
         if items < before:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from croupier.core.cursor import Cursor
+from croupier.core.cursor import Cursor, epoch_agrees
+
+if TYPE_CHECKING:
+    from croupier.core.spec import Spec
 
 
 class Phase(enum.Enum):
@@ -98,16 +101,17 @@ class EpochProgress:
         return dataclasses.replace(self, cut_on_join=(self.resume.epoch, taken), resume=fresh, resume_items=None,
                                    hint=fresh.epoch)
 
-    def join(self, start_epoch: int, before: int) -> EpochProgress:
-        """The generation started at `start_epoch`, this rank having taken `before` items of it.
+    def join(self, spec: Spec, start: Cursor, before: int) -> EpochProgress:
+        """The generation of a job with `spec` started at `start`, this rank having taken `before` items of it.
 
-        When ``set_epoch`` named the epoch just before (the checkpoint finished it), that epoch is
-        the one in hand, SKIPPED: its iteration yields nothing.
+        When ``set_epoch`` named the epoch before `start` that agrees with it (the epoch just before
+        a fresh start: the checkpoint finished it), that epoch is the one in hand, SKIPPED: its
+        iteration yields nothing.
         """
         if self.phase is not Phase.FRESH:
             raise RuntimeError(f"an epoch in phase {self.phase.value} cannot join: a sampler joins before its first iteration")
-        p = dataclasses.replace(self, epoch=start_epoch, before=before, yielded=0, chunk=None, chunk_len=0)
-        if self.hint is not None and self.hint == start_epoch - 1:
+        p = dataclasses.replace(self, epoch=start.epoch, before=before, yielded=0, chunk=None, chunk_len=0)
+        if self.hint is not None and self.hint < start.epoch and epoch_agrees(spec, start, self.hint):
             p = dataclasses.replace(p, epoch=self.hint)._move("skip")
         return p
 

@@ -238,15 +238,14 @@ if hasattr(os, "register_at_fork"):
 
 
 def eligible(plan: EpochPlan) -> bool:
-    """Whether leases of `plan` go to the helper process: fixed-size batches the ranks compute
-    themselves, of a spec without lengths."""
+    """Whether leases of `plan` go to the helper process: a portable plan (``plan.portable``), of a
+    spec without lengths."""
     # NOTE: the helper holds plans that are a pure function of a small key (spec, cursor, world)
     # and cheap to send: a token plan's packed windows and a dealt plan's runs stay here. Bucket
     # specs carry 8 bytes a sample, too many to send along; the torch order is one index into a
     # cached randperm, nothing to move off this process (and the helper would import torch and
     # build the randperm again).
-    return (plan.fixed_batches and plan.dealer is None and plan.spec.lengths is None
-            and plan.spec.permutation != "torch")
+    return plan.portable and plan.spec.lengths is None and plan.spec.permutation != "torch"
 
 
 def lease(plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:

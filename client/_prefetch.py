@@ -81,17 +81,17 @@ class _Prefetcher:
             except Unreachable:
                 if client.closed:
                     return
+                got = plan.own_grant(rank, self._next, count)  # None: only the coordinator grants
                 if not missed:
                     log.warning("croupier: the coordinator of job %r does not answer; rank %d %s", job, rank,
-                                "waits for it (its batches are dealt there)" if plan.coordinator_deals
+                                "waits for it (its batches are dealt there)" if got is None
                                 else "trains on from its plan and asks again at every lease")
                 missed = True
-                if plan.coordinator_deals:
+                if got is None:
                     # An answer that comes at once (a refused connection, a failed store beside us)
                     # is asked again no sooner than a probe's wait later, not in a loop.
                     self._stop.wait(max(0.0, _PROBE_S - (time.monotonic() - asked)))
                     continue
-                got = None
                 self.ungranted += 1
             idx, sizes = _expander.lease(plan, rank, self._next, count, got)
             if got is not None and not plan.agrees(got, sizes):

@@ -355,3 +355,17 @@ def _start_embedded(store_url: str, host: str, job: str | None = None) -> tuple[
             entry = (Server(store_url, host=host, port=0, auth=auth).start(), secret)
             _embedded[store_url] = entry
         return str(entry[0].address), entry[1]
+
+
+def local_world_size() -> int:
+    """The ranks of this node: torchrun's ``LOCAL_WORLD_SIZE``, else 1 (a shard order's default reader group)."""
+    v = os.environ.get("LOCAL_WORLD_SIZE")
+    if v is None:
+        return 1
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={v!r} is not a number of ranks") from None
+    if n < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={v!r} must be at least 1")
+    return n

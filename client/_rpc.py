@@ -15,7 +15,7 @@ import grpc
 import msgpack
 import numpy as np
 
-from croupier.client import _resolve
+from croupier.client import _forks, _resolve
 from croupier.client._call_log import CallLog
 from croupier.core import errors as E
 from croupier.core import settings
@@ -269,7 +269,8 @@ class CoordinatorClient:
         others = len(self.endpoints) - 1  # a call asked once still tries every replica once
         while True:
             try:
-                return fn()
+                with _forks.calling():  # no call in flight across a fork (a DataLoader starting its workers)
+                    return fn()
             except grpc.RpcError as e:
                 code = e.code()
                 if code in RETRYABLE:

@@ -15,7 +15,7 @@ from croupier.client._base import _Base
 from croupier.client._link import given_incarnation
 from croupier.client._rpc import Security
 from croupier.client._sample import tagged
-from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields, step_schedule
+from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields, shard_fields, step_schedule
 from croupier.core.checks import check_bool
 from croupier.core.registry import kind_for
 from croupier.core.spec import TOKEN_WINDOW
@@ -119,6 +119,19 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
         rampup: ``(start, increment, steps)``: the global batch starts at ``start`` samples and
             grows by ``increment`` every ``steps`` steps up to `global_batch` (Megatron's
             ``rampup_batch_size``, counted in steps). Needs `global_batch`.
+        shard_sizes: A dataset stored in shards (parquet files or row groups, webdataset tars):
+            each shard's sample count, in the dataset's order, indices numbered as
+            ``ConcatDataset`` numbers them (``croupier.data``'s datasets give them). The epoch is
+            then a shard-local order (docs/orders.md): the shards in a keyed order, cut into
+            windows of `shard_window` shards whose samples are shuffled together, and each
+            reader group of `reader_group` ranks reads its own windows, `lanes` at a time, so a
+            shard is fetched by one node an epoch. Needs ``shuffle=True``.
+        shard_window: Shards per window (default 32): more mixes more shards into a batch.
+        lanes: Windows a reader group reads at once (default 16): about ``lanes x
+            shard_window`` shards live in a node's cache.
+        reader_group: Ranks per reader group, consecutive ranks sharing one cache (default:
+            ``LOCAL_WORLD_SIZE``, a torchrun node's ranks, else 1). Part of the spec: every
+            rank, and every later generation of the job, gives the same.
 
     ``dataset`` may be empty (N = 0): the sampler yields nothing, needs no coordinator, and its
     state is ``{}``. ``num_replicas`` and ``rank`` are resolved when first needed (``len()``, the
@@ -140,17 +153,21 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  security: Security | None = None, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
                  max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None,
-                 global_batch: int | None = None, rampup: Sequence[int] | None = None) -> None:
+                 global_batch: int | None = None, rampup: Sequence[int] | None = None,
+                 shard_sizes: Sequence[int] | np.ndarray | None = None, shard_window: int = 32, lanes: int = 16,
+                 reader_group: int | None = None) -> None:
         n = _dataset_size(dataset)
-        _check_sampler_args(kind_for(dealing), drop_last, tail, lockstep, batches=False)
+        sharded = shard_fields(n, shard_sizes, shard_window, lanes, reader_group)
+        kind = kind_for(dealing, None, bool(sharded))
+        _check_sampler_args(kind, drop_last, tail, lockstep, batches=False)
         self._tag = check_bool("tag", tag)
         if tail is None:
-            tail = kind_for(dealing).tail(drop_last, batches=False)
+            tail = kind.tail(drop_last, batches=False)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths, dealing=dealing,
-                          mixture=mixture_fields(dataset, weights, sources, max_epochs))
+                          mixture=mixture_fields(dataset, weights, sources, max_epochs), sharded=sharded)
         if lease_ahead is None:
-            lease_ahead = kind_for(dealing).lease_indices
+            lease_ahead = kind.lease_indices
         self._lockstep = bool(lockstep)
         super().__init__(spec, n == 0, num_replicas, rank, address, job, given_incarnation(incarnation, token),
                          lease_ahead, prefetch, audit_dir, process_group, device_mesh, mesh_dim, join_timeout, security,
@@ -256,7 +273,9 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  token_window: int = TOKEN_WINDOW, dealing: str = "static", lockstep: bool = True,
                  weights: Any = None, sources: Sequence[int] | None = None,
                  max_epochs: Sequence[int | None] | None = None, tag: bool = False, token: str | None = None,
-                 global_batch: int | None = None, rampup: Sequence[int] | None = None) -> None:
+                 global_batch: int | None = None, rampup: Sequence[int] | None = None,
+                 shard_sizes: Sequence[int] | np.ndarray | None = None, shard_window: int = 32, lanes: int = 16,
+                 reader_group: int | None = None) -> None:
         n = _dataset_size(dataset)
         self._tag = check_bool("tag", tag)
         if batch_size is None and max_tokens is None:
@@ -265,14 +284,16 @@ class DistributedBatchSampler(_Base, BatchSampler):
         if batch_size is not None and max_tokens is not None:
             raise ValueError(f"batch_size={batch_size} and max_tokens={max_tokens}: token-budget batches size "
                              "themselves; leave batch_size unset")
-        _check_sampler_args(kind_for(dealing, max_tokens), drop_last, tail, lockstep, batches=True)
+        sharded = shard_fields(n, shard_sizes, shard_window, lanes, reader_group)
+        kind = kind_for(dealing, max_tokens, bool(sharded))
+        _check_sampler_args(kind, drop_last, tail, lockstep, batches=True)
         if tail is None:
-            tail = kind_for(dealing, max_tokens).tail(drop_last, batches=True)
+            tail = kind.tail(drop_last, batches=True)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
                           scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing,
-                          mixture_fields(dataset, weights, sources, max_epochs))
+                          mixture_fields(dataset, weights, sources, max_epochs), sharded)
         if lease_ahead is None:
-            lease_ahead = kind_for(dealing, max_tokens).lease_batches
+            lease_ahead = kind.lease_batches
         self._lockstep = bool(lockstep)
         self._unit = batch_size or 1
         super().__init__(spec, n == 0, num_replicas, rank, address, job, given_incarnation(incarnation, token),

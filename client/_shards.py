@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from croupier.client._resolve import local_world_size
 from croupier.core.api import MAX_WORLD
 from croupier.core.checkpoint import from_state
 from croupier.core.checks import check_bool, check_int
@@ -81,11 +82,16 @@ def mixture_fields(dataset: Any, weights: Any, sources: Sequence[int] | None,
 def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
                drop_last_batch: bool, even_batches: bool, scope: str, buffer_size: int | None, pack_size: int | None,
                lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
-               token_window: int = TOKEN_WINDOW, dealing: str = "static", mixture: dict[str, Any] | None = None) -> Spec:
+               token_window: int = TOKEN_WINDOW, dealing: str = "static", mixture: dict[str, Any] | None = None,
+               sharded: dict[str, Any] | None = None) -> Spec:
     check_bool("shuffle", shuffle)
     mixture = mixture or {}
+    sharded = sharded or {}
+    if sharded and not shuffle:
+        raise ValueError("shard_sizes= asks for a shard order, which shuffles: leave shuffle=True, or drop shard_sizes= "
+                         "to read in the stored order")
     if permutation is None:
-        permutation = kind_for(dealing, max_tokens).permutation(shuffle, lengths is not None)
+        permutation = kind_for(dealing, max_tokens, bool(sharded)).permutation(shuffle, lengths is not None)
     # NOTE: a seed beside shuffle=False does nothing but is not warned about: torch's sampler takes
     # both quietly, and loaders built as DistributedSampler(ds, shuffle=is_train, seed=seed) are common.
     if buffer_size is not None and permutation not in ("window", "bucket"):
@@ -98,7 +104,7 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
     kw: dict[str, Any] = dict(seed=seed, permutation=permutation, partition=partition, tail=tail, scope=scope,
                               buffer_size=buffer_size, pack_size=pack_size, batch_size=batch_size,
                               drop_last_batch=drop_last_batch, even_batches=even_batches, max_tokens=max_tokens,
-                              cost=cost, token_window=token_window, dealing=dealing, **mixture)
+                              cost=cost, token_window=token_window, dealing=dealing, **mixture, **sharded)
     if lengths is not None:
         arr = np.asarray(lengths)
         space = sum(mixture["sources"]) if mixture else n
@@ -115,6 +121,29 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
     if n == 0 and mixture:
         return Spec(n=1, **{**kw, "sources": None, "weights": None, "max_epochs": None})
     return Spec(n=max(n, 1), **kw)
+
+
+def shard_fields(n: int, shard_sizes: Sequence[int] | np.ndarray | None, shard_window: int, lanes: int,
+                 reader_group: int | None) -> dict[str, Any]:
+    """A spec's shard-order fields (``shards``, ``shard_window``, ``lanes``, ``reader_group``) from a sampler's
+    arguments; {} for no shard order.
+
+    Args:
+        shard_sizes: Each shard's sample count, in the dataset's order (they add up to its length).
+        reader_group: Ranks per reader group (default: ``LOCAL_WORLD_SIZE``, a torchrun node's ranks, else 1).
+    """
+    if shard_sizes is None:
+        if (shard_window, lanes, reader_group) != (32, 16, None):
+            raise ValueError(f"shard_window, lanes and reader_group are settings of a shard order: they need "
+                             f"shard_sizes= (got shard_window={shard_window}, lanes={lanes}, reader_group={reader_group})")
+        return {}
+    arr = np.asarray(shard_sizes)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"shard_sizes must be a non-empty 1-D sequence of ints (got dtype={arr.dtype}, shape={arr.shape})")
+    if int(arr.sum()) != n:
+        raise ValueError(f"shard_sizes add up to {int(arr.sum())} samples, but the dataset has {n}")
+    group = reader_group if reader_group is not None else local_world_size()
+    return {"shards": arr.astype("<i8").tobytes(), "shard_window": shard_window, "lanes": lanes, "reader_group": group}
 
 
 def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None, state: Mapping[str, Any] | None = None,
@@ -214,6 +243,6 @@ def _check_sampler_args(kind: PlanKind, drop_last: bool, tail: str | None, locks
     check_bool("lockstep", lockstep)
     if not batches and drop_last and tail is not None and tail != "drop":
         _no_effect("drop_last=True", f"tail={tail!r} decides the epoch's tail")
-    if not lockstep and not kind.coordinator_deals:
+    if kind.lockstep(lockstep) != lockstep:
         _no_effect("lockstep=False", f"it is a setting of dealing='dynamic'; a {kind.name} plan is dealt when the "
                                      "generation starts, and every rank's checkpoint is computed alike")

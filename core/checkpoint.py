@@ -187,7 +187,7 @@ def from_state(job: str, spec: Spec, state: Mapping[str, Any]) -> Cursor | None:
     if state["fingerprint"] != spec.fingerprint:
         raise FailedPrecondition(
             f"checkpoint state was saved with spec fingerprint {state['fingerprint']!r}, but this job's spec "
-            f"has fingerprint {spec.fingerprint!r} ({spec.describe()})"
+            f"has fingerprint {spec.fingerprint!r} ({spec.describe()}){_reader_group_hint(spec, state['fingerprint'])}"
         )
     try:
         remaining = tuple(tuple(iv) for iv in state["remaining"])
@@ -259,6 +259,18 @@ def legacy_origin_items(origin: Any, epoch: int) -> int | None:
     except (IndexError, ValueError):
         return None
     return items if at == epoch and items >= 0 else None
+
+
+def _reader_group_hint(spec: Spec, fingerprint: object) -> str:
+    """For a shard order: the reader group a state was saved with, when only that differs (it defaults to
+    the ranks of a node, which a job resumed on other nodes may not have); else ''."""
+    if spec.shards is None:
+        return ""
+    for group in range(1, 1025):
+        if group != spec.reader_group and dataclasses.replace(spec, reader_group=group).fingerprint == fingerprint:
+            return (f"; the state was saved with reader_group={group} (this job has {spec.reader_group}, by default the "
+                    f"ranks of a node, LOCAL_WORLD_SIZE): pass reader_group={group} to the sampler to resume it")
+    return ""
 
 
 def _remedy(state: Mapping[str, Any]) -> str:

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from croupier.core.checks import check_int, is_int
+from croupier.core.errors import OutOfRange
 from croupier.core.spec import Spec
 
 Interval = tuple[int, int]
@@ -52,12 +53,35 @@ def is_fresh(spec: Spec, cursor: Cursor) -> bool:
 
 
 def epoch_agrees(spec: Spec, cursor: Cursor, epoch: int) -> bool:
-    """Whether ``set_epoch(epoch)`` agrees with resuming at `cursor`.
+    """Whether ``set_epoch(epoch)`` agrees with resuming at `cursor`: the one epoch rule.
 
     It does for the cursor's own epoch, and for the epoch just before a fresh start (that epoch
-    is complete: its loop gets no batches and moves on).
+    is complete: its loop gets no batches and moves on). :func:`epoch_cursor` and a sampler
+    joining its generation read the epochs before a resume point by it.
     """
     return epoch == cursor.epoch or (epoch == cursor.epoch - 1 and is_fresh(spec, cursor))
+
+
+def epoch_cursor(spec: Spec, start: Cursor, world: int, epoch: int) -> Cursor | None:
+    """The cursor of `epoch` for a generation of `world` ranks that resumed at `start`.
+
+    The generation's first epoch is `start`'s remainder, every later one starts fresh, and the
+    epoch before that agrees with `start` (:func:`epoch_agrees`) is complete.
+
+    Returns:
+        The cursor, or None for the epoch just before a fresh start (it is complete).
+
+    Raises:
+        OutOfRange: `epoch` is before the generation's resume point.
+    """
+    if epoch > start.epoch:
+        return bind(spec, fresh(spec, epoch), world)
+    if not epoch_agrees(spec, start, epoch):
+        raise OutOfRange(
+            f"epoch {epoch} is before this generation's resume point {show(start)}; "
+            "set_epoch must not go back before the checkpoint the job resumed from"
+        )
+    return start if epoch == start.epoch else None
 
 
 def bind(spec: Spec, cursor: Cursor, world: int) -> Cursor:

@@ -37,13 +37,11 @@ import numpy as np
 
 from croupier.core.answers import Batch, Occurrence, StepRecord, Version
 from croupier.core.checks import check_int, is_int
-from croupier.core.deals import EpochDeals
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from croupier.core.mixture import sample_seeds
-from croupier.core.order import FixedPlan, order, tags
-from croupier.core.permute import position_of
+from croupier.core.order import order, tags
 from croupier.core.plan import EpochPlan
-from croupier.core.registry import fixed_plan_epoch, is_fixed, plan_epoch, sized_batches
+from croupier.core.registry import plan_epoch, sized_batches
 from croupier.core.schedule import Schedule
 from croupier.core.segments import Segment, fresh_segment, pack, unpack
 from croupier.core.spec import Spec
@@ -127,13 +125,7 @@ class Ledger:
 
     def _epoch_micro(self, seg: Segment, epoch: int, plan: EpochPlan) -> int:
         """Micro-batches of the rank with the most in `epoch` of `seg`."""
-        if plan.dealer:
-            book = seg.deals.get(epoch)
-            return max((book.dealt(r) for r in book.runs), default=0) if book else 0
-        if is_fixed(self._spec(seg)):
-            fp = fixed_plan_epoch(self._spec(seg), seg.start, seg.world, epoch)
-            return int(fp.nb_r.max(initial=0)) if fp is not None else 0
-        return max((plan.steps(r) for r in range(seg.world)), default=0)
+        return plan.most_steps(seg.deals.get(epoch))
 
     def _chunks_to(self, seg: Segment, step: int | None = None, epoch: int | None = None) -> list[_Chunk]:
         """`seg`'s chunks, computed up to the one holding `step` (or epoch `epoch`), cached."""
@@ -258,6 +250,28 @@ class Ledger:
         self._check_step(b)
         return [self.step(t) for t in range(a, b + 1)]
 
+    def ends_epoch(self, t: int) -> bool:
+        """Whether kept step `t` is the last step of its epoch: by then the ranks of the generation that
+        trained it had taken every batch its plan of that epoch deals them, and nothing of the epoch was
+        left to deal. A job run to an epoch's end and checkpointed there has finished that epoch, though no
+        step of the next one exists (the checkpoint names the next epoch's start, which no step trains)."""
+        for seg, _ in self._kept:
+            kr = self._kept_range(seg)
+            if kr is None or not kr[0] < t <= kr[1]:
+                continue
+            c = self._chunk_of(seg, t)
+            plan = None if c is None else self._plan(seg, c.epoch)
+            return (c is not None and plan is not None and c.steps > 0 and t == c.first + c.steps
+                    and self._dealt_out(seg, c.epoch, plan))
+        return False
+
+    @staticmethod
+    def _dealt_out(seg: Segment, epoch: int, plan: EpochPlan) -> bool:
+        """Whether `plan` (of `epoch` in `seg`) has nothing left to deal: a plan the coordinator deals once
+        every global batch of the epoch was dealt (its ranks' shares grow as they ask), any other always
+        (its shares are the plan's)."""
+        return plan.dealt_out(seg.deals.get(epoch))
+
     def _kept_range(self, seg: Segment) -> tuple[int, int] | None:
         for s, end in self._kept:  # NOTE: the timeline is short (one segment per generation it kept)
             if s is seg:
@@ -295,32 +309,11 @@ class Ledger:
                          count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, EpochPlan] | None:
         """(rank, micro-batch, position) of every sample of micro-batches first .. first + count - 1 of
         every rank of `seg` in `epoch`, in rank then micro-batch order, with the epoch's plan."""
-        sp = self._spec(seg)
         plan = self._plan(seg, epoch)
         if plan is None:
             return None
-        fp = fixed_plan_epoch(sp, seg.start, seg.world, epoch) if is_fixed(sp) else None
-        if fp is not None:
-            r, m, p = _fixed_positions(fp, first, count)
-            return r, m, p, plan
-        ranks: list[np.ndarray] = []
-        micros: list[np.ndarray] = []
-        positions: list[np.ndarray] = []
-        for rank in range(seg.world):
-            grant = None
-            if plan.dealer:
-                runs = tuple(seg.deals.get(epoch, EpochDeals()).sequence(rank, first, count))
-                if not runs:
-                    continue
-                grant = plan.grant(rank, first, count, (runs, False))
-            _, sizes = plan.lease(rank, first, count, grant)
-            pos = plan.lease_positions(rank, first, count, grant)
-            ranks.append(np.full(pos.size, rank, dtype=np.int64))
-            micros.append(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
-            positions.append(pos)
-        if not positions:
-            return None
-        return np.concatenate(ranks), np.concatenate(micros), np.concatenate(positions), plan
+        r, m, p = plan.step_positions(first, count, seg.deals.get(epoch))
+        return r, m, p, plan
 
     def _micro_samples(self, seg: Segment, epoch: int, first: int, count: int) -> tuple[np.ndarray, ...]:
         """Micro-batches first .. first + count - 1 of every rank of `seg` in `epoch`, as flat arrays
@@ -383,11 +376,8 @@ class Ledger:
         plan = self._plan(seg, c.epoch)
         if plan is None:
             return
-        fp = fixed_plan_epoch(sp, seg.start, seg.world, c.epoch) if is_fixed(sp) else None
-        pos = position_of(sp, c.epoch, g) if fp is not None else None
-        if fp is not None and pos is not None:
-            hits = _fixed_where(fp, pos)
-        else:
+        hits = plan.where(g)
+        if hits is None:  # no inverse at hand: the chunk's order is computed
             hits = self._scan(seg, c, g)
         for rank, micro, p in hits:
             step = c.first + seg.schedule.covering(sp, seg.world, c.first, micro + 1)
@@ -440,40 +430,3 @@ class Ledger:
                 sizes.add(self._spec(seg).batch_size * seg.world)
         return sizes.pop() if len(sizes) == 1 and sized_batches(self.spec) else None
 
-
-# --------------------------------------------------------------------------- fixed plans, vectorised
-
-
-def _fixed_positions(fp: FixedPlan, first: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rank, micro-batch, position) of every sample of micro-batches first .. first + count - 1 of every rank."""
-    b, w = fp.spec.batch_size, fp.world
-    local = np.arange(first * b, (first + count) * b, dtype=np.int64)
-    ranks = np.repeat(np.arange(w, dtype=np.int64), local.size)
-    loc = np.tile(local, w)
-    limit = np.minimum(fp.nb_r * b, fp.n_r)[ranks]
-    keep = loc < limit
-    ranks, loc = ranks[keep], loc[keep]
-    return ranks, loc // b - first, fp.positions(fp.virtual_all(ranks, loc))
-
-
-def _fixed_where(fp: FixedPlan, pos: int) -> list[tuple[int, int, int]]:
-    """Every (rank, micro-batch, position) at which `fp` deals position `pos` (padding repeats some)."""
-    b, left, t = fp.spec.batch_size, fp.left, fp.t
-    vs: list[int] = []
-    k = int(np.searchsorted(fp.starts, pos, side="right")) - 1
-    if k >= 0 and pos < int(fp.starts[k]) + int(fp.cum[k + 1] - fp.cum[k]):
-        v = int(fp.cum[k]) + pos - int(fp.starts[k])
-        if v < t:
-            vs.append(v)
-    if t > left:  # padding: virtual positions left .. t - 1 repeat positions
-        if fp.spec.tail == "pad_last":
-            if pos == fp.spec.n - 1:
-                vs.extend(range(left, t))
-        else:
-            vs.extend(range(left + pos, t, fp.spec.n))
-    out = []
-    for v in vs:
-        rank, loc = fp.owner(v)
-        if loc < min(int(fp.nb_r[rank]) * b, int(fp.n_r[rank])):
-            out.append((int(rank), int(loc // b), pos))
-    return out

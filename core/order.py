@@ -15,17 +15,42 @@ permutation, which is torch's own randperm), so any point of any epoch is reacha
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, Interval, _merge, _runs, bind, epoch_agrees, fresh, is_fresh, show, validate_cursor
-from croupier.core.permute import KERNELS, mixture_order
-from croupier.core.plan import Grant, Runs
+from croupier.core.permute import KERNELS, mixture_order, position_of
+from croupier.core.plan import ComputedPlan, Grant, Runs, StepPositions
 from croupier.core.spec import Spec
+
+if TYPE_CHECKING:
+    from croupier.core.deals import EpochDeals
 
 __all__ = ["Cursor", "FixedPlan", "Interval", "bind", "epoch_agrees", "fixed_plan", "fresh", "is_fresh", "order", "show",
            "validate_cursor"]
+
+
+class Layout(Protocol):
+    """A fixed plan's virtual positions [0, T) laid out over its ranks, in place of the spec's partition.
+
+    Invariants (MUST): :meth:`virtual` is a bijection from every rank's local positions
+    (``m < n_r[rank]``) onto [0, T); :meth:`owner` is its inverse; :meth:`virtual_left` is exactly the
+    virtual positions of [0, R) that no rank consumed (and [T, R) when the tail drops it).
+    """
+
+    def virtual(self, rank: int, local: np.ndarray) -> np.ndarray: ...
+
+    def virtual_all(self, ranks: np.ndarray, local: np.ndarray) -> np.ndarray: ...
+
+    def owner(self, v: int) -> tuple[int, int]: ...
+
+    def virtual_left(self, consumed: np.ndarray, left: int, t: int) -> list[Interval]: ...
+
+
+MakeLayout = Callable[[Spec, int, int, int, np.ndarray, np.ndarray], Layout]
 
 
 # --------------------------------------------------------------------------- the order
@@ -114,13 +139,12 @@ def batch_counts(spec: Spec, n_r: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedPlan:
+class FixedPlan(ComputedPlan):
     """How one epoch's remainder is dealt to `world` ranks as fixed-size batches: an
     :class:`croupier.core.plan.EpochPlan`. Cheap to make: O(world)."""
 
-    coordinator_deals = False
-    dealer = None
     fixed_batches = True
+    portable = True
 
     spec: Spec
     cursor: Cursor
@@ -131,9 +155,14 @@ class FixedPlan:
     nb_r: np.ndarray  # (world,) batches per rank
     cum: np.ndarray  # (k + 1,) cumulative lengths of cursor.remaining
     starts: np.ndarray  # (k,) interval starts
+    #: Lays the virtual positions out over the ranks in place of the spec's partition (a shard order's
+    #: reader groups, ``croupier.core.shards.ShardLayout``); None: the partition's stripes or blocks.
+    layout: Layout | None = None
 
     def virtual(self, rank: int, local: np.ndarray) -> np.ndarray:
         """Virtual positions of rank's local positions `local`."""
+        if self.layout is not None:
+            return self.layout.virtual(rank, local)
         v: np.ndarray = rank + local * self.world if self.spec.partition == "strided" else (
             _starts(self.spec.partition, self.t, self.world)[rank] + local
         )
@@ -141,6 +170,8 @@ class FixedPlan:
 
     def virtual_all(self, ranks: np.ndarray, local: np.ndarray) -> np.ndarray:
         """:meth:`virtual` of many ranks at once: local position ``local[i]`` of rank ``ranks[i]``."""
+        if self.layout is not None:
+            return self.layout.virtual_all(ranks, local)
         if self.spec.partition == "strided":
             out: np.ndarray = ranks + local * self.world
             return out
@@ -149,6 +180,8 @@ class FixedPlan:
 
     def owner(self, v: int) -> tuple[int, int]:
         """The inverse of :meth:`virtual`: the rank virtual position `v` is dealt to, and its local position."""
+        if self.layout is not None:
+            return self.layout.owner(v)
         if self.spec.partition == "strided":
             return v % self.world, v // self.world
         starts = _starts(self.spec.partition, self.t, self.world)
@@ -258,6 +291,54 @@ class FixedPlan:
         """How many indices `rank` gets from this plan (what ``len(sampler)`` says)."""
         return int(min(int(self.nb_r[rank]) * self.spec.batch_size, int(self.n_r[rank])))
 
+    def most_steps(self, book: EpochDeals | None) -> int:
+        """The most batches of any rank, in O(world)."""
+        return int(self.nb_r.max(initial=0))
+
+    def step_positions(self, first: int, count: int, book: EpochDeals | None) -> StepPositions:
+        """(rank, batch - `first`, position) of every sample of batches first .. first + count - 1 of every
+        rank, from the layout at once."""
+        b, w = self.spec.batch_size, self.world
+        local = np.arange(first * b, (first + count) * b, dtype=np.int64)
+        ranks = np.repeat(np.arange(w, dtype=np.int64), local.size)
+        loc = np.tile(local, w)
+        limit = np.minimum(self.nb_r * b, self.n_r)[ranks]
+        keep = loc < limit
+        ranks, loc = ranks[keep], loc[keep]
+        return ranks, loc // b - first, self.positions(self.virtual_all(ranks, loc))
+
+    def where(self, index: int) -> list[tuple[int, int, int]] | None:
+        """Every (rank, batch, position) dealing `index` (padding repeats some), from the order's inverse
+        and the layout's; None for an order without an inverse at hand."""
+        pos = position_of(self.spec, self.cursor.epoch, index)
+        if pos is None:
+            return None
+        b, left, t = self.spec.batch_size, self.left, self.t
+        vs: list[int] = []
+        k = int(np.searchsorted(self.starts, pos, side="right")) - 1
+        if k >= 0 and pos < int(self.starts[k]) + int(self.cum[k + 1] - self.cum[k]):
+            v = int(self.cum[k]) + pos - int(self.starts[k])
+            if v < t:
+                vs.append(v)
+        if t > left:  # padding: virtual positions left .. t - 1 repeat positions
+            if self.spec.tail == "pad_last":
+                if pos == self.spec.n - 1:
+                    vs.extend(range(left, t))
+            else:
+                vs.extend(range(left + pos, t, self.spec.n))
+        out = []
+        for v in vs:
+            rank, loc = self.owner(v)
+            if loc < min(int(self.nb_r[rank]) * b, int(self.n_r[rank])):
+                out.append((int(rank), int(loc // b), pos))
+        return out
+
+    def padding(self, rank: int, step: int, size: int) -> np.ndarray:
+        """Which of the `size` samples of `rank`'s batch `step` lie past the remainder (the tail's padding)."""
+        local = step * self.spec.batch_size + np.arange(size, dtype=np.int64)  # (size,)
+        pad: np.ndarray = self.virtual_all(np.full(size, rank, dtype=np.int64), local) >= self.left
+        return pad
+
     def done(self, j: int) -> bool:
         """True when every rank has had all its batches once each has had j."""
         return bool(j >= self.nb_r.max(initial=0))
@@ -281,6 +362,8 @@ class FixedPlan:
     def _virtual_left(self, consumed: np.ndarray) -> list[Interval]:
         """Virtual intervals inside [0, R) that no rank has consumed."""
         w, r_left = self.world, self.left
+        if self.layout is not None:
+            return self.layout.virtual_left(consumed, r_left, self.t)
         if self.spec.partition != "strided":
             st = _starts(self.spec.partition, self.t, w)
             out = []
@@ -316,8 +399,13 @@ class FixedPlan:
         return tuple(_merge(out))
 
 
-def fixed_plan(spec: Spec, cursor: Cursor, world: int) -> FixedPlan:
-    """How `cursor`'s remainder is dealt to `world` ranks."""
+def fixed_plan(spec: Spec, cursor: Cursor, world: int, layout: MakeLayout | None = None) -> FixedPlan:
+    """How `cursor`'s remainder is dealt to `world` ranks.
+
+    Args:
+        layout: Makes the layout of the virtual positions over the ranks (in place of the spec's
+            partition) from ``(spec, world, R, T, n_r, cum)``; None: the partition's.
+    """
     check_int("world", world, 1)
     left = cursor.left
     t = total(spec, left, world)
@@ -325,4 +413,5 @@ def fixed_plan(spec: Spec, cursor: Cursor, world: int) -> FixedPlan:
     lengths = np.array([b - a for a, b in cursor.remaining], dtype=np.int64)
     cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     starts = np.array([a for a, _ in cursor.remaining], dtype=np.int64)
-    return FixedPlan(spec, cursor, world, left, t, n_r, batch_counts(spec, n_r), cum, starts)
+    lay = None if layout is None else layout(spec, world, left, t, n_r, cum)
+    return FixedPlan(spec, cursor, world, left, t, n_r, batch_counts(spec, n_r), cum, starts, lay)

@@ -9,6 +9,7 @@ import numpy as np
 
 from croupier.core import feistel as _feistel
 from croupier.core import mixture as _mixture
+from croupier.core import shards as _shards
 from croupier.core import stream as _stream
 from croupier.core.spec import PERMUTATIONS, Spec
 
@@ -117,6 +118,10 @@ def _bucket(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -
     return out
 
 
+def _shard_order(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    return _shards.order_positions(spec, epoch, positions)
+
+
 def stream_of(spec: Spec) -> _stream.Stream:
     """The stream of a mixture's spec (``spec.sources`` set)."""
     assert spec.sources is not None and spec.weights is not None  # checked by the caller
@@ -140,6 +145,7 @@ KERNELS: dict[str, Permutation] = {
     "feistel": _feistel_global,
     "window": _keyed_shuffle,
     "bucket": _bucket,
+    "shards": _shard_order,
 }
 
 if tuple(KERNELS) != PERMUTATIONS:  # pragma: no cover - a kernel added here must be named in spec.py, and the other way round

@@ -19,18 +19,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from croupier.core.deals import Runs
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from croupier.core.cursor import Cursor
     from croupier.core.deals import EpochDeals
     from croupier.core.spec import Spec
 
-__all__ = ["Dealer", "EpochPlan", "Grant", "Runs"]
+__all__ = ["ComputedPlan", "Dealer", "DealtPlan", "EpochPlan", "Grant", "Runs", "StepPositions", "lease_layout"]
+
+#: (rank, step counted from the first asked, order position) of every sample of some steps: (samples,) each
+StepPositions = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,9 @@ class EpochPlan(Protocol):
           other plan), its grants need the coordinator's deal, its ranks wait for the coordinator
           instead of computing, and its checkpoints are computed from the deals by its dealer,
           so :meth:`advance` is not used for it.
+        * Whatever differs between ways of dealing is a method here, answered by the plan's class
+          (:class:`ComputedPlan` and :class:`DealtPlan` answer for the two ways the coordinator
+          takes part); callers never test ``coordinator_deals``, ``dealer`` or ``fixed_batches``.
     """
 
     @property
@@ -155,6 +162,74 @@ class EpochPlan(Protocol):
         cursor when that is all of them)."""
         ...
 
+    def coordinator_grant(self, rank: int, first: int, count: int, deal: Callable[[], tuple[Runs, bool]]) -> Grant:
+        """The coordinator's answer to `rank` asking for steps first .. first + count - 1: a plan the
+        coordinator deals grants the deal `deal` returns (durable once it returns), any other its own."""
+        ...
+
+    def own_grant(self, rank: int, first: int, count: int) -> Grant | None:
+        """The grant a rank gives itself while the coordinator does not answer (its plan's own), or
+        None where only the coordinator grants (it deals the batches: the rank waits for it)."""
+        ...
+
+    @property
+    def portable(self) -> bool:
+        """True when another process computes this plan's leases from the plan itself, sent once: it is
+        small, keeps nothing it computed, and its grant names its batches' sizes."""
+        ...
+
+    def most_steps(self, book: EpochDeals | None) -> int:
+        """The steps of the rank with the most in this plan; for a plan the coordinator deals, of those
+        `book` (the epoch's deal book; None: nothing dealt) shows dealt."""
+        ...
+
+    def dealt_out(self, book: EpochDeals | None) -> bool:
+        """Whether nothing of the epoch is left to deal: for a plan the coordinator deals, once `book`
+        shows every global batch dealt; for any other always (its ranks' shares are the plan's)."""
+        ...
+
+    def step_positions(self, first: int, count: int, book: EpochDeals | None) -> StepPositions:
+        """(rank, step - `first`, order position) of every sample of steps first .. first + count - 1 of
+        every rank (those it has), in rank then step order; for a plan the coordinator deals, the
+        steps `book` shows dealt."""
+        ...
+
+    def where(self, index: int) -> list[tuple[int, int, int]] | None:
+        """Every (rank, step, order position) at which this plan deals dataset index `index`, when the
+        order's inverse is at hand; None where finding it takes the epoch's steps (:meth:`step_positions`)."""
+        ...
+
+    def padding(self, rank: int, step: int, size: int) -> np.ndarray | None:
+        """Which of the `size` samples of `rank`'s step `step` are the tail's padding, as (size,) bools;
+        None where the plan has no fixed layout that says so."""
+        ...
+
+
+class _Leases(Protocol):
+    """What :func:`lease_layout` asks of a plan: its leases (:class:`EpochPlan`)."""
+
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]: ...
+
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray: ...
+
+
+def lease_layout(plan: _Leases, first: int, count: int, grants: Mapping[int, Grant | None]) -> StepPositions:
+    """:meth:`EpochPlan.step_positions` of the ranks `grants` names, each from its lease of steps
+    first .. first + count - 1 with its grant: for a plan without a faster way. O(samples)."""
+    ranks: list[np.ndarray] = []
+    steps: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    for rank, grant in grants.items():
+        _, sizes = plan.lease(rank, first, count, grant)
+        pos = plan.lease_positions(rank, first, count, grant)
+        ranks.append(np.full(pos.size, rank, dtype=np.int64))
+        steps.append(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes))
+        positions.append(pos)
+    if not positions:
+        none = np.zeros(0, dtype=np.int64)
+        return none, none, none
+    return np.concatenate(ranks), np.concatenate(steps), np.concatenate(positions)
+
 
 class Dealer(Protocol):
     """The coordinator's side of a plan it deals (:attr:`EpochPlan.dealer`): one epoch's global batches.
@@ -196,6 +271,67 @@ class Dealer(Protocol):
         ...
 
 
+class ComputedPlan(abc.ABC):
+    """What every plan dealt when its generation starts answers alike: a base for such a plan class.
+
+    Every rank computes the plan itself, the same on any machine: the coordinator grants the
+    plan's own grant (no deal), a rank grants itself the same while the coordinator does not
+    answer, and nothing is left for the coordinator to deal. A subclass (``spec``, ``cursor`` and
+    ``world``, as :class:`EpochPlan`) adds its grants, leases and counts; one with a faster way
+    than computing every rank's leases (the fixed plan's layout) overrides :meth:`most_steps`,
+    :meth:`step_positions`, :meth:`where`, :meth:`padding` and :attr:`portable`.
+    """
+
+    world: int
+    coordinator_deals = False
+    dealer = None
+    portable = False
+
+    @abc.abstractmethod
+    def grant(self, rank: int, first: int, count: int, dealt: tuple[Runs, bool] | None = None) -> Grant:
+        """The plan's grant (:class:`EpochPlan`)."""
+
+    @abc.abstractmethod
+    def lease(self, rank: int, first: int, count: int, grant: Grant | None = None) -> tuple[np.ndarray, list[int]]:
+        """The plan's lease (:class:`EpochPlan`)."""
+
+    @abc.abstractmethod
+    def lease_positions(self, rank: int, first: int, count: int, grant: Grant | None = None) -> np.ndarray:
+        """The order positions of the plan's lease (:class:`EpochPlan`)."""
+
+    @abc.abstractmethod
+    def steps(self, rank: int) -> int:
+        """`rank`'s steps (:class:`EpochPlan`)."""
+
+    def coordinator_grant(self, rank: int, first: int, count: int, deal: Callable[[], tuple[Runs, bool]]) -> Grant:
+        """The plan's own grant: the coordinator deals nothing (`deal` is not asked)."""
+        return self.grant(rank, first, count)
+
+    def own_grant(self, rank: int, first: int, count: int) -> Grant | None:
+        """The plan's own grant, which the coordinator would answer too."""
+        return self.grant(rank, first, count)
+
+    def most_steps(self, book: EpochDeals | None) -> int:
+        """The most steps of any rank, from the plan (`book` is not asked)."""
+        return max((self.steps(r) for r in range(self.world)), default=0)
+
+    def dealt_out(self, book: EpochDeals | None) -> bool:
+        """Always: the ranks' shares are dealt when the generation starts."""
+        return True
+
+    def step_positions(self, first: int, count: int, book: EpochDeals | None) -> StepPositions:
+        """Every rank's steps, from its leases (`book` is not asked)."""
+        return lease_layout(self, first, count, dict.fromkeys(range(self.world)))
+
+    def where(self, index: int) -> list[tuple[int, int, int]] | None:
+        """None: no inverse at hand."""
+        return None
+
+    def padding(self, rank: int, step: int, size: int) -> np.ndarray | None:
+        """None: no fixed layout."""
+        return None
+
+
 class DealtPlan(abc.ABC):
     """What every plan the coordinator deals answers alike: a base for such a plan class.
 
@@ -212,6 +348,7 @@ class DealtPlan(abc.ABC):
     world: int
     coordinator_deals = True
     fixed_batches = True
+    portable = False
 
     @property
     def dealer(self) -> DealtPlan:
@@ -275,3 +412,36 @@ class DealtPlan(abc.ABC):
         """Not defined: which batches the ranks took is the coordinator's record (the dealer's checkpoint)."""
         raise ValueError(f"a {type(self).__name__}'s checkpoint is computed by the coordinator from its deals "
                          "(its dealer's checkpoint), not by advance")
+
+    def coordinator_grant(self, rank: int, first: int, count: int, deal: Callable[[], tuple[Runs, bool]]) -> Grant:
+        """The grant of the deal `deal` returns."""
+        return self.grant(rank, first, count, deal())
+
+    def own_grant(self, rank: int, first: int, count: int) -> Grant | None:
+        """None: only the coordinator grants (it deals the batches)."""
+        return None
+
+    def most_steps(self, book: EpochDeals | None) -> int:
+        """The most global batches `book` shows dealt to one rank."""
+        return max((book.dealt(r) for r in book.runs), default=0) if book is not None else 0
+
+    def dealt_out(self, book: EpochDeals | None) -> bool:
+        """Whether `book` shows every global batch of the epoch dealt."""
+        return book is not None and book.next >= self.batches
+
+    def step_positions(self, first: int, count: int, book: EpochDeals | None) -> StepPositions:
+        """The steps `book` shows dealt, from the leases of their grants (ranks dealt none are left out)."""
+        grants: dict[int, Grant | None] = {}
+        for rank in range(self.world):
+            runs = tuple(book.sequence(rank, first, count)) if book is not None else ()
+            if runs:
+                grants[rank] = self.grant(rank, first, count, (runs, False))
+        return lease_layout(self, first, count, grants)
+
+    def where(self, index: int) -> list[tuple[int, int, int]] | None:
+        """None: where an index lies depends on the deals."""
+        return None
+
+    def padding(self, rank: int, step: int, size: int) -> np.ndarray | None:
+        """None: no fixed layout."""
+        return None

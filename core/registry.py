@@ -1,11 +1,12 @@
-"""The registry of plans: every way of dealing an epoch, and the one epoch rule (:func:`plan_epoch`).
+"""The registry of plans: every way of dealing an epoch, and each epoch's plan (:func:`plan_epoch`).
 
 A way of dealing is a module with a class satisfying :class:`croupier.core.plan.EpochPlan` and
 one :class:`PlanKind` entry in :data:`KINDS`. Everything that depends on the way of dealing
-(which plan a spec gets, the defaults of the samplers' arguments) is read here; the
-coordinator and the client ask the plan itself for everything else (a plan the coordinator
-deals answers through its ``dealer``). A way of dealing defined in a test is registered for the
-test's duration with :func:`registered`.
+(which plan a spec gets, the defaults of the samplers' arguments, what a kind decides for the
+coordinator and the samplers: the :class:`PlanKind` methods) is read here; the coordinator and
+the client ask the plan itself for everything else (a plan the coordinator deals answers
+through its ``dealer``). A way of dealing defined in a test is registered for the test's
+duration with :func:`registered`.
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from croupier.core import spec as _spec
 from croupier.core.checks import check_choice
-from croupier.core.cursor import Cursor, bind, fresh, is_fresh, show
+from croupier.core.cursor import Cursor, epoch_cursor
 from croupier.core.dynamic import dynamic_plan
-from croupier.core.errors import OutOfRange
-from croupier.core.order import FixedPlan, fixed_plan
-from croupier.core.plan import EpochPlan
+from croupier.core.errors import FailedPrecondition
+from croupier.core.order import fixed_plan
+from croupier.core.plan import Dealer, EpochPlan
+from croupier.core.shards import shard_layout
 from croupier.core.spec import Spec
 from croupier.core.tokens import token_plan
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,8 @@ class PlanKind:
         fixed_batches: The plans' ``fixed_batches`` (batches of ``spec.batch_size``).
         lease_indices: The index sampler's default lease, in batches of one index.
         lease_batches: The batch sampler's default lease, in batches.
+        shuffled_by: The permutation a shuffling sampler of this kind always takes (None: the usual
+            default, see :meth:`permutation`).
     """
 
     name: str
@@ -47,6 +54,7 @@ class PlanKind:
     fixed_batches: bool
     lease_indices: int
     lease_batches: int
+    shuffled_by: str | None = None
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
         # A sampler keeps its kind and is pickled into DataLoader workers: a kind travels by name.
@@ -56,6 +64,8 @@ class PlanKind:
         """The default permutation of a sampler that names none (``lengths``: it was given lengths)."""
         if not shuffle:
             return "none"
+        if self.shuffled_by is not None:
+            return self.shuffled_by
         # NOTE: a fixed or dynamic plan given lengths buckets by them (d9d's length bucketing);
         # token budgets read lengths as token counts and shuffle the whole epoch.
         return "bucket" if lengths and self.fixed_batches else "feistel"
@@ -67,6 +77,42 @@ class PlanKind:
             return "drop" if drop_last and not batches else "uneven"
         return "drop" if drop_last and not batches else "pad"
 
+    def lockstep(self, lockstep: bool) -> bool:
+        """Whether the ranks of a sampler given `lockstep` step together: its setting where the
+        coordinator deals (``False``: each rank's checkpoint commits its own progress), always where
+        the plan is dealt when the generation starts (every rank's checkpoint is computed alike)."""
+        return lockstep if self.coordinator_deals else True
+
+    def item_unit(self, unit: int) -> int:
+        """The positions an item of `unit` holds, as the audit log records it: 0 where batches size
+        themselves (an item is one batch of its own size)."""
+        return unit if self.fixed_batches else 0
+
+    def ends_needed(self, world: int) -> int:
+        """How many of a generation's `world` ranks reach an epoch's end once the epoch is over: one
+        where the ranks step together through the plan dealt when the generation started, every one
+        where the coordinator deals (a rank ends when nothing is left to deal while others may still
+        hold batches)."""
+        return world if self.coordinator_deals else 1
+
+    def dealer_of(self, plan: EpochPlan, job: str) -> Dealer:
+        """`plan`'s dealer, for the coordinator dealing `job`'s batches.
+
+        Raises:
+            FailedPrecondition: this kind's plans are dealt when their generation starts.
+        """
+        if plan.dealer is None:
+            raise FailedPrecondition(f"job {job!r} is dealt when its generation starts ({self.name} plans): "
+                                     "the coordinator deals no batch of it")
+        return plan.dealer
+
+    def either(self, computed: T, dealt: T) -> T:
+        """`dealt` for a kind the coordinator deals as ranks ask, else `computed` (the ranks compute
+        their plans): where a caller has a way of its own for each (the coordinator's record of a
+        checkpoint, a sampler's checkpoint states), this is the one place it is picked. A difference
+        a plan or a kind answers itself is a method of it instead."""
+        return dealt if self.coordinator_deals else computed
+
 
 
 # NOTE: fixed plans are O(world) to make and are asked for on every grant: a large cache. Token
@@ -75,8 +121,10 @@ _fixed = functools.lru_cache(maxsize=256)(fixed_plan)
 FIXED = PlanKind("fixed", _fixed, False, True, 65536, 256)
 TOKENS = PlanKind("tokens", functools.lru_cache(maxsize=64)(token_plan), False, False, 65536, 16)
 DYNAMIC = PlanKind("dynamic", functools.lru_cache(maxsize=256)(dynamic_plan), True, True, 1024, 2)
+SHARDS = PlanKind("shards", functools.lru_cache(maxsize=256)(functools.partial(fixed_plan, layout=shard_layout)),
+                  False, True, 65536, 256, shuffled_by="shards")
 #: Every way of dealing, by name.
-KINDS: dict[str, PlanKind] = {k.name: k for k in (FIXED, TOKENS, DYNAMIC)}
+KINDS: dict[str, PlanKind] = {k.name: k for k in (FIXED, TOKENS, DYNAMIC, SHARDS)}
 
 
 def kind_named(name: str) -> PlanKind:
@@ -87,21 +135,21 @@ def kind_named(name: str) -> PlanKind:
         raise ValueError(f"no way of dealing is called {name!r} (known: {sorted(KINDS)})") from None
 
 
-def kind_for(dealing: str, max_tokens: int | None = None) -> PlanKind:
-    """The way of dealing of a spec's ``dealing`` and ``max_tokens`` settings (the one rule).
+def kind_for(dealing: str, max_tokens: int | None = None, shards: bool = False) -> PlanKind:
+    """The way of dealing of a spec's ``dealing``, ``max_tokens`` and ``shards`` settings (the one rule).
 
     Raises:
         ValueError: `dealing` names no registered way of dealing.
     """
     check_choice("dealing", dealing, _spec.DEALINGS)
     if dealing == "static":
-        return TOKENS if max_tokens is not None else FIXED
+        return TOKENS if max_tokens is not None else SHARDS if shards else FIXED
     return KINDS[dealing]
 
 
 def kind_of(spec: Spec) -> PlanKind:
     """The way of dealing of `spec`."""
-    return kind_for(spec.dealing, spec.max_tokens)
+    return kind_for(spec.dealing, spec.max_tokens, spec.shards is not None)
 
 
 def sized_batches(spec: Spec) -> bool:
@@ -109,29 +157,11 @@ def sized_batches(spec: Spec) -> bool:
     return kind_of(spec).fixed_batches
 
 
-def is_fixed(spec: Spec) -> bool:
-    """Whether `spec` is dealt by fixed plans (:func:`fixed_plan_epoch` answers for it)."""
-    return kind_of(spec) is FIXED
-
-
-def _epoch_cursor(spec: Spec, start: Cursor, world: int, epoch: int) -> Cursor | None:
-    """The cursor of `epoch` for a generation that resumed at `start`: the one epoch rule (see :func:`plan_epoch`)."""
-    if epoch == start.epoch:
-        return start
-    if epoch > start.epoch:
-        return bind(spec, fresh(spec, epoch), world)
-    if epoch == start.epoch - 1 and is_fresh(spec, start):
-        return None
-    raise OutOfRange(
-        f"epoch {epoch} is before this generation's resume point {show(start)}; "
-        "set_epoch must not go back before the checkpoint the job resumed from"
-    )
-
-
 def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> EpochPlan | None:
     """The plan of `epoch` for a generation of `world` ranks that resumed at `start`.
 
-    The generation's first epoch is `start`'s remainder; every later epoch starts fresh.
+    The generation's first epoch is `start`'s remainder; every later epoch starts fresh (the one
+    epoch rule, :func:`croupier.core.cursor.epoch_cursor`).
 
     Returns:
         The plan, or None for the epoch just before a fresh start (it is complete).
@@ -139,23 +169,8 @@ def plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> EpochPlan |
     Raises:
         OutOfRange: `epoch` is before the generation's resume point.
     """
-    cursor = _epoch_cursor(spec, start, world, epoch)
+    cursor = epoch_cursor(spec, start, world, epoch)
     return None if cursor is None else kind_of(spec).make(spec, cursor, world)
-
-
-def fixed_plan_epoch(spec: Spec, start: Cursor, world: int, epoch: int) -> FixedPlan | None:
-    """:func:`plan_epoch` for a spec dealt by fixed plans, typed as one: for the integrations that
-    compute every rank's share themselves with no coordinator (Grain), from the plan's layout.
-
-    Raises:
-        ValueError: `spec` is dealt by other plans.
-        OutOfRange: as :func:`plan_epoch`.
-    """
-    kind = kind_of(spec)
-    if kind is not FIXED:
-        raise ValueError(f"the spec ({spec.describe()}) is dealt by {kind.name!r} plans, not fixed ones")
-    cursor = _epoch_cursor(spec, start, world, epoch)
-    return None if cursor is None else _fixed(spec, cursor, world)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from croupier.core.checks import check_bool, check_choice, check_int
 from croupier.core.stream import stream
 
 #: The names of the orders (``croupier.core.permute`` holds one kernel for each name, no other).
-PERMUTATIONS = ("none", "torch", "feistel", "window", "bucket")
+PERMUTATIONS = ("none", "torch", "feistel", "window", "bucket", "shards")
 #: The orders that shuffle within each rank's part (``scope="rank"``).
 RANK_SCOPE_PERMUTATIONS = ("feistel", "window", "none")
 PARTITIONS = ("strided", "chunked", "contiguous")
@@ -29,7 +29,10 @@ TOKEN_WINDOW = 4096
 #: Fields added after the first release, with their defaults: a spec that leaves them at their
 #: defaults has the fingerprint it had before they existed (G9: saved states keep loading).
 _LATER_FIELDS = {"max_tokens": None, "cost": "sum", "token_window": TOKEN_WINDOW, "dealing": "static",
-                 "sources": None, "weights": None, "max_epochs": None}
+                 "sources": None, "weights": None, "max_epochs": None, "shards": None, "shard_window": 32, "lanes": 16,
+                 "reader_group": 1}
+#: Most shards one dataset may have (a shard order's table costs 16 bytes a shard an epoch).
+MAX_SHARDS = 2**27
 #: Most sources one mixture may have.
 MAX_SOURCES = 100_000
 
@@ -66,7 +69,9 @@ class Spec:
             bijection, O(1) memory and random access), ``window`` (shuffle within windows of
             ``buffer_size`` consecutive positions, DGL's buffer), ``bucket`` (d9d's length
             bucketing: sort each window of ``buffer_size`` by ``lengths``, cut into packs of
-            ``pack_size``, shuffle the packs).
+            ``pack_size``, shuffle the packs), ``shards`` (a shard-local order over ``shards``:
+            the shards in a keyed order, cut into windows of ``shard_window`` shards, each
+            window's samples shuffled; see ``croupier.core.shards``).
         partition: How positions are dealt to ranks: ``strided`` (round-robin: torch, spdl,
             d9d ``sequential``), ``chunked`` (d9d ``chunked``: contiguous blocks of
             ``ceil(T / W)``), ``contiguous`` (DGL's split: contiguous blocks whose sizes differ
@@ -111,6 +116,16 @@ class Spec:
             with the stream position it holds from. Not a setting: the coordinator gives them to
             each generation, and they are left out of :attr:`fingerprint` (a checkpoint carries
             them beside it). A rank MUST send its spec without them.
+        shards: A dataset stored in shards: each shard's sample count, in the dataset's order, as
+            little-endian int64 bytes (see :meth:`with_shards`); they add up to ``n``, and dataset
+            indices number the shards' samples as ``ConcatDataset`` does. ``permutation`` is then
+            ``shards``.
+        shard_window: Shards per window of a shard order: the samples of a window are shuffled
+            together.
+        lanes: Windows a reader group reads at once (its reading heads): about ``lanes *
+            shard_window`` shards are live in a group's cache.
+        reader_group: Ranks per reader group: consecutive ranks that share one cache (a node's
+            ranks); each group reads its own shards.
     """
 
     n: int
@@ -133,6 +148,10 @@ class Spec:
     weights: tuple[tuple[int, tuple[int, ...]], ...] | None = None
     max_epochs: tuple[int, ...] | None = None
     amendments: tuple[Amendment, ...] | None = None
+    shards: bytes | None = None
+    shard_window: int = 32
+    lanes: int = 16
+    reader_group: int = 1
 
     def __post_init__(self) -> None:
         # A spec read back from msgpack or JSON has lists where it had tuples: one form, hashable.
@@ -165,6 +184,16 @@ class Spec:
             kwargs.setdefault("permutation", "bucket")
         kwargs.setdefault("n", int(arr.size))
         return cls(lengths=arr.astype("<i8").tobytes(), **kwargs)
+
+    @classmethod
+    def with_shards(cls, sizes: Any, **kwargs: Any) -> Spec:
+        """Builds a ``shards`` spec from each shard's sample count (any int sequence or array)."""
+        arr = np.asarray(sizes)
+        if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"shard sizes must be a 1-D sequence of ints (got dtype={arr.dtype}, ndim={arr.ndim})")
+        kwargs.setdefault("permutation", "shards")
+        kwargs.setdefault("n", int(arr.sum()))
+        return cls(shards=arr.astype("<i8").tobytes(), **kwargs)
 
     @property
     def sort_keys(self) -> np.ndarray:
@@ -219,6 +248,8 @@ class Spec:
         d = self.to_dict()
         if self.lengths is not None:
             d["lengths"] = f"<{self.n} keys, sha256 {hashlib.sha256(self.lengths).hexdigest()[:12]}>"
+        if self.shards is not None:
+            d["shards"] = f"<{len(self.shards) // 8} shards, sha256 {hashlib.sha256(self.shards).hexdigest()[:12]}>"
         return ", ".join(f"{k}={v!r}" for k, v in d.items())
 
     @property
@@ -226,6 +257,7 @@ class Spec:
         """A stable digest of the spec and :data:`ORDER_VERSION`: same settings and orders, same fingerprint, anywhere."""
         d: dict[str, Any] = self.base.to_dict()
         d["lengths"] = None if self.lengths is None else hashlib.sha256(self.lengths).hexdigest()
+        d["shards"] = None if self.shards is None else hashlib.sha256(self.shards).hexdigest()
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
                 del d[name]
@@ -256,6 +288,7 @@ def _validate(s: Spec) -> None:
                 f"buffer_size={s.buffer_size}, pack_size={s.pack_size})"
             )
     _validate_mixture(s)
+    _validate_shards(s)
     if s.lengths is not None:
         if not isinstance(s.lengths, bytes) or len(s.lengths) != 8 * s.space:
             raise ValueError(
@@ -289,6 +322,39 @@ def _validate(s: Spec) -> None:
         if s.permutation not in RANK_SCOPE_PERMUTATIONS:
             raise ValueError(f"scope='rank' supports permutation {', '.join(map(repr, RANK_SCOPE_PERMUTATIONS))} "
                              f"(got permutation={s.permutation!r})")
+
+
+def _validate_shards(s: Spec) -> None:
+    check_int("shard_window", s.shard_window, 1, 2**31)
+    check_int("lanes", s.lanes, 1, 2**16)
+    check_int("reader_group", s.reader_group, 1, 2**31)
+    if s.shards is None:
+        if s.permutation == "shards":
+            raise ValueError("permutation='shards' needs shards= (each shard's sample count; see Spec.with_shards)")
+        if (s.shard_window, s.lanes, s.reader_group) != (32, 16, 1):
+            raise ValueError(f"shard_window, lanes and reader_group are settings of a shard order: they need shards= "
+                             f"(got shard_window={s.shard_window}, lanes={s.lanes}, reader_group={s.reader_group})")
+        return
+    if not isinstance(s.shards, bytes) or not s.shards or len(s.shards) % 8 or len(s.shards) // 8 > MAX_SHARDS:
+        got = len(s.shards) if isinstance(s.shards, bytes) else type(s.shards).__name__
+        raise ValueError(f"shards must be 1 to {MAX_SHARDS} little-endian int64 sample counts (got {got} bytes)")
+    sizes = np.frombuffer(s.shards, dtype="<i8")
+    bad = np.flatnonzero(sizes < 1)
+    if bad.size:
+        raise ValueError(f"shard {int(bad[0])} holds {int(sizes[bad[0]])} samples: every shard must hold at least one "
+                         f"({bad.size} do not)")
+    if int(sizes.sum()) != s.n:
+        raise ValueError(f"the shards hold {int(sizes.sum())} samples, but n={s.n}: n must be their total")
+    if s.permutation != "shards":
+        raise ValueError(f"shards= is read by permutation='shards' (got permutation={s.permutation!r})")
+    if (s.sources is not None or s.max_tokens is not None or s.lengths is not None or s.dealing != "static"
+            or s.scope != "global" or s.partition != "strided"):
+        raise ValueError(
+            "a shard order deals fixed batches statically over the whole epoch: it takes no sources, max_tokens, "
+            "lengths or dynamic dealing, and needs scope='global', partition='strided' (its reader groups are its "
+            f"partition) (got sources={'set' if s.sources is not None else None}, max_tokens={s.max_tokens}, "
+            f"lengths={'set' if s.lengths is not None else None}, dealing={s.dealing!r}, scope={s.scope!r}, "
+            f"partition={s.partition!r})")
 
 
 def _validate_mixture(s: Spec) -> None:

@@ -68,7 +68,7 @@ from croupier.core import feistel as _feistel
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor, Interval, _merge, _runs, fresh
 from croupier.core.order import order
-from croupier.core.plan import Grant, Runs
+from croupier.core.plan import ComputedPlan, Grant, Runs
 from croupier.core.spec import Spec
 
 #: Tells the batch shuffle's keys apart from every other key croupier derives: the bytes of
@@ -140,7 +140,7 @@ def _split(c: list[int], world: int) -> list[int]:
 
 
 @dataclasses.dataclass(eq=False)
-class TokenPlan:
+class TokenPlan(ComputedPlan):
     """How one epoch's remainder is dealt to `world` ranks as token-budget batches (see the module).
 
     Making one is O(number of the cursor's intervals): nothing is packed until a lease needs it.
@@ -148,8 +148,6 @@ class TokenPlan:
     ranks' token-budget batches.
     """
 
-    coordinator_deals = False
-    dealer = None
     fixed_batches = False
 
     spec: Spec

@@ -40,6 +40,11 @@ def spec_to_proto(s: Spec) -> pb.Spec:
         m.sources.extend(s.sources)
         m.weights.extend(pb.WeightChange(position=at, parts=parts) for at, parts in s.weights or ())
         m.max_epochs.extend(s.max_epochs or ())
+    if s.shards is not None:
+        m.shards = s.shards
+        m.shard_window = s.shard_window
+        m.lanes = s.lanes
+        m.reader_group = s.reader_group
     return m
 
 
@@ -60,6 +65,10 @@ def spec_from_proto(m: pb.Spec) -> Spec:
             sources=tuple(m.sources) if m.sources else None,
             weights=tuple((w.position, tuple(w.parts)) for w in m.weights) if m.weights else None,
             max_epochs=tuple(m.max_epochs) if m.max_epochs else None,
+            shards=m.shards if m.HasField("shards") else None,
+            shard_window=m.shard_window if m.HasField("shard_window") else 32,
+            lanes=m.lanes if m.HasField("lanes") else 16,
+            reader_group=m.reader_group if m.HasField("reader_group") else 1,
         )
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"invalid spec: {e}") from None

@@ -1,8 +1,10 @@
 """A torchtitan-style loop that checkpoints with ``torch.distributed.checkpoint`` (DCP), preempted and resumed resized.
 
 Model, optimizer and data loader go into one DCP checkpoint, ``{"model", "optim", "dataloader",
-"train"}``; the dataloader entry is :class:`croupier.integrations.dcp.SamplerState`, which wraps
-the sampler (see that module for why the sampler is not handed to DCP as it is). The checkpoint is
+"train"}``; the dataloader entry is :class:`croupier.integrations.dcp.SamplerState` over the
+:class:`croupier.client.Loader` the loop iterates (see that module for why the sampler is not handed
+to DCP as it is). ``Loader`` counts the batches that reached the loop, so the state is exact with
+DataLoader workers reading ahead, and ``step=`` names the trainer's step in it. The checkpoint is
 topology-free: saved by 2 ranks mid-epoch, it resumes on any number (the tests resume on 2 and on 1).
 
     # train, checkpoint at global step 13 (mid-epoch) and stop there, as if preempted:
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from croupier.client import DistributedSampler, worker_options
+from croupier.client import DistributedSampler, Loader, worker_options
 from croupier.integrations.dcp import SamplerState
 
 
@@ -82,7 +84,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=4, help="per rank")
     ap.add_argument("--num-workers", type=int, default=0,
-                    help="DataLoader workers; > 0 reads the sampler ahead, so the save passes `consumed`")
+                    help="DataLoader workers (they read the sampler ahead of the loop; Loader counts what it took)")
     ap.add_argument("--job", default="dcp-train", help="croupier job name (a resumed run keeps the checkpoint's)")
     ap.add_argument("--ckpt-dir", required=True, help="checkpoints go to DIR/step-N")
     ap.add_argument("--stop-after-steps", type=int, default=None,
@@ -103,17 +105,12 @@ def train(args: argparse.Namespace) -> None:
     dataset = synthetic(args.samples)
     # a step is one loader batch of every rank (the index sampler's batch is one index)
     sampler = DistributedSampler(dataset, shuffle=True, seed=7, job=args.job, global_batch=args.batch_size * world)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, **worker_options(args.num_workers))
+    loader = Loader(DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, **worker_options(args.num_workers)))
     model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    steps_in_epoch = 0  # batches this rank's loop has taken in the current epoch
-    # A plain DataLoader with workers has taken more from the sampler than the loop trained on:
-    # the checkpoint must say what the loop consumed. With num_workers=0 the two are the same.
-    consumed = (lambda: steps_in_epoch * args.batch_size) if args.num_workers > 0 else None
     progress = {"step": 0}  # a plain dict: DCP fills it in place on load
-    dataloader_state: Stateful = sampler if args.plain_sampler else SamplerState(sampler, consumed=consumed,
-                                                                                 step=lambda: progress["step"])
+    dataloader_state: Stateful = sampler if args.plain_sampler else SamplerState(loader, step=lambda: progress["step"])
     state: dict[str, Any] = {"model": ModelState(model), "optim": OptimState(model, optim), "train": progress,
                              "dataloader": dataloader_state}
 
@@ -128,25 +125,25 @@ def train(args: argparse.Namespace) -> None:
     try:
         for epoch in range(sampler.epoch, args.epochs):
             sampler.set_epoch(epoch)  # optional with croupier; kept as torch's loops do
-            steps_in_epoch = 0
             for x, y in loader:
                 optim.zero_grad()
                 loss = loss_fn(model(x), y)
                 loss.backward()
                 optim.step()
-                steps_in_epoch += 1
                 progress["step"] += 1
                 if args.stop_after_steps is not None and progress["step"] == args.stop_after_steps:
                     path = pathlib.Path(args.ckpt_dir) / f"step-{progress['step']}"
                     dcp.save(state, checkpoint_id=str(path))  # every rank: DCP's save is a collective
                     if rank == 0:
-                        print(f"saved {path} at epoch {epoch}, {steps_in_epoch} steps in; stopping (preempted)", flush=True)
+                        print(f"saved {path} at epoch {epoch}, {loader.items_trained // args.batch_size} steps in; "
+                              "stopping (preempted)", flush=True)
                     return
             if rank == 0:
                 print(f"epoch {epoch} done at step {progress['step']}, loss {loss.item():.4f}, world {world}", flush=True)
         if rank == 0:
             print(f"training done at step {progress['step']}", flush=True)
     finally:
+        loader.close()
         sampler.close()
 
 

@@ -1,11 +1,15 @@
 """croupier under ``torch.distributed.checkpoint`` (DCP), as torchtitan checkpoints its dataloader.
 
-Save ``{"model": ..., "optim": ..., "dataloader": SamplerState(sampler)}`` with ``dcp.save`` and
-load the same dict with ``dcp.load``, with any world size on load::
+Save ``{"model": ..., "optim": ..., "dataloader": SamplerState(loader)}`` with ``dcp.save`` and
+load the same dict with ``dcp.load``, with any world size on load (``loader`` is the
+:class:`~croupier.client.Loader` the loop iterates, which counts the batches that reached it)::
 
+    from croupier.client import DistributedSampler, Loader
     from croupier.integrations.dcp import SamplerState
 
-    state = {"model": model_state, "optim": optim_state, "dataloader": SamplerState(sampler)}
+    loader = Loader(DataLoader(dataset, batch_size=32, sampler=DistributedSampler(dataset), num_workers=4))
+    data = SamplerState(loader, step=lambda: train_state.step)
+    state = {"model": model_state, "optim": optim_state, "dataloader": data}
     dcp.load(state, checkpoint_id=resume_dir)  # before the first batch; saved with any world size
     ...
     dcp.save(state, checkpoint_id=step_dir)    # on every rank (a collective), mid-epoch is fine
@@ -50,7 +54,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler, Loader
 
 #: The one key of :meth:`SamplerState.state_dict`; its value is the sampler's state as JSON.
 KEY = "croupier_sampler_state"
@@ -61,20 +65,26 @@ class SamplerState(Stateful):
 
     Args:
         sampler: The job's :class:`~croupier.client.DistributedSampler` or
-            :class:`~croupier.client.DistributedBatchSampler`.
-        consumed: With a loader that reads the sampler ahead (a plain ``DataLoader`` with
-            ``num_workers > 0``), a callable that returns how many items (indices, or batches for
-            the batch sampler) this rank's loop has taken in the current epoch, from the epoch's
-            start; it is called at every save. Leave it out with ``num_workers=0`` or a
-            ``StatefulDataLoader``: the sampler has then yielded exactly what the loop took.
+            :class:`~croupier.client.DistributedBatchSampler`, or the :class:`~croupier.client.Loader`
+            the loop iterates over it: a ``Loader`` counts the batches that reached the loop, so its
+            state is exact with any ``num_workers`` (``Loader.state_dict(step=...)``), and it is
+            loaded through ``Loader.load_state_dict``.
+        consumed: A sampler under a loader that reads it ahead (a plain ``DataLoader`` with
+            ``num_workers > 0``) without a ``Loader``: a callable that returns how many items
+            (indices, or batches for the batch sampler) this rank's loop has taken in the current
+            epoch, from the epoch's start; it is called at every save. Leave it out with a
+            ``Loader`` (which counts them), ``num_workers=0`` or a ``StatefulDataLoader``: the
+            sampler has then yielded exactly what the loop took.
         step: A callable that returns the trainer's global step (torchtitan's ``train_state.step``),
             called at every save: DCP's ``state_dict()`` takes no argument, so this is how the
             sampler's state names its step (``state_dict(step=...)``) for the coordinator's step
             ledger and ``resume_from_step``. Leave it out to name none.
     """
 
-    def __init__(self, sampler: DistributedSampler | DistributedBatchSampler, consumed: Callable[[], int] | None = None,
-                 step: Callable[[], int] | None = None) -> None:
+    def __init__(self, sampler: DistributedSampler | DistributedBatchSampler | Loader,
+                 consumed: Callable[[], int] | None = None, step: Callable[[], int] | None = None) -> None:
+        if isinstance(sampler, Loader) and consumed is not None:
+            raise ValueError("SamplerState(Loader, consumed=...): the Loader counts what the loop took; leave consumed out")
         self.sampler = sampler
         self.consumed = consumed
         self.step = step
@@ -86,9 +96,12 @@ class SamplerState(Stateful):
         (``dcp.save`` calls it once per save); ``dcp.load`` calls it before the first batch, for a
         template, which names nothing.
         """
-        consumed = None if self.consumed is None else self.consumed()
         step = None if self.step is None else self.step()
-        state = self.sampler.state_dict(consumed=consumed, step=step)
+        if isinstance(self.sampler, Loader):
+            state = self.sampler.state_dict(step=step)
+        else:
+            consumed = None if self.consumed is None else self.consumed()
+            state = self.sampler.state_dict(consumed=consumed, step=step)
         return {KEY: json.dumps(state, sort_keys=True, separators=(",", ":"))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -98,7 +111,7 @@ class SamplerState(Stateful):
             ValueError: `state_dict` has no ``KEY`` (a checkpoint that saved something else under
                 this name, e.g. the sampler itself), or its value is not a JSON object; and the
                 sampler's own errors (another job or spec).
-            RuntimeError: the sampler has already served a batch.
+            RuntimeError: the sampler has already served a batch (a ``Loader``: has begun a pass).
         """
         if KEY not in state_dict:
             raise ValueError(f"not a croupier SamplerState: no {KEY!r} key (got keys {sorted(state_dict)})")

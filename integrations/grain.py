@@ -70,10 +70,9 @@ from grain._src.python.record import RecordMetadata
 
 from croupier.core.checkpoint import Taken, from_state, taken_of, to_state
 from croupier.core.checks import check_choice, check_int
-from croupier.core.cursor import Cursor, fresh
+from croupier.core.cursor import Cursor, epoch_cursor, fresh
 from croupier.core.mixture import sample_seeds
-from croupier.core.order import FixedPlan, order
-from croupier.core.registry import fixed_plan_epoch
+from croupier.core.order import FixedPlan, fixed_plan, order
 from croupier.core.spec import Spec
 
 __all__ = ["CroupierSampler", "DataLoader", "Iterator", "restore", "save"]
@@ -133,9 +132,9 @@ class CroupierSampler:
         for epoch in range(self._start[0].epoch, self.num_epochs):
             # the epoch rule, from the last cursor given at or before this epoch (a state may hold two)
             start = [c for c in self._start if c.epoch <= epoch][-1]
-            p = fixed_plan_epoch(self.spec, start, s, epoch)
-            assert p is not None  # never an epoch before its start
-            plans.append(p)
+            cursor = epoch_cursor(self.spec, start, s, epoch)
+            assert cursor is not None  # never an epoch before its start
+            plans.append(fixed_plan(self.spec, cursor, s))
         # Every process takes the same number of records of an epoch (tail pad, drop or pad_last).
         lengths = [int(p.n_r[0]) for p in plans]
         self._plans = plans

@@ -1,4 +1,4 @@
-"""Runs mypy on croupier's packages: strict on core, server, client and integrations, the defaults on tools.
+"""Runs mypy on croupier's packages: strict on core, server, client, integrations and data, the defaults on tools.
 
 The source folders (core/, server/, ...) install as croupier.core, croupier.server, ... through
 setuptools' package-dir, which mypy cannot follow; so this lays out a tree of links named as the
@@ -17,8 +17,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LINKS = {"core": "core", "server": "server", "client": "client", "tools": "tools", "integrations": "integrations",
-         "v1": "proto/croupier/v1"}
-STRICT = ["croupier.core", "croupier.server", "croupier.client", "croupier.integrations"]
+         "data": "data", "v1": "proto/croupier/v1"}
+STRICT = ["croupier.core", "croupier.server", "croupier.client", "croupier.integrations", "croupier.data"]
 
 
 def main() -> int:

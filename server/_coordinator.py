@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import msgpack
 import numpy as np
@@ -325,9 +326,7 @@ class Coordinator:
 
     def _grant(self, p: EpochPlan, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Grant:
         """The plan's grant; for a plan the coordinator deals, after the deal is durable."""
-        if p.coordinator_deals:
-            return p.grant(rank, first, count, self.deal(job, generation, rank, epoch, first, count))
-        return p.grant(rank, first, count)
+        return p.coordinator_grant(rank, first, count, lambda: self.deal(job, generation, rank, epoch, first, count))
 
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
               progress: tuple[int, int] | None = None) -> Lease:
@@ -368,13 +367,15 @@ class Coordinator:
         """
         with _deadline.at_once() if at_once else contextlib.nullcontext():
             spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count)
-            if at_once and p is not None and p.coordinator_deals:
-                raise _deadline.WouldWait("deal a grant")
+            # NOTE: answering at once, the grant is asked first: a plan the coordinator deals raises WouldWait
+            # here, before anything changed (its deal waits for the store); any other plan's grant is its own,
+            # the same before the report as after it.
+            ready = p.coordinator_grant(rank, first, count, _deal_waits) if at_once and p is not None else None
             if progress is not None:
                 self.report(job, generation, rank, *progress)
         if p is None:
             return Grant(0, 0, True, 0)
-        return self._grant(p, job, generation, rank, epoch, first, count)
+        return ready if ready is not None else self._grant(p, job, generation, rank, epoch, first, count)
 
     def job(self, job: str) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
@@ -414,6 +415,11 @@ class Coordinator:
         """Flushes what is queued, stops the writer and closes the store."""
         self._commits.close()
         self.store.close()
+
+
+def _deal_waits() -> NoReturn:
+    """The deal of a grant answered at once: it would wait for the store (WouldWait)."""
+    raise _deadline.WouldWait("deal a grant")
 
 
 def _share(spec: Spec, start: Cursor | None, world: int, rank: int, epoch: int,

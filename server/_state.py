@@ -213,21 +213,11 @@ class State:
         if last is None or last[:2] < (epoch, batches):
             events.append(ProgressReported(job, generation, rank, epoch, batches, at_ms))
         if checkpoint is not None:
-            step, cursor, origin = checkpoint
-            own = False
-            deals = kind_of(j.spec).coordinator_deals
-            if deals and cursor is not None and cursor.remaining == ((0, j.spec.n),):
-                self._reachable(job, self.generation(job, generation), cursor.epoch)  # its epoch before: all dealt
-            if deals and cursor is not None and cursor.remaining != ((0, j.spec.n),):
-                raise InvalidArgument(f"job {job!r} is dealt by its coordinator: its checkpoints' cursors are the coordinator's "
-                                      f"to compute (a rank may name only an epoch's start, got {show(cursor)}); report "
-                                      "the rank's progress without one")
-            if deals and cursor is None:
-                cursor, more = self._checkpoint_from_deals(job, generation, rank, epoch, batches, lockstep)
-                events += more
-                own = not lockstep
-            elif cursor is None:
-                raise InvalidArgument("a reported checkpoint needs its cursor")
+            step, named, origin = checkpoint
+            # the rank names its checkpoint's cursor, or, for a plan the coordinator deals, the coordinator computes it
+            taken = kind_of(j.spec).either(computed=self._named_cursor, dealt=self._dealt_cursor)
+            cursor, more, own = taken(job, generation, rank, epoch, batches, named, lockstep)
+            events += more
             if step is not None:
                 check_int("step", step, 0, MAX_COUNT, InvalidArgument)
             if items is not None:
@@ -250,6 +240,29 @@ class State:
                 events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms, items))
             return cursor, events
         return None, events
+
+    @staticmethod
+    def _named_cursor(job: str, generation: int, rank: int, epoch: int, batches: int, cursor: Cursor | None,
+                      lockstep: bool) -> tuple[Cursor, list[Event], bool]:
+        """The cursor a rank's checkpoint names, for a plan its ranks compute: (cursor, no events, not `own`)."""
+        if cursor is None:
+            raise InvalidArgument("a reported checkpoint needs its cursor")
+        return cursor, [], False
+
+    def _dealt_cursor(self, job: str, generation: int, rank: int, epoch: int, batches: int, cursor: Cursor | None,
+                      lockstep: bool) -> tuple[Cursor, list[Event], bool]:
+        """The cursor of a rank's checkpoint of a plan the coordinator deals, its events, and whether it is the
+        rank's `own` commit: computed from the deals when the rank names none, else the epoch's start it names."""
+        spec = self.jobs[job].spec
+        if cursor is None:
+            cursor, events = self._checkpoint_from_deals(job, generation, rank, epoch, batches, lockstep)
+            return cursor, events, not lockstep
+        if cursor.remaining != ((0, spec.n),):
+            raise InvalidArgument(f"job {job!r} is dealt by its coordinator: its checkpoints' cursors are the coordinator's "
+                                  f"to compute (a rank may name only an epoch's start, got {show(cursor)}); report "
+                                  "the rank's progress without one")
+        self._reachable(job, self.generation(job, generation), cursor.epoch)  # its epoch before: all dealt
+        return cursor, [], False
 
     def _checkpoint_from_deals(self, job: str, generation: int, rank: int, epoch: int, batches: int,
                             lockstep: bool) -> tuple[Cursor, list[Event]]:
@@ -292,12 +305,7 @@ class State:
         """
         assert gen.start is not None
         p = plan_epoch(self.jobs[job].dealing_spec, gen.start, gen.world, epoch)
-        if p is None:
-            return None
-        if p.dealer is None:
-            raise FailedPrecondition(f"job {job!r} is dealt when its generation starts ({kind_of(p.spec).name} plans): "
-                                     "the coordinator deals no batch of it")
-        return p.dealer
+        return None if p is None else kind_of(p.spec).dealer_of(p, job)
 
     def _reachable(self, job: str, gen: Generation, epoch: int) -> None:
         """Refuses an epoch a rank of `gen` cannot be in: before its start, or after an epoch whose

@@ -204,7 +204,7 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             # NOTE: with static dealing, one rank at its epoch's end means the epoch was iterated to
             # its end (the ranks step together); with dynamic dealing a rank ends when nothing is left
             # to deal while others may still hold batches: every rank must have ended.
-            need = inc.world if kind_for(inc.dealing).coordinator_deals else 1
+            need = kind_for(inc.dealing).ends_needed(inc.world)
             if count >= need and (ce is None or e < ce):
                 finished[e] = inc.world
         if ce is not None and ci == 0:

@@ -13,13 +13,13 @@ import numpy as np
 from croupier.core import settings
 from croupier.core.amend import sizes_after
 from croupier.core.errors import CroupierError
-from croupier.core.registry import fixed_plan_epoch, is_fixed
+from croupier.core.registry import plan_epoch
 from croupier.tools._log_streams import Streams
 from croupier.tools.audit import Incarnation, load
 
 if TYPE_CHECKING:
     from croupier.core.ledger import Ledger, Segment, Version
-    from croupier.core.order import FixedPlan
+    from croupier.core.plan import EpochPlan
     from croupier.core.spec import Spec
 
 __all__ = ["Divergence", "EpochSteps", "StepAudit", "audit_by_step", "audit_steps", "main", "render_steps"]
@@ -63,7 +63,8 @@ class EpochSteps:
         missing: Samples of the epoch not trained, when judged (None: the epoch is open, part of it
             is before the history the coordinator holds, or its plan leaves batches out on purpose;
             a mixture's source epochs are counted by the per-epoch audit).
-        finished: The timeline moved past it, or trained every sample of it.
+        finished: The timeline moved past it, trained every sample of it, or ended at its last step (the
+            ranks had taken every batch the plan of their generation deals them in it).
     """
 
     epoch: int
@@ -151,7 +152,7 @@ class _Walk:
         self.cur: _Epoch | None = None
         self.first: Divergence | None = None
         self.micro: dict[tuple[int, int, int], int] = collections.Counter()  # (generation, rank, epoch) -> batches
-        self.plans: dict[tuple[int, int], FixedPlan | None] = {}
+        self.plans: dict[tuple[int, int], EpochPlan | None] = {}
         self.pads = self.spec.tail in ("pad", "pad_last")
 
     def diverged(self, step: int, epoch: int, generation: int, kind: str, why: str) -> None:
@@ -181,17 +182,19 @@ class _Walk:
         key = (v.generation, v.epoch)
         if key not in self.plans:
             sp, seg = self._seg_spec(v.generation)
-            self.plans[key] = fixed_plan_epoch(sp, seg.start, seg.world, v.epoch) if seg is not None and is_fixed(sp) else None
-        fp = self.plans[key]
+            self.plans[key] = plan_epoch(sp, seg.start, seg.world, v.epoch) if seg is not None else None
+        plan = self.plans[key]
         out = []
+        known = plan is not None
         for b in v.batches:
             k = (v.generation, b.rank, v.epoch)
             first, self.micro[k] = self.micro[k], self.micro[k] + 1
-            if fp is None:
-                continue
-            local = first * self.spec.batch_size + np.arange(b.indices.size, dtype=np.int64)  # (samples,)
-            out.append(fp.virtual_all(np.full(local.size, b.rank, dtype=np.int64), local) >= fp.left)
-        if fp is None:
+            pad = None if plan is None else plan.padding(b.rank, first, b.indices.size)
+            if pad is None:
+                known = False
+            else:
+                out.append(pad)
+        if not known:
             return None
         return np.concatenate(out) if out else np.zeros(0, dtype=bool)
 
@@ -245,7 +248,8 @@ class _Walk:
         return f"first trained at step {steps[0]} of epoch {cur.epoch}" if steps else "twice in this step"
 
     def close(self, cur: _Epoch, finished: bool) -> None:
-        """The epoch's end along the timeline (`finished`: a later epoch follows, else the timeline ends in it)."""
+        """The epoch's end along the timeline (`finished`: a later epoch follows, or the timeline's last step ends
+        it; else the timeline ends inside it)."""
         judged = not cur.partial and self.spec.sources is None and not (self.spec.drop_last_batch or self.spec.even_batches)
         missing = self.spec.n - cur.trained if judged else None
         may_miss = cur.last_world - 1 if self.spec.tail == "drop" else 0
@@ -309,7 +313,9 @@ def audit_steps(ledger: Ledger, logs: Sequence[Incarnation] | None = None) -> St
         if walk.first is not None and walk.first.step < t:
             break  # nothing later can come first
     if walk.cur is not None:
-        walk.close(walk.cur, finished=False)
+        # the timeline ends in this epoch: finished when its last step was the epoch's last (a job run to the
+        # epoch's end, checkpointed there: no step of the next epoch follows it)
+        walk.close(walk.cur, finished=walk.cur.last == last and ledger.ends_epoch(last))
     return StepAudit(job, first, last, compared, tuple(walk.epochs), walk.first)
 
 

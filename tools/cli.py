@@ -17,6 +17,7 @@ from croupier.core.checks import check_int
 from croupier.core.order import fixed_plan, fresh
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, TAILS, Spec
 from croupier.server import ServerOptions, StoreError
+from croupier.tools import data as data_tool
 from croupier.tools.provenance import SHOWN
 from croupier.tools.status import DEFAULT_WATCH_S, watch_seconds
 
@@ -361,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--partition", choices=PARTITIONS, default="strided")
     o.add_argument("--tail", choices=TAILS, default="pad")
     o.set_defaults(func=_order_cmd)
+
+    data_tool.add_parser(sub)
     return parser
 
 

@@ -31,6 +31,7 @@ COPY server/ server/
 COPY client/ client/
 COPY tools/ tools/
 COPY integrations/ integrations/
+COPY data/ data/
 RUN pip install --constraint constraints.txt . \
  && croupier serve --help > /dev/null \
  && python -c "import croupier.server._pg_store"

@@ -27,6 +27,7 @@ COPY server/ server/
 COPY client/ client/
 COPY tools/ tools/
 COPY integrations/ integrations/
+COPY data/ data/
 RUN pip install --constraint constraints.txt . \
  && python -c "import croupier.tools.demo_train"
 

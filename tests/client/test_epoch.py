@@ -11,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from croupier.client._epoch import EpochProgress, Phase, position
-from croupier.core.cursor import Cursor
+from croupier.core.cursor import Cursor, fresh
+from croupier.core.spec import Spec
 from tests._budget import examples
 
 PHASES = ("enter", "skip", "exhaust", "cut", "end_written", "next_epoch")
 HANDING = ("hand_out", "take", "chunk_done", "stop")
 BEFORE_JOIN = ("load", "name_epoch", "cut_resumed", "join", "at")
+#: The walks' job: its generations start fresh at the epoch a join names.
+SPEC = Spec(n=10)
 
 
 class Reference:
@@ -91,7 +94,7 @@ def step(p: EpochProgress, t: str, arg: int, chunks: dict[int, Any]) -> EpochPro
         return p.load(Cursor(arg, ((1, 9),)), arg) if t == "load" else p.cut_resumed(
             Cursor(p.resume.epoch + 1 if p.resume else 0, ((0, 10),)), arg)
     if t == "join":
-        return p.join(arg, 2)
+        return p.join(SPEC, fresh(SPEC, arg), 2)
     if t in ("name_epoch", "at"):
         return getattr(p, t)(arg)  # type: ignore[no-any-return]
     return getattr(p, t)()  # type: ignore[no-any-return]
@@ -152,9 +155,9 @@ def test_the_walk_checks_can_fail() -> None:
 
 
 def test_a_join_after_naming_the_finished_epoch_skips_it() -> None:
-    p = EpochProgress().name_epoch(4).join(5, 0)
+    p = EpochProgress().name_epoch(4).join(SPEC, fresh(SPEC, 5), 0)
     assert (p.epoch, p.phase) == (4, Phase.SKIPPED)
-    assert EpochProgress().name_epoch(5).join(5, 3) == EpochProgress(epoch=5, before=3, hint=5)
+    assert EpochProgress().name_epoch(5).join(SPEC, fresh(SPEC, 5), 3) == EpochProgress(epoch=5, before=3, hint=5)
 
 
 def test_a_chunk_counts_what_its_iterator_handed_out() -> None:

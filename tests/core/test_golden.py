@@ -14,7 +14,7 @@ from _sim import batches_of
 from croupier.core import ORDER_VERSION, registry
 from croupier.core import feistel as _feistel
 from croupier.core import permute as _permute
-from croupier.core.order import Cursor, fixed_plan, order
+from croupier.core.order import Cursor, order
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, SCOPES, TAILS, Spec
 
 GOLDEN = json.loads((pathlib.Path(__file__).resolve().parents[1] / "golden" / "orders.json").read_text())
@@ -38,9 +38,11 @@ def _clear_caches() -> None:
 
 
 def _spec(kw: dict[str, Any]) -> Spec:
-    """The spec a golden case describes (``lengths`` as a list of ints)."""
+    """The spec a golden case describes (``lengths`` and ``shards`` as lists of ints)."""
     if kw.get("lengths") is not None:
         return Spec.with_lengths(kw["lengths"], **{k: v for k, v in kw.items() if k not in ("n", "lengths")})
+    if kw.get("shards") is not None:
+        return Spec.with_shards(kw["shards"], **{k: v for k, v in kw.items() if k not in ("n", "shards", "lengths")})
     return Spec(**{k: v for k, v in kw.items() if k != "lengths"})
 
 
@@ -68,7 +70,8 @@ def golden_mismatches(golden: dict[str, Any]) -> list[str]:
         cursor = Cursor(case["epoch"], tuple((a, b) for a, b in case["remaining"]), case["base_world"])
         out += _diff(f"{cid} order", order(spec, case["epoch"], np.arange(spec.n), case["base_world"]).tolist(),
                      case["order"])
-        p = fixed_plan(spec, cursor, case["world"])
+        p = registry.plan_epoch(spec, cursor, case["world"], case["epoch"])
+        assert p is not None
         for r, want in enumerate(case["ranks"]):
             out += _diff(f"{cid} rank {r}", batches_of(p, r), want)
     for case in golden["samples"]:
@@ -103,15 +106,21 @@ def test_the_golden_file_covers_every_order() -> None:
                     kw: dict[str, Any] = dict(permutation=permutation, partition=partition, tail=tail, scope=scope)
                     if permutation == "bucket":
                         kw.update(buffer_size=5, pack_size=2, lengths=b"\0" * 8 * 23)
+                    if permutation == "shards":
+                        kw.update(shards=np.full(23, 1, dtype="<i8").tobytes())
                     try:
                         Spec(n=23, **kw)
                     except ValueError:
                         continue
                     want |= {f"{permutation}/{partition}/{tail}/{scope}/{c}" for c in ("fresh", "resumed")}
     assert {c["id"] for c in GOLDEN["plans"]} == want
-    assert len(want) == 2 * (len(PERMUTATIONS) * len(PARTITIONS) * len(TAILS) + 3 * 2 * len(TAILS))
-    large = {c["spec"]["n"] for c in GOLDEN["samples"] if c["spec"]["permutation"] == "feistel"}
+    # every permutation with every partition, but a shard order (its reader groups are its partition);
+    # three split per rank as well
+    assert len(want) == 2 * ((len(PERMUTATIONS) - 1) * len(PARTITIONS) * len(TAILS) + len(TAILS) + 3 * 2 * len(TAILS))
+    large = {c["spec"]["n"] for c in GOLDEN["samples"] if c["spec"].get("permutation") == "feistel"}
     assert {2**32 - 1, 2**32, 2**32 + 1, 2**40 - 1, 2**40, 2**40 + 1} <= large
+    sharded = {c["spec"]["n"] for c in GOLDEN["samples"] if c["spec"].get("shards")}
+    assert {2**32 - 1, 2**32, 2**32 + 1, 2**40 - 1, 2**40, 2**40 + 1} <= sharded
     for case in GOLDEN["samples"]:
         n, pos = case["spec"]["n"], case["positions"]
         assert pos[:8] == list(range(8)) and pos[-8:] == list(range(n - 8, n)) and len(pos) > 16, case["id"]

@@ -3,6 +3,7 @@ and a plan the coordinator deals its Dealer's; the registry picks the plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import pickle
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from croupier.core.cursor import Cursor, fresh
 from croupier.core.deals import EpochDeals
 from croupier.core.errors import OutOfRange
+from croupier.core.order import order
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import KINDS, PlanKind, kind_of, plan_epoch
 from croupier.core.spec import Spec
@@ -24,7 +26,7 @@ from tests._budget import examples
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Every way of dealing the contract runs on: the registered ones and the toy kind defined in a test
 #: (tests/_reverse_kind.py), registered for this module's tests.
-NAMES = ["dynamic", "fixed", "reverse", "tokens"]
+NAMES = ["dynamic", "fixed", "reverse", "shards", "tokens"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -39,6 +41,11 @@ def _spec(kind: str, n: int, batch: int, seed: int) -> Spec:
         return Spec(n=n, seed=seed, batch_size=batch, tail="uneven")
     if kind == "tokens":
         return Spec.with_lengths(lengths, seed=seed, max_tokens=120, tail="uneven", token_window=64)
+    if kind == "shards":  # shards of 1 to 13 samples, windows of 3, reader groups of 2
+        sizes = [1 + (i * 7 + seed) % 13 for i in range(n)]
+        cut = np.searchsorted(np.cumsum(sizes), n)
+        sizes = sizes[:cut] + [n - sum(sizes[:cut])] if n - sum(sizes[:cut]) else sizes[:cut]
+        return Spec.with_shards(sizes, seed=seed, batch_size=batch, tail="uneven", shard_window=3, lanes=4, reader_group=2)
     return Spec(n=n, seed=seed, batch_size=batch, tail="uneven", dealing=kind)
 
 
@@ -188,4 +195,59 @@ def test_sampler_defaults_come_from_the_registry(kind: str) -> None:
     assert k.tail(False, batches=True) == ("uneven" if k.coordinator_deals else "pad")
     assert k.tail(True, batches=False) == "drop"
     assert k.permutation(False, True) == "none"
-    assert k.permutation(True, True) == ("bucket" if k.fixed_batches else "feistel")
+    assert k.permutation(True, True) == (k.shuffled_by or ("bucket" if k.fixed_batches else "feistel"))
+
+
+def _leases(p: EpochPlan, book: EpochDeals) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Every rank's batch sizes and indices in plan `p`, leased three steps at a time (dealt into `book`)."""
+    sizes: dict[int, list[int]] = {}
+    indices: dict[int, list[int]] = {}
+    for r in range(p.world):
+        first, sizes[r], indices[r] = 0, [], []
+        while True:
+            grant = _grant(p, r, first, 3, book)
+            idx, got = p.lease(r, first, 3, grant)  # type: ignore[arg-type]
+            sizes[r] += got
+            indices[r] += idx.tolist()
+            if p.ends(r, first, 3, len(got), grant):  # type: ignore[arg-type]
+                break
+            first += len(got)
+    return sizes, indices
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(name=st.sampled_from(NAMES), n=st.integers(1, 200), batch=st.integers(1, 9), world=st.integers(1, 5),
+       pad=st.booleans(), seed=st.integers(0, 2**20))
+def test_where_the_kinds_differ_a_plan_answers_as_its_leases_deal(name: str, n: int, batch: int, world: int,
+                                                                  pad: bool, seed: int) -> None:
+    """A plan's own answers where the ways of dealing differ (a fixed plan's from its layout at once): the most
+    steps of a rank, every step's positions, where an index lies and which samples are the tail's padding, as
+    its leases deal them; a rank's own grant is the coordinator's, or none where the coordinator deals."""
+    spec = _spec(name, n, batch, seed)
+    if pad and not KINDS[name].coordinator_deals:
+        spec = dataclasses.replace(spec, tail="pad")
+    p = plan_epoch(spec, fresh(spec, 0), world, 0)
+    assert p is not None
+    assert p.dealt_out(None) == (p.dealer is None or p.dealer.batches == 0)
+    book = EpochDeals()
+    sizes, indices = _leases(p, book)
+    assert p.dealt_out(book)
+    most = p.most_steps(book)
+    assert most == max(len(s) for s in sizes.values())
+    ranks, steps, pos = p.step_positions(0, most + 1, book)
+    dealt = order(spec, 0, pos, p.cursor.base_world)
+    assert ranks.tolist() == [r for r in range(world) for _ in indices[r]]
+    assert steps.tolist() == [j for r in range(world) for j, s in enumerate(sizes[r]) for _ in range(s)]
+    assert dealt.tolist() == [i for r in range(world) for i in indices[r]]
+    pads = [p.padding(r, j, s) for r in range(world) for j, s in enumerate(sizes[r])]
+    if any(x is not None for x in pads):
+        flags = np.concatenate(pads)  # type: ignore[arg-type]
+        assert int(flags.sum()) == len(dealt) - spec.n, "the padding is what is dealt beyond the epoch"
+        assert sorted(dealt[~flags].tolist()) == list(range(spec.n))
+    for i in range(spec.n):
+        hits = p.where(i)
+        if hits is not None:
+            k = np.flatnonzero(dealt == i)
+            assert sorted(hits) == sorted(zip(ranks[k].tolist(), steps[k].tolist(), pos[k].tolist()))
+    own = p.own_grant(0, 0, 2)
+    assert own == (None if p.coordinator_deals else p.coordinator_grant(0, 0, 2, lambda: ((), True)))

@@ -43,6 +43,10 @@ LENGTHS = [5, 3, 8, 3, 1, 9, 3, 5, 5, 2, 7, 0, 4, 4, 6, 1, 8, 2, 9, 3, 5, 7, 1]
 RESUMED = [[3, 9], [14, 23]]
 #: Dataset sizes near 2**32 and 2**40, where the Feistel domain and the wire's index width change.
 LARGE_NS = [2**32 - 1, 2**32, 2**32 + 1, 2**40 - 1, 2**40, 2**40 + 1]
+#: The small shard plans' shards (they add up to N), windows of 2 shards, 2 heads, reader groups of 2.
+SHARDS, SHARD_WINDOW, LANES, READER_GROUP = [4, 1, 6, 2, 3, 5, 2], 2, 2, 2
+#: A shard order of 1,000 shards over each large size (the last shard holds what is left).
+LARGE_SHARDS = 1000
 #: A bucket order with many packs per window (25): its pack shuffle takes the vectorised path.
 BUCKET_N, BUCKET_BUFFER, BUCKET_PACK = 1000, 100, 4
 
@@ -62,19 +66,35 @@ def _spec_kwargs(permutation: str, partition: str, tail: str, scope: str) -> dic
     if permutation == "bucket":
         kw["pack_size"] = PACK_SIZE
         kw["lengths"] = LENGTHS
+    if permutation == "shards":
+        kw.update(shards=SHARDS, shard_window=SHARD_WINDOW, lanes=LANES, reader_group=READER_GROUP)
     return kw
+
+
+def large_shards(n: int) -> list[int]:
+    """:data:`LARGE_SHARDS` shards of n samples: equal ones and the rest in the last."""
+    each = n // LARGE_SHARDS
+    return [each] * (LARGE_SHARDS - 1) + [n - each * (LARGE_SHARDS - 1)]
+
+
+def spec_of(kw: dict[str, Any]) -> Any:
+    """The spec a golden case describes (``lengths`` and ``shards`` as lists of ints)."""
+    from croupier.core.spec import Spec
+
+    if kw.get("lengths") is not None:
+        rest = {k: v for k, v in kw.items() if k not in ("n", "lengths")}
+        return Spec.with_lengths(kw["lengths"], **rest)
+    if kw.get("shards") is not None:
+        rest = {k: v for k, v in kw.items() if k not in ("n", "shards", "lengths")}
+        return Spec.with_shards(kw["shards"], **rest)
+    return Spec(**{k: v for k, v in kw.items() if k != "lengths"})
 
 
 def make_orders() -> dict[str, Any]:
     """The golden file's content, computed by this release's engine."""
-    from croupier.core.order import Cursor, bind, fixed_plan, fresh, order
+    from croupier.core.order import Cursor, bind, fresh, order
+    from croupier.core.registry import plan_epoch
     from croupier.core.spec import ORDER_VERSION, PARTITIONS, PERMUTATIONS, TAILS, Spec
-
-    def spec_of(kw: dict[str, Any]) -> Spec:
-        if kw.get("lengths") is not None:
-            rest = {k: v for k, v in kw.items() if k not in ("n", "lengths")}
-            return Spec.with_lengths(kw["lengths"], **rest)
-        return Spec(**{k: v for k, v in kw.items() if k != "lengths"})
 
     plans = []
     for permutation in PERMUTATIONS:
@@ -89,7 +109,7 @@ def make_orders() -> dict[str, Any]:
                     for name, cursor in (("fresh", fresh(spec, EPOCH)),
                                          ("resumed", Cursor(EPOCH, tuple((a, b) for a, b in RESUMED)))):
                         cursor = bind(spec, cursor, WORLD)
-                        p = fixed_plan(spec, cursor, WORLD)
+                        p = plan_epoch(spec, cursor, WORLD, EPOCH)
                         ranks = []
                         for r in range(WORLD):
                             batches, j = [], 0
@@ -118,6 +138,13 @@ def make_orders() -> dict[str, Any]:
                 "id": f"{permutation}/{scope}/n={n}", "spec": kw, "epoch": EPOCH, "base_world": base_world,
                 "positions": pos, "indices": order(spec, EPOCH, np.array(pos), base_world).tolist(),
             })
+    for n in LARGE_NS:
+        kw = dict(n=n, seed=SEED, shards=large_shards(n))
+        pos = _sample_positions(n)
+        samples.append({
+            "id": f"shards/global/n={n}", "spec": kw, "epoch": EPOCH, "base_world": 0, "positions": pos,
+            "indices": order(spec_of(kw), EPOCH, np.array(pos), 0).tolist(),
+        })
     lengths = [(i * 7919) % 97 for i in range(BUCKET_N)]
     kw = dict(n=BUCKET_N, seed=SEED, permutation="bucket", buffer_size=BUCKET_BUFFER, pack_size=BUCKET_PACK,
               lengths=lengths)  # 25 packs a window: more than feistel.SMALL, the vectorised path

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from _packing_data import CONTEXT
 from _torchrun import torchrun as run_example
+from torch.utils.data import DataLoader
 
-from croupier.client import DistributedSampler
+from croupier.client import DistributedSampler, Loader
 from croupier.integrations.dcp import KEY, SamplerState
 from croupier.tools.audit import audit, load, render, verdict
 
@@ -201,3 +203,32 @@ def test_sampler_state_consumed_and_errors() -> None:
             SamplerState(s).load_state_dict(consumed)
     finally:
         s.close()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sampler_state_of_a_loader_saves_what_the_loop_took(tmp_path: pathlib.Path) -> None:
+    """DataLoader workers read the sampler ahead of the loop: SamplerState over the Loader saves the state at the
+    batches that reached the loop (``Loader.state_dict(step=...)``, no count kept by the trainer) and loads it
+    through the Loader; the resumed loop trains exactly the rest."""
+    a = _sampler("dcp-loader")
+    loader = Loader(DataLoader(list(range(64)), batch_size=4, sampler=a, num_workers=2, multiprocessing_context=CONTEXT))
+    try:
+        it = iter(loader)
+        taken = [int(i) for _ in range(3) for i in next(it)]
+        assert a.items_done > 12 and loader.items_trained == 12  # the workers read ahead
+        dcp.save({"dataloader": SamplerState(loader, step=lambda: 3)}, checkpoint_id=str(tmp_path / "ckpt"))
+        assert loader.state_dict(step=3) == a.state_dict(consumed=12, step=3)
+    finally:
+        loader.close()
+        a.close()
+    b = _sampler("dcp-loader")
+    resumed = Loader(DataLoader(list(range(64)), batch_size=4, sampler=b))
+    try:
+        dcp.load({"dataloader": SamplerState(resumed, step=lambda: 0)}, checkpoint_id=str(tmp_path / "ckpt"))
+        assert (b.state_dict()["step"], b.state_dict()["items"]) == (3, 12)
+        rest = [int(i) for batch in resumed for i in batch]
+        with pytest.raises(ValueError, match="leave consumed out"):
+            SamplerState(resumed, consumed=lambda: 0)
+    finally:
+        b.close()
+    assert sorted(taken + rest) == list(range(64))

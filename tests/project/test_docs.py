@@ -7,7 +7,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("core", "server", "client", "tools", "integrations")
+PACKAGES = ("core", "server", "client", "tools", "integrations", "data")
 README_LINES = 250
 
 

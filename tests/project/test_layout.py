@@ -14,15 +14,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Source folder -> the package it installs as.
 PACKAGES = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client", "tools": "croupier.tools",
-            "integrations": "croupier.integrations"}
+            "integrations": "croupier.integrations", "data": "croupier.data"}
 #: What each package may import of croupier (its own package always).
 ALLOWED = {
     "croupier.core": {"croupier.v1"},
     "croupier.server": {"croupier.core", "croupier.v1"},
     "croupier.client": {"croupier.core", "croupier.v1", "croupier.server"},  # the server: the embedded coordinator
-    "croupier.tools": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client"},
+    "croupier.tools": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client", "croupier.data"},
     # The trainers' glue: the client's public API only, as a user's code would use it.
     "croupier.integrations": {"croupier.core", "croupier.client"},
+    # Sharded datasets: the core's checks, and the client's FILTERED for a skipped shard's samples.
+    "croupier.data": {"croupier.core", "croupier.client"},
 }
 #: Third-party modules a package must not import at module level (lazily inside a function is allowed).
 NOT_AT_TOP = {"croupier.core": {"grpc", "sqlite3", "torch", "msgpack"}}
@@ -121,6 +123,7 @@ def test_the_private_read_check_can_fail(tmp_path: pathlib.Path) -> None:
         ("croupier.core.wire", ["grpc", "sqlite3"]),
         ("croupier.client", ["sqlite3", "croupier.server", "croupier.tools"]),
         ("croupier.server", ["croupier.client", "croupier.tools"]),
+        ("croupier.data", ["torch", "croupier.server", "croupier.tools"]),
     ],
 )
 def test_what_an_import_loads(module: str, absent: list[str]) -> None:
@@ -131,7 +134,7 @@ def test_what_an_import_loads(module: str, absent: list[str]) -> None:
 
 # ---------------------------------------------------------------------- the tests' own layout
 
-TEST_FOLDERS = {"core", "server", "client", "tools", "integrations", "e2e", "deploy", "benchmarks", "project"}
+TEST_FOLDERS = {"core", "server", "client", "tools", "integrations", "data", "e2e", "deploy", "benchmarks", "project"}
 LONGEST_TEST_FILE = 500
 
 
@@ -204,7 +207,7 @@ def test_the_docs_test_check_can_fail(tmp_path: pathlib.Path) -> None:
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
     """croupier module -> the croupier modules it imports (at any level of the file)."""
     packages = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client",
-                "tools": "croupier.tools", "integrations": "croupier.integrations"}
+                "tools": "croupier.tools", "integrations": "croupier.integrations", "data": "croupier.data"}
     graph: dict[str, set[str]] = {}
     for folder, pkg in packages.items():
         for path in sorted((root / folder).rglob("*.py")):

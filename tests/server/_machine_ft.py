@@ -425,7 +425,7 @@ class FtSteps(RuleBasedStateMachine):
                 mine = timeline[t].key
                 if mine[0] != self.run and any(y[0] == mine[0] and y[1][0] <= t and y[1][3] > mine[1][3]
                                                for y in self.arrived):
-                    # NOTE: a known limit (docs/guarantees.md, G11): the job resumed from a checkpoint that holds
+                    # NOTE: a known limit (docs/guarantees.md, G12): the job resumed from a checkpoint that holds
                     # a version of step t which its run's later quorum superseded (the groups that saved it died,
                     # the survivors trained step t or an earlier one again); a resume point names a run and a
                     # step, not the versions, so the record answers the survivors' version (or none).

@@ -106,6 +106,10 @@ class Setup:
     sources: tuple[int, ...] = ()  # a mixture: each source's size (n is then an epoch's length)
     weights: tuple[tuple[int, tuple[int, ...]], ...] = ()  # its schedule: (from sample, weights)
     max_epochs: tuple[int | None, ...] = ()
+    shard_sizes: tuple[int, ...] = ()  # a shard order: each shard's size (they add up to n)
+    shard_window: int = 32
+    lanes: int = 16
+    reader_group: int = 1
 
     def _mixture(self) -> dict[str, Any]:
         if not self.sources:
@@ -127,6 +131,10 @@ class Setup:
         if self.kind == "tokens":
             return DistributedBatchSampler(self.n, lengths=list(self.lengths), max_tokens=self.max_tokens,
                                            token_window=self.token_window, **common)
+        if self.kind == "shards":
+            return DistributedBatchSampler(self.n, self.batch, shard_sizes=list(self.shard_sizes),
+                                           shard_window=self.shard_window, lanes=self.lanes,
+                                           reader_group=self.reader_group, **common)
         return DistributedBatchSampler(self.n, self.batch, drop_last=self.drop_last, even_batches=self.even_batches,
                                        **common)
 
@@ -152,7 +160,7 @@ class Setup:
 #: that a test registers (tests/_reverse_kind.py: the coordinator deals full batches from the back), and with
 #: token-budget batches (a step takes one batch of varying size); "mixture" makes a third of them (all, alone)
 #: deal a weighted mixture of sources whose weights change and whose sources may be capped.
-KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,reverse,tokens,mixture").split(",")
+KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,reverse,tokens,shards,mixture").split(",")
 #: The kinds the coordinator deals, each its own spec's ``dealing`` ("reverse" while tests/_reverse_kind.py
 #: registers it).
 DEALT = ("dynamic", "reverse")
@@ -162,7 +170,7 @@ DEALT = ("dynamic", "reverse")
 def setups(draw: st.DrawFn) -> Setup:
     """A job: either sampler class, any spec of up to 60 samples, and a few small leases kept ahead."""
     # "mixture" in KINDS: a third of the jobs (all of them when it is alone) deal a mixture of sources
-    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", *DEALT, "tokens"]))
+    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", *DEALT, "tokens", "shards"]))
     partition = draw(st.sampled_from(["strided", "chunked", "contiguous"]))
     tail = draw(st.sampled_from(["pad", "drop", "uneven", "pad_last"]))
     if kind in DEALT:  # no stripes, no padding: whoever asks gets the next batch
@@ -180,18 +188,25 @@ def setups(draw: st.DrawFn) -> Setup:
         # honest bound for it, and that combination is left out.
         even = draw(st.booleans()) if (partition, tail) != ("chunked", "uneven") else False
     n = draw(st.integers(1, 60))
-    mixed = "mixture" in KINDS and (KINDS == ["mixture"] or draw(st.integers(0, 2)) == 0)
+    sharded: dict[str, Any] = {}
+    if kind == "shards":  # a shard order: reader groups of any size, a few windows and heads
+        partition = "strided"
+        cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=12)))) if n > 1 else []
+        sharded = dict(shard_sizes=tuple(b - a for a, b in zip([0, *cuts], [*cuts, n])),
+                       shard_window=draw(st.integers(1, 4)), lanes=draw(st.integers(1, 6)),
+                       reader_group=draw(st.integers(1, 3)))
+    mixed = "mixture" in KINDS and not sharded and (KINDS == ["mixture"] or draw(st.integers(0, 2)) == 0)
     mixture = draw(mixtures()) if mixed else {}
     space = sum(mixture["sources"]) if mixture else n
     if token:
         token["lengths"] = tuple(draw(st.lists(st.integers(1, token["max_tokens"]), min_size=space, max_size=space)))
-    permutations = ["none", "feistel"] if mixture else ["none", "feistel", "torch", "window"]
+    permutations = ["none", "feistel"] if mixture else ["shards"] if sharded else ["none", "feistel", "torch", "window"]
     return Setup(
         kind=kind, n=n, seed=draw(st.integers(0, 2**32)),
         permutation=draw(st.sampled_from(permutations)), partition=partition, tail=tail,
-        buffer_size=draw(st.one_of(st.none(), st.integers(1, 20))), batch=draw(st.integers(1, 4)),
+        buffer_size=None if sharded else draw(st.one_of(st.none(), st.integers(1, 20))), batch=draw(st.integers(1, 4)),
         drop_last=drop_last, even_batches=even, lease_ahead=draw(st.integers(1, 3)), prefetch=draw(st.integers(2, 3)),
-        **token, **mixture,
+        **token, **mixture, **sharded,
     )
 
 

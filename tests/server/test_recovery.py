@@ -263,8 +263,8 @@ def _mutated(ev: Any, **changes: Any) -> dict[str, Any]:
         (_mutated(EVENTS[4], start=None), r"GenerationStarted.start \(a cursor .*\) must be a list of 3 \(got .*=None\)"),
         (_mutated(EVENTS[0], spec=[1, 2]), r"JobRegistered.spec must be a map of spec fields"),
         (
-            _mutated(EVENTS[0], spec={**BUCKET.to_dict(), "shards": 4}),
-            r"JobRegistered.spec is not a valid spec: unknown spec fields \['shards'\]",
+            _mutated(EVENTS[0], spec={**BUCKET.to_dict(), "shelves": 4}),
+            r"JobRegistered.spec is not a valid spec: unknown spec fields \['shelves'\]",
         ),
         (_mutated(EVENTS[0], spec={**BUCKET.to_dict(), "pack_size": -1}), r"JobRegistered.spec is not a valid spec: pack_size"),
     ],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import shutil
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -231,6 +232,76 @@ def test_what_cannot_be_audited_says_why(indices: Run, capsys: pytest.CaptureFix
                                                 for s in ledger.segments])
     a = audit_steps(nameless)
     assert not a.ok and a.error is not None and "generation 3 resumed from a checkpoint that named no step" in a.error, a
+
+
+def _to_the_end(address: str, logdir: pathlib.Path, kind: str, world: int, incarnation: str, state: dict | None,
+                stop: int | None) -> dict:
+    """One generation of real samplers, a batch of every rank a step: from `state` (or fresh) to the end of epoch 1,
+    or to step `stop`; checkpointed there once every rank got there (rank 0's state returned), samplers closed."""
+    saved: dict = {}
+    there = threading.Barrier(world)
+
+    def rank(r: int) -> None:
+        if kind in ("mixture", "dynamic"):  # three sources, none judged by the per-step count of missing samples
+            s = DistributedBatchSampler(60, 2, world, r, address=address, job=kind, incarnation=incarnation,
+                                        audit_dir=str(logdir), sources=[10, 20, 30], weights=[1, 2, 3],
+                                        dealing="dynamic" if kind == "dynamic" else "static")
+        else:  # even batches: samples repeated on purpose, so not judged either
+            s = DistributedBatchSampler(61, 4, world, r, address=address, job=kind, incarnation=incarnation,
+                                        audit_dir=str(logdir), even_batches=True)
+        t = 0
+        if state:
+            s.load_state_dict(state)
+            t = state["step"]
+        for epoch in range(s.epoch, 2):
+            s.set_epoch(epoch)
+            for _ in s:
+                t += 1
+                if t == stop:
+                    break
+            if t == stop:
+                break
+        there.wait(timeout=60)  # dealt as the ranks ask, a step's batches are known once every rank took them
+        st = s.state_dict(step=t)
+        if r == 0:
+            saved.update(st)
+        s.close()
+
+    on_ranks(world, rank)
+    return saved
+
+
+@pytest.mark.parametrize("kind", ["mixture", "even_batches", "dynamic"])
+def test_a_job_run_to_the_end_of_an_epoch_passes(tmp_path: pathlib.Path, kind: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A job resized 2 -> 3 ranks mid-epoch, run to the end of epoch 1, checkpointed there and closed: its last epoch
+    is finished (no step of epoch 2 follows it, and none needs to), so the audit by step exits 0, with and without
+    the logs, and again from a restarted coordinator; stopped inside an epoch, that epoch is open (exit 1)."""
+    store, logdir = f"sqlite:///{tmp_path}/coordinator.db", tmp_path / "audit"
+    server = Server(store).start()
+    try:
+        mid = _to_the_end(server.address, logdir, kind, 2, "g1", None, 5)
+        assert cli(["audit", "--by-step", "--address", server.address]) == 1  # stopped inside epoch 0
+        assert "open along the timeline: " + kind + " epoch 0" in capsys.readouterr().out
+        assert cli(["audit", "--by-step", "--address", server.address, "--allow-unfinished"]) == 0
+        _to_the_end(server.address, logdir, kind, 3, "g2", mid, None)
+        with CoordinatorClient(server.address) as c:
+            ledger = c.ledger(kind)
+        a = audit_steps(ledger, load(logdir)[kind])
+        assert a.ok and [(e.epoch, e.finished) for e in a.epochs] == [(0, True), (1, True)], render_steps([a])
+        assert a.last == ledger.last_step and ledger.ends_epoch(a.last) and not ledger.ends_epoch(a.last - 1)
+        capsys.readouterr()
+        assert cli(["audit", str(logdir), "--by-step", "--address", server.address]) == 0, capsys.readouterr().out
+        assert cli(["audit", "--by-step", "--address", server.address]) == 0, capsys.readouterr().out
+    finally:
+        server.stop(grace=0.5)
+    server = Server(store).start()  # the ledger as a restarted coordinator reads it from its store
+    try:
+        capsys.readouterr()
+        assert cli(["audit", str(logdir), "--by-step", "--address", server.address]) == 0, capsys.readouterr().out
+        assert "open along the timeline" not in capsys.readouterr().out
+    finally:
+        server.stop(grace=0.5)
 
 
 # --------------------------------------------------------------------------- without a server

@@ -48,6 +48,10 @@ class Spec(_message.Message):
     SOURCES_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
     MAX_EPOCHS_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SHARD_WINDOW_FIELD_NUMBER: _builtins.int
+    LANES_FIELD_NUMBER: _builtins.int
+    READER_GROUP_FIELD_NUMBER: _builtins.int
     n: _builtins.int
     seed: _builtins.int
     permutation: _builtins.str
@@ -71,6 +75,14 @@ class Spec(_message.Message):
     """unset means 4096"""
     dealing: _builtins.str
     """"static" (default when empty) or "dynamic": batches go to whichever rank asks (Deal)."""
+    shards: _builtins.bytes
+    """A dataset in shards (permutation "shards"): each shard's sample count, little-endian int64."""
+    shard_window: _builtins.int
+    """unset means 32"""
+    lanes: _builtins.int
+    """unset means 16"""
+    reader_group: _builtins.int
+    """unset means 1"""
     @_builtins.property
     def sources(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """A mixture of sources: each source's size (empty: one dataset of n samples). An epoch is then
@@ -107,29 +119,49 @@ class Spec(_message.Message):
         sources: _abc.Iterable[_builtins.int] | None = ...,
         weights: _abc.Iterable[Global___WeightChange] | None = ...,
         max_epochs: _abc.Iterable[_builtins.int] | None = ...,
+        shards: _builtins.bytes | None = ...,
+        shard_window: _builtins.int | None = ...,
+        lanes: _builtins.int | None = ...,
+        reader_group: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "buffer_size", b"buffer_size", "lengths", b"lengths", "max_tokens", b"max_tokens", "pack_size", b"pack_size", "token_window", b"token_window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lanes", b"_lanes", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_reader_group", b"_reader_group", "_shard_window", b"_shard_window", "_shards", b"_shards", "_token_window", b"_token_window", "buffer_size", b"buffer_size", "lanes", b"lanes", "lengths", b"lengths", "max_tokens", b"max_tokens", "pack_size", b"pack_size", "reader_group", b"reader_group", "shard_window", b"shard_window", "shards", b"shards", "token_window", b"token_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_token_window", b"_token_window", "batch_size", b"batch_size", "buffer_size", b"buffer_size", "cost", b"cost", "dealing", b"dealing", "drop_last_batch", b"drop_last_batch", "even_batches", b"even_batches", "lengths", b"lengths", "max_epochs", b"max_epochs", "max_tokens", b"max_tokens", "n", b"n", "pack_size", b"pack_size", "partition", b"partition", "permutation", b"permutation", "scope", b"scope", "seed", b"seed", "sources", b"sources", "tail", b"tail", "token_window", b"token_window", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size", "_lanes", b"_lanes", "_lengths", b"_lengths", "_max_tokens", b"_max_tokens", "_pack_size", b"_pack_size", "_reader_group", b"_reader_group", "_shard_window", b"_shard_window", "_shards", b"_shards", "_token_window", b"_token_window", "batch_size", b"batch_size", "buffer_size", b"buffer_size", "cost", b"cost", "dealing", b"dealing", "drop_last_batch", b"drop_last_batch", "even_batches", b"even_batches", "lanes", b"lanes", "lengths", b"lengths", "max_epochs", b"max_epochs", "max_tokens", b"max_tokens", "n", b"n", "pack_size", b"pack_size", "partition", b"partition", "permutation", b"permutation", "reader_group", b"reader_group", "scope", b"scope", "seed", b"seed", "shard_window", b"shard_window", "shards", b"shards", "sources", b"sources", "tail", b"tail", "token_window", b"token_window", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__buffer_size: _TypeAlias = _typing.Literal["buffer_size"]  # noqa: Y015
     _WhichOneofArgType__buffer_size: _TypeAlias = _typing.Literal["_buffer_size", b"_buffer_size"]  # noqa: Y015
+    _WhichOneofReturnType__lanes: _TypeAlias = _typing.Literal["lanes"]  # noqa: Y015
+    _WhichOneofArgType__lanes: _TypeAlias = _typing.Literal["_lanes", b"_lanes"]  # noqa: Y015
     _WhichOneofReturnType__lengths: _TypeAlias = _typing.Literal["lengths"]  # noqa: Y015
     _WhichOneofArgType__lengths: _TypeAlias = _typing.Literal["_lengths", b"_lengths"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__pack_size: _TypeAlias = _typing.Literal["pack_size"]  # noqa: Y015
     _WhichOneofArgType__pack_size: _TypeAlias = _typing.Literal["_pack_size", b"_pack_size"]  # noqa: Y015
+    _WhichOneofReturnType__reader_group: _TypeAlias = _typing.Literal["reader_group"]  # noqa: Y015
+    _WhichOneofArgType__reader_group: _TypeAlias = _typing.Literal["_reader_group", b"_reader_group"]  # noqa: Y015
+    _WhichOneofReturnType__shard_window: _TypeAlias = _typing.Literal["shard_window"]  # noqa: Y015
+    _WhichOneofArgType__shard_window: _TypeAlias = _typing.Literal["_shard_window", b"_shard_window"]  # noqa: Y015
+    _WhichOneofReturnType__shards: _TypeAlias = _typing.Literal["shards"]  # noqa: Y015
+    _WhichOneofArgType__shards: _TypeAlias = _typing.Literal["_shards", b"_shards"]  # noqa: Y015
     _WhichOneofReturnType__token_window: _TypeAlias = _typing.Literal["token_window"]  # noqa: Y015
     _WhichOneofArgType__token_window: _TypeAlias = _typing.Literal["_token_window", b"_token_window"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__buffer_size) -> _WhichOneofReturnType__buffer_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lanes) -> _WhichOneofReturnType__lanes | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__lengths) -> _WhichOneofReturnType__lengths | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__pack_size) -> _WhichOneofReturnType__pack_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reader_group) -> _WhichOneofReturnType__reader_group | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__shard_window) -> _WhichOneofReturnType__shard_window | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__shards) -> _WhichOneofReturnType__shards | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_window) -> _WhichOneofReturnType__token_window | None: ...
 

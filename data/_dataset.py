@@ -1,0 +1,338 @@
+"""`ShardedDataset`: a map-style view of parquet or webdataset shards, local or in object storage, read through a node's cache."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import operator
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from croupier.client import FILTERED
+from croupier.core.checks import check_choice, check_int
+from croupier.data._cache import ShardCache
+from croupier.data._formats import FORMATS, Reader
+from croupier.data._index import IndexCache
+from croupier.data._manifest import Manifest, Shard, ShardChanged
+from croupier.data._storage import Retry, Storage, transient
+
+log = logging.getLogger("croupier.data")
+
+ON_ERROR = ("raise", "skip")
+#: The node's cache bound when none is given, in bytes.
+DEFAULT_CACHE_BYTES = 16 * 2**30
+#: Shards one process keeps open (each with its decoded row groups), the least recently read closed first.
+OPEN_SHARDS = 4
+#: Tries at opening a shard the cache fetched, should another process evict it before the open.
+_OPEN_TRIES = 3
+
+
+def default_cache_dir() -> str:
+    """The node's cache folder when none is given: ``croupier-data`` in the system's temporary folder."""
+    return os.path.join(tempfile.gettempdir(), "croupier-data")
+
+
+class ShardError(RuntimeError):
+    """A shard could not be read: missing, refused, unreadable after its retries, or corrupt.
+
+    The message names the shard's path, what was wrong and the dataset indices it holds; so do the
+    attributes (empty when rebuilt from the message alone, as a DataLoader worker's error is).
+
+    Attributes:
+        path: The shard's URL or path.
+        reason: What was wrong (``missing``, ``refused``, ``unreadable``, ``corrupt``).
+        indices: The dataset indices the shard holds.
+    """
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "", indices: range = range(0)) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+        self.indices = indices
+
+
+class _Corrupt(Exception):
+    """A shard's local copy (or local file) that its format cannot read: not tried again."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class ShardedDataset:
+    """A map-style dataset over shards: ``ds[i]`` is row ``i - offsets[s]`` of shard s (as torch's
+    ConcatDataset numbers samples), decoded, then passed through `transform`.
+
+    Drive it with a croupier sampler built on its shard sizes
+    (``DistributedSampler(ds, shard_sizes=ds.shard_sizes, ...)``) and a DataLoader; it is picklable, and
+    each DataLoader worker opens the shards it reads itself. Local files are read in place; shards in
+    object storage are fetched whole into the node's cache (``cache_dir``, shared by the node's ranks and
+    workers, at most `cache_bytes`) and read from there.
+
+    Args:
+        shards: A :class:`Manifest` (its shards as recorded; each is checked against the store, see
+            `verify`), or what :meth:`Manifest.build` takes: a folder, a glob, a file or a list of files,
+            local paths or fsspec URLs (``s3://``, ``gs://``, ``file://``).
+        transform: Called on each decoded sample; its result is what ``ds[i]`` returns.
+        format: The shards' format (``parquet`` or ``webdataset``); default: from each file's suffix.
+        storage_options: The file systems' options (credentials, ``client_kwargs={"endpoint_url": ...}``
+            for S3), as fsspec takes them.
+        cache_dir: The node's cache folder: fetched shards under ``shards/``, shard indices under ``index/``.
+            Default :func:`default_cache_dir`.
+        cache_bytes: The bound on the fetched shards held in ``cache_dir``, in bytes; at least the largest
+            shard in object storage (best, a few shards for each process of the node that reads).
+        on_error: ``"raise"``: a shard that cannot be read raises :class:`ShardError`. ``"skip"``: each of
+            its samples is ``croupier.client.FILTERED`` (counted as filtered by the packing stage and its
+            audit log, never missing), and a warning names the shard once per process.
+        retry: How transient read errors are retried (default :class:`Retry`'s).
+        decode: Decode a tar's members by extension (text, ints, JSON); else each member's bytes.
+        verify: With a manifest, check at once that no shard changed (one listing per folder); a shard is
+            checked again whenever it is fetched.
+        prefetch_threads: Threads fetching the shards :meth:`prefetch` names.
+
+    Raises:
+        ShardChanged: a shard is not what the manifest recorded (a ValueError naming its path and both values).
+        ValueError: an argument is out of its range, or a shard in object storage is larger than `cache_bytes`.
+    """
+
+    def __init__(self, shards: Manifest | str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                 transform: Callable[[Any], Any] | None = None, format: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES, on_error: str = "raise", retry: Retry | None = None,
+                 decode: bool = True, verify: bool = True, prefetch_threads: int = 2) -> None:
+        self.on_error = check_choice("on_error", on_error, ON_ERROR)
+        self.transform = transform
+        self.decode = decode
+        self.prefetch_threads = check_int("prefetch_threads", prefetch_threads, 1)
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        self._storage = Storage(storage_options, retry)
+        if isinstance(shards, Manifest):
+            self.manifest = shards
+            if verify:
+                self._verify()
+        else:
+            self.manifest = Manifest.build(shards, format=format, storage_options=storage_options,
+                                           cache_dir=self.cache_dir, retry=retry)
+        self._sizes = self.manifest.sizes
+        self._offsets = tuple(itertools.accumulate(self._sizes, initial=0))  # (shards + 1,)
+        self._local = tuple(self._storage.is_local(s.path) for s in self.manifest.shards)
+        self.cache = ShardCache(os.path.join(self.cache_dir, "shards"), cache_bytes)
+        largest = max((s for s, local in zip(self.manifest.shards, self._local) if not local),
+                      key=lambda s: s.bytes, default=None)
+        if largest is not None and largest.bytes > cache_bytes:
+            raise ValueError(f"cache_bytes={cache_bytes} is smaller than shard {largest.path} ({largest.bytes} bytes): "
+                             f"the cache must hold the largest shard in object storage")
+        self._index = IndexCache(self.cache_dir)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """This process's own state: open readers, shards skipped, the prefetch threads."""
+        self._pid = os.getpid()
+        self._readers: OrderedDict[int, Reader] = OrderedDict()
+        self._skipped: dict[int, ShardError] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        own = {"_pid", "_readers", "_skipped", "_executor", "_executor_lock"}
+        return {k: v for k, v in self.__dict__.items() if k not in own}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fresh()
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """The samples of each shard, in the manifest's order: the sampler's ``shard_sizes``."""
+        return self._sizes
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The dataset index of each shard's first row, and the dataset's size last (``len(shards) + 1`` values)."""
+        return self._offsets
+
+    def __len__(self) -> int:
+        return self._offsets[-1]
+
+    def shard_of(self, index: int) -> tuple[int, int]:
+        """The (shard, row) of dataset index `index`.
+
+        Raises:
+            IndexError: `index` is not in ``[0, len(self))``.
+        """
+        i = operator.index(index)
+        if not 0 <= i < len(self):
+            raise IndexError(f"dataset index {i} is not in [0, {len(self)})")
+        s = bisect.bisect_right(self._offsets, i) - 1
+        return s, i - self._offsets[s]
+
+    def indices(self, shard: int) -> range:
+        """The dataset indices shard `shard` holds."""
+        return range(self._offsets[shard], self._offsets[shard + 1])
+
+    def __getitem__(self, index: int) -> Any:
+        """Sample `index`, decoded and transformed; ``croupier.client.FILTERED`` for a sample of a shard skipped
+        (``on_error="skip"``).
+
+        Raises:
+            IndexError: `index` is out of range.
+            ShardError: its shard cannot be read (``on_error="raise"``).
+            ShardChanged: its shard is not what the manifest recorded.
+        """
+        s, r = self.shard_of(index)
+        reader = self._reader(s)
+        if reader is None:
+            return FILTERED
+        try:
+            sample = reader.row(r)
+        except Exception as e:
+            self._close(s)
+            if not self._local[s]:
+                self.cache.discard(self.manifest.shards[s].key)
+            self._fail(s, _Corrupt(e))
+            return FILTERED
+        return sample if self.transform is None else self.transform(sample)
+
+    def prefetch(self, shards: Iterable[int]) -> list[Future[str]]:
+        """Starts fetching `shards` into the node's cache in background threads (a shard held already, or
+        local, is done at once). A failed fetch is not raised here: the read of the shard reports it.
+
+        Returns:
+            One future per shard, done when the shard is in the cache (its result: the local path) or its
+            fetch failed (its exception).
+        """
+        out: list[Future[str]] = []
+        for s in shards:
+            s = check_int("shard", s, 0, len(self._sizes))
+            if self._local[s]:
+                done: Future[str] = Future()
+                done.set_result(self._storage.local_path(self.manifest.shards[s].path))
+                out.append(done)
+            else:
+                out.append(self._pool().submit(self._ensure, s))
+        return out
+
+    def close(self) -> None:
+        """Closes this process's open shards and stops its prefetch threads."""
+        for s in list(self._readers):
+            self._close(s)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ------------------------------------------------------------------ reading a shard
+
+    def _pool(self) -> ThreadPoolExecutor:
+        self._own()
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.prefetch_threads, thread_name_prefix="croupier-prefetch")
+            return self._executor
+
+    def _own(self) -> None:
+        """Starts this process's own state after a fork (a DataLoader worker shares no open file with its parent)."""
+        if self._pid != os.getpid():
+            self._fresh()
+
+    def _reader(self, s: int) -> Reader | None:
+        self._own()
+        if s in self._skipped:
+            return None
+        reader = self._readers.get(s)
+        if reader is not None:
+            self._readers.move_to_end(s)
+            return reader
+        try:
+            reader = self._open(s)
+        except ShardChanged:
+            raise
+        except Exception as e:
+            self._fail(s, e)
+            return None
+        self._readers[s] = reader
+        while len(self._readers) > OPEN_SHARDS:
+            self._close(next(iter(self._readers)))
+        return reader
+
+    def _close(self, s: int) -> None:
+        reader = self._readers.pop(s, None)
+        if reader is not None:
+            reader.close()
+
+    def _open(self, s: int) -> Reader:
+        shard = self.manifest.shards[s]
+        fmt = FORMATS[shard.format]
+        index = self._index.get(shard.key)
+        if self._local[s]:
+            shard.check(self._storage.stat(shard.path))
+            try:
+                return fmt.open(self._storage.local_path(shard.path), index, self.decode)
+            except (FileNotFoundError, PermissionError):
+                raise
+            except Exception as e:
+                raise _Corrupt(e) from e
+        for tried in range(1, _OPEN_TRIES + 1):
+            path = self._ensure(s)
+            try:
+                return fmt.open(path, index, self.decode)
+            except FileNotFoundError:
+                if tried == _OPEN_TRIES:  # evicted again and again: the cache is too small for the readers
+                    raise
+            except Exception as e:
+                self.cache.discard(shard.key)
+                raise _Corrupt(e) from e
+        raise AssertionError("unreachable")
+
+    def _ensure(self, s: int) -> str:
+        """The local path of shard `s`, fetched into the cache if need be (checked against the manifest first)."""
+        shard: Shard = self.manifest.shards[s]
+
+        def fetch(dest: str) -> None:
+            shard.check(self._storage.stat(shard.path))
+            self._storage.fetch(shard.path, dest, shard.bytes)
+
+        return self.cache.ensure(shard.key, shard.bytes, fetch)
+
+    def _fail(self, s: int, e: Exception) -> None:
+        """Reports shard `s` unreadable for `e`: raises :class:`ShardError` (``on_error="raise"``), or records the
+        shard as skipped in this process."""
+        if isinstance(e, ShardChanged):
+            raise e
+        shard, rng = self.manifest.shards[s], self.indices(s)
+        if isinstance(e, _Corrupt):
+            reason, e = "corrupt", e.error
+        elif isinstance(e, FileNotFoundError):
+            reason = "missing"
+        elif isinstance(e, PermissionError):
+            reason = "refused"
+        elif transient(e):
+            reason = f"unreadable after {self._storage.retry.attempts} tries"
+        else:
+            reason = "unreadable"
+        err = ShardError(f"shard {s} ({shard.path}, {shard.format}) is {reason}: {type(e).__name__}: {e}; it holds "
+                         f"dataset indices {rng.start} to {rng.stop - 1} ({len(rng)} samples)",
+                         path=shard.path, reason=reason.split()[0], indices=rng)
+        if self.on_error == "raise":
+            raise err from e
+        if s not in self._skipped:
+            log.warning("%s: on_error='skip', its samples are FILTERED", err)
+        self._skipped[s] = err
+
+    def _verify(self) -> None:
+        """Refuses a manifest's shard that changed: one listing per folder of shards."""
+        by_parent: dict[tuple[int, str], list[Shard]] = {}
+        for shard in self.manifest.shards:
+            fs, path = self._storage.fs(shard.path)
+            by_parent.setdefault((id(fs), fs._parent(path)), []).append(shard)
+        for shards in by_parent.values():
+            listing = self._storage.listing(shards[0].path)
+            for shard in shards:
+                now = listing.get(self._storage.fs(shard.path)[1])
+                if now is not None:  # a missing shard is reported when it is read (on_error)
+                    shard.check(now)

@@ -1,0 +1,108 @@
+"""The node's shard cache and the reads behind it: transient errors retried (a bounded number of times), one
+fetch per shard among concurrent readers, a dead fetch's leftovers removed."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import threading
+
+import pytest
+from _shard_files import FlakyFS, hold, lock_waiters, until, write_parquet
+
+from croupier.client import FILTERED
+from croupier.data import Retry, ShardCache, ShardedDataset, ShardError
+from croupier.data._storage import transient
+
+
+def _flaky(tmp_path: pathlib.Path, attempts: int, **kw: object) -> ShardedDataset:
+    files = write_parquet(tmp_path / "d", [6, 6])
+    FlakyFS.failures = 0
+    ds = ShardedDataset([f"flakytest://{f}" for f in files], cache_dir=tmp_path / "cache",
+                        retry=Retry(attempts=attempts, first_wait_s=0.001, max_wait_s=0.01), **kw)  # type: ignore[arg-type]
+    FlakyFS.opens = 0
+    return ds
+
+
+def test_a_read_that_fails_twice_then_works_is_retried(tmp_path: pathlib.Path) -> None:
+    ds = _flaky(tmp_path, attempts=3)
+    FlakyFS.failures = 2
+    assert ds[7]["id"] == 7
+    assert FlakyFS.opens == 3 and ds.cache.fetches == 1  # two failed tries, then the fetch
+
+
+def test_retries_are_bounded(tmp_path: pathlib.Path) -> None:
+    ds = _flaky(tmp_path, attempts=2)
+    FlakyFS.failures = 2
+    with pytest.raises(ShardError) as e:
+        ds[7]
+    assert "flakytest://" in str(e.value) and "unreadable after 2 tries" in str(e.value)
+    assert "ConnectionResetError" in str(e.value) and "indices 6 to 11" in str(e.value)
+    assert FlakyFS.opens == 2 and ds.cache.fetches == 0 and ds.cache.held_bytes() == 0
+    skip = _flaky(tmp_path / "skip", attempts=2, on_error="skip")
+    FlakyFS.failures = 2
+    assert skip[7] is FILTERED and skip[0]["id"] == 0
+
+
+def test_what_is_transient() -> None:
+    from botocore.exceptions import ClientError
+
+    def client_error(status: int, code: str) -> ClientError:
+        return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+
+    assert transient(OSError(5, "EIO")) and transient(TimeoutError()) and transient(ConnectionResetError())
+    assert transient(client_error(503, "SlowDown")) and transient(client_error(500, "InternalError"))
+    assert not transient(FileNotFoundError()) and not transient(PermissionError())
+    assert not transient(client_error(403, "AccessDenied")) and not transient(ValueError("bad"))
+
+
+def test_concurrent_readers_of_one_shard_fetch_it_once(tmp_path: pathlib.Path) -> None:
+    """Two readers ask for a shard while a third holds its lock: both wait, one fetches, the other finds it."""
+    cache = ShardCache(tmp_path / "c", max_bytes=1000)
+    fetched: list[int] = []
+
+    def fetch(dest: str) -> None:
+        fetched.append(1)
+        pathlib.Path(dest).write_bytes(b"x" * 100)
+
+    lock = os.path.join(cache.root, "k.lock")
+    fd = hold(lock)
+    paths: list[str] = []
+    readers = [threading.Thread(target=lambda: paths.append(cache.ensure("k", 100, fetch))) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        until("two readers waiting on the shard's lock",
+              lambda: lock_waiters(lock) == 2 or not any(t.is_alive() for t in readers))
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    for t in readers:
+        t.join(timeout=20)
+    assert len(fetched) == 1 and cache.fetches == 1
+    assert paths == [cache.path("k")] * 2 and pathlib.Path(cache.path("k")).read_bytes() == b"x" * 100
+
+
+def test_a_dead_fetch_leaves_no_claim(tmp_path: pathlib.Path) -> None:
+    """A ``.part`` whose fetch died (its lock free) is removed when room is made, and its bytes no longer count."""
+    cache = ShardCache(tmp_path / "c", max_bytes=1000)
+    dead = pathlib.Path(cache.root) / "gone.900.12345.abcd.part"
+    dead.write_bytes(b"y" * 300)
+    cache.ensure("k", 500, lambda dest: pathlib.Path(dest).write_bytes(b"x" * 500))
+    assert not dead.exists() and cache.held_bytes() == 500
+
+
+def test_a_live_fetch_holds_its_room(tmp_path: pathlib.Path) -> None:
+    """The bytes a live fetch announces count against the bound: room is made around them."""
+    cache = ShardCache(tmp_path / "c", max_bytes=1000)
+    cache.ensure("old", 400, lambda dest: pathlib.Path(dest).write_bytes(b"o" * 400))
+    live = pathlib.Path(cache.root) / "busy.500.1.abcd.part"
+    live.write_bytes(b"")
+    fd = hold(os.path.join(cache.root, "busy.lock"))
+    try:
+        cache.ensure("new", 400, lambda dest: pathlib.Path(dest).write_bytes(b"n" * 400))
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    assert live.exists() and not os.path.exists(cache.path("old")) and cache.held_bytes() == 400
