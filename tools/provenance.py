@@ -23,6 +23,8 @@ from croupier.core.errors import CroupierError, InvalidArgument, NotFound, Unava
 from croupier.core.ftsteps import Steps
 from croupier.core.ledger import Ledger, Occurrence, StepRecord, Version
 from croupier.core.registry import sized_batches
+from croupier.core.shards import shard_of
+from croupier.core.spec import Spec
 from croupier.tools.status import table
 
 #: How long the command retries a coordinator that does not answer, and how long one call may take.
@@ -139,40 +141,57 @@ def step_range(text: str) -> tuple[int, int | None]:
 # --------------------------------------------------------------------------- text
 
 
-def _version_lines(v: Version, mixture: bool, full: bool) -> list[str]:
+def _version_lines(v: Version, mixture: bool, full: bool, spec: Spec | None = None) -> list[str]:
     mark = "kept" if v.kept else "ABANDONED (a later generation resumed from a checkpoint before it)"
     n = sum(b.indices.size for b in v.batches)
     lines = [f"  generation {v.generation} ({v.incarnation}), world {v.world}, epoch {v.epoch}: {mark}; {n} samples"]
     rows: list[list[str]] = []
+    sharded = spec is not None and spec.shards is not None
     for b in v.batches:
+        place = shard_of(spec, b.indices) if sharded and spec is not None else None
         for k in range(b.indices.size):
             if not full and len(rows) == SHOWN:
                 break
             row = [str(b.rank), str(b.micro), str(int(b.indices[k]))]
+            if place is not None:
+                row += [str(int(place[0][k])), str(int(place[1][k]))]
             if mixture:
                 row += [str(int(b.sources[k])), str(int(b.source_epochs[k]))]
             rows.append([*row, str(int(b.seeds[k]))])
-    header = ["RANK", "MICRO", "INDEX", *(["SOURCE", "SOURCE EPOCH"] if mixture else []), "SEED"]
+    header = ["RANK", "MICRO", "INDEX", *(["SHARD", "ROW"] if sharded else []),
+              *(["SOURCE", "SOURCE EPOCH"] if mixture else []), "SEED"]
     lines += [f"    {line}" for line in table(header, rows)]
     if len(rows) < n:
         lines.append(f"    ... {n - len(rows)} more samples (--full prints every one, --json all of it)")
     return lines
 
 
-def step_lines(job: str, rec: StepRecord, mixture: bool, full: bool = False) -> list[str]:
+def step_lines(job: str, rec: StepRecord, mixture: bool, full: bool = False, spec: Spec | None = None) -> list[str]:
     """Step `rec.step` as text: each version (kept first) with its generation, world, epoch and samples.
 
     Args:
         mixture: Show each sample's source and source epoch (a job without a mixture has source 0
             and its epochs).
         full: Every sample; else the first :data:`SHOWN` of each version.
+        spec: The job's spec: a dataset in shards shows each sample's shard and row too.
     """
     versions = ([rec.kept] if rec.kept is not None else []) + list(rec.abandoned)
     lines = [f"job {job!r}, step {rec.step}: {len(versions)} version{'s' if len(versions) != 1 else ''}"
              f"{'' if rec.kept is not None else ', none kept (every version was abandoned)'}"]
     for v in versions:
-        lines += _version_lines(v, mixture, full)
+        lines += _version_lines(v, mixture, full, spec)
     return lines
+
+
+def step_doc(rec: StepRecord, spec: Spec) -> dict[str, Any]:
+    """Step `rec.step` as JSON: the ledger's answer, and for a dataset in shards each sample's shard and row."""
+    doc = rec.to_dict()
+    if spec.shards is not None:
+        for version in [doc["kept"], *doc["abandoned"]]:
+            for b in version["batches"] if version else ():
+                shard, row = shard_of(spec, np.asarray(b["indices"], dtype=np.int64))
+                b["shards"], b["rows"] = shard.tolist(), row.tolist()
+    return doc
 
 
 def index_lines(job: str, index: int, source: int | None, occurrences: Sequence[Occurrence]) -> list[str]:
@@ -364,12 +383,12 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
             return 0
         if span is not None:
             recs = led.steps(span[0], max(led.last_step, span[0]) if span[1] is None else span[1])
-            doc = [r.to_dict() for r in recs]
+            doc = [step_doc(r, led.spec) for r in recs]
             lines = [line for k, r in enumerate(recs)
-                     for line in ([""] if k else []) + step_lines(job, r, led.spec.sources is not None, full)]
+                     for line in ([""] if k else []) + step_lines(job, r, led.spec.sources is not None, full, led.spec)]
         elif step is not None:
             rec = led.step(step)
-            doc, lines = rec.to_dict(), step_lines(job, rec, led.spec.sources is not None, full)
+            doc, lines = step_doc(rec, led.spec), step_lines(job, rec, led.spec.sources is not None, full, led.spec)
         elif index is not None:
             occ = led.index(index, source)
             doc, lines = [o.to_dict() for o in occ], index_lines(job, index, source, occ)

@@ -180,3 +180,26 @@ def test_the_command_as_a_process_prints_no_traceback(history: Any) -> None:
     assert r.stderr == ("croupier provenance: step 99 is past the run: job 'mix' has trained 7 steps (as far as its "
                         "ranks reported)\n")
 
+
+
+def test_a_step_of_a_dataset_in_shards_names_each_samples_shard_and_row(tmp_path: pathlib.Path) -> None:
+    """A shard order's steps: each sample's shard and row beside its index, as text and JSON."""
+    sizes = [7, 3, 12, 5, 9, 4, 8]
+    server = Server(f"sqlite:///{tmp_path}/c.db").start()
+    try:
+        generation(server.address, "sh", "a", 2, 3, dataset=sum(sizes), save_at=(3,), shard_sizes=sizes, shard_window=2,
+                   reader_group=2)
+        code, out, err = run_cli("provenance", "sh", "--step", "2", "--address", server.address)
+        assert (code, err) == (0, "")
+        lines = out.splitlines()
+        assert lines[2].split() == ["RANK", "MICRO", "INDEX", "SHARD", "ROW", "SEED"]
+        offsets = [sum(sizes[:s]) for s in range(len(sizes))]
+        for line in lines[3:]:
+            index, shard, row = (int(x) for x in line.split()[2:5])
+            assert offsets[shard] + row == index and 0 <= row < sizes[shard]
+        code, out, _ = run_cli("provenance", "sh", "--step", "2", "--json", "--address", server.address)
+        doc = json.loads(out)
+        for b in doc["kept"]["batches"]:
+            assert [offsets[s] + r for s, r in zip(b["shards"], b["rows"], strict=True)] == b["indices"]
+    finally:
+        server.stop(grace=0.5)
