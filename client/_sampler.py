@@ -157,7 +157,8 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  shard_sizes: Sequence[int] | np.ndarray | None = None, shard_window: int = 32, lanes: int = 16,
                  reader_group: int | None = None) -> None:
         n = _dataset_size(dataset)
-        sharded = shard_fields(n, shard_sizes, shard_window, lanes, reader_group)
+        mixture = mixture_fields(dataset, weights, sources, max_epochs)
+        sharded = shard_fields(sum(mixture["sources"]) if mixture else n, shard_sizes, shard_window, lanes, reader_group)
         kind = kind_for(dealing, None, bool(sharded))
         _check_sampler_args(kind, drop_last, tail, lockstep, batches=False)
         self._tag = check_bool("tag", tag)
@@ -165,7 +166,7 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             tail = kind.tail(drop_last, batches=False)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
                           False, False, scope, buffer_size, pack_size, lengths, dealing=dealing,
-                          mixture=mixture_fields(dataset, weights, sources, max_epochs), sharded=sharded)
+                          mixture=mixture, sharded=sharded)
         if lease_ahead is None:
             lease_ahead = kind.lease_indices
         self._lockstep = bool(lockstep)
@@ -284,14 +285,15 @@ class DistributedBatchSampler(_Base, BatchSampler):
         if batch_size is not None and max_tokens is not None:
             raise ValueError(f"batch_size={batch_size} and max_tokens={max_tokens}: token-budget batches size "
                              "themselves; leave batch_size unset")
-        sharded = shard_fields(n, shard_sizes, shard_window, lanes, reader_group)
+        mixture = mixture_fields(dataset, weights, sources, max_epochs)
+        sharded = shard_fields(sum(mixture["sources"]) if mixture else n, shard_sizes, shard_window, lanes, reader_group)
         kind = kind_for(dealing, max_tokens, bool(sharded))
         _check_sampler_args(kind, drop_last, tail, lockstep, batches=True)
         if tail is None:
             tail = kind.tail(drop_last, batches=True)
         spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
                           scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing,
-                          mixture_fields(dataset, weights, sources, max_epochs), sharded)
+                          mixture, sharded)
         if lease_ahead is None:
             lease_ahead = kind.lease_batches
         self._lockstep = bool(lockstep)

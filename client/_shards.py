@@ -141,7 +141,8 @@ def shard_fields(n: int, shard_sizes: Sequence[int] | np.ndarray | None, shard_w
     if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"shard_sizes must be a non-empty 1-D sequence of ints (got dtype={arr.dtype}, shape={arr.shape})")
     if int(arr.sum()) != n:
-        raise ValueError(f"shard_sizes add up to {int(arr.sum())} samples, but the dataset has {n}")
+        raise ValueError(f"shard_sizes add up to {int(arr.sum())} samples, but the dataset (its sources, for a mixture) "
+                         f"has {n}")
     group = reader_group if reader_group is not None else local_world_size()
     return {"shards": arr.astype("<i8").tobytes(), "shard_window": shard_window, "lanes": lanes, "reader_group": group}
 

@@ -125,8 +125,9 @@ def _shard_order(spec: Spec, epoch: int, positions: np.ndarray, bounds: np.ndarr
 def stream_of(spec: Spec) -> _stream.Stream:
     """The stream of a mixture's spec (``spec.sources`` set)."""
     assert spec.sources is not None and spec.weights is not None  # checked by the caller
+    orders = _shards.source_orders(spec) if spec.shards is not None else ()
     return _stream.stream(spec.sources, spec.weights, spec.max_epochs or (), spec.seed, spec.permutation == "feistel",
-                           spec.amendments or ())
+                          spec.amendments or (), orders)
 
 
 def mixture_order(spec: Spec, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

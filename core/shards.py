@@ -38,11 +38,12 @@ from croupier.core import feistel as _feistel
 from croupier.core.cursor import Interval, _merge
 from croupier.core.spec import Spec
 
-__all__ = ["ShardLayout", "order_positions", "shard_layout", "shard_of", "shard_sizes"]
+__all__ = ["ShardLayout", "ShardOrder", "order_positions", "shard_layout", "shard_of", "shard_sizes", "source_orders"]
 
 #: Tells the shard order's keys apart from every other key croupier derives (the bytes of "croupier/shards").
 _SHARD_TAG = int.from_bytes(b"croupier/shards", "little")
 _WINDOW_TAG = _SHARD_TAG + 1
+_SOURCE_TAG = _SHARD_TAG + 2
 
 
 # --------------------------------------------------------------------------- the order
@@ -55,30 +56,95 @@ def shard_sizes(spec: Spec) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _offsets(spec: Spec) -> np.ndarray:
-    """Each shard's first dataset index; (S + 1,) with the total last."""
-    out = np.zeros(len(spec.shards or b"") // 8 + 1, dtype=np.int64)
-    np.cumsum(shard_sizes(spec), out=out[1:])
+def _offsets(sizes: bytes) -> np.ndarray:
+    """Each shard's first index; (S + 1,) with the total last."""
+    out = np.zeros(len(sizes) // 8 + 1, dtype=np.int64)
+    np.cumsum(np.frombuffer(sizes, dtype="<i8"), out=out[1:])
+    out.flags.writeable = False
     return out
 
 
 def shard_of(spec: Spec, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(shard, row) of dataset indices."""
     idx = np.asarray(indices, dtype=np.int64)
-    off = _offsets(spec)
+    off = _offsets(spec.shards or b"")
     shard = np.searchsorted(off, idx, side="right") - 1
     return shard, idx - off[shard]
 
 
-@functools.lru_cache(maxsize=4)
-def _epoch_table(spec: Spec, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """The epoch's shards in their keyed order: each slot's first dataset index (S,) and the samples
-    before each slot (S + 1,). 16 bytes a shard."""
-    sizes = shard_sizes(spec)
+@dataclasses.dataclass(frozen=True)
+class ShardOrder:
+    """The shard order of one dataset (or one source of a mixture): shards in a keyed order each epoch,
+    windows of `window` shards, each window's samples in a keyed order. A pure bijection of [0, n)
+    an epoch, with its inverse."""
+
+    sizes: bytes  # each shard's sample count, little-endian int64
+    seed: int
+    window: int
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The indices (numbered within this dataset) of positions of `epoch`'s order.
+
+        A position's window is found by binary search, its place in the window by the window's keyed
+        Feistel bijection, and its slot (a shard in the epoch's order) by a second binary search.
+        """
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size == 0:
+            return np.zeros(pos.shape, dtype=np.int64)
+        first, cum = _epoch_table(self, epoch)
+        w, s = self.window, first.size
+        win = np.searchsorted(cum[::w], pos, side="right") - 1  # (len,) each position's window
+        lo = cum[win * w]
+        size = cum[np.minimum(win * w + w, s)] - lo  # (len,) samples of each position's window
+        out = np.empty(pos.shape, dtype=np.int64)
+        # NOTE: windows of one size share a Feistel domain: one pass with a key per element covers them
+        # all (a batch touches about one window per reading head).
+        one_size = size.min() == size.max()
+        for n in ([int(size.flat[0])] if one_size else np.unique(size).tolist()):
+            sel = slice(None) if one_size else size == n
+            q = lo[sel] + _feistel.permute(pos[sel] - lo[sel], int(n), self._keys(epoch, win[sel]))
+            slot = np.searchsorted(cum, q, side="right") - 1
+            out[sel] = first[slot] + (q - cum[slot])
+        return out
+
+    def positions(self, epoch: int, indices: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`indices`: the positions of `epoch`'s order that hold `indices`."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size == 0:
+            return np.zeros(idx.shape, dtype=np.int64)
+        off = _offsets(self.sizes)
+        s = off.size - 1
+        shard = np.searchsorted(off, idx, side="right") - 1
+        slot = _feistel.unpermute(shard, s, _feistel.round_keys(self._shard_key(epoch)))  # inverse shard order
+        _, cum = _epoch_table(self, epoch)
+        win = slot // self.window
+        lo = cum[win * self.window]
+        size = cum[np.minimum(win * self.window + self.window, s)] - lo
+        q = cum[slot] + (idx - off[shard]) - lo  # the place in the window, after its shuffle
+        out = np.empty(idx.shape, dtype=np.int64)
+        for n in np.unique(size).tolist():
+            sel = size == n
+            out[sel] = lo[sel] + _feistel.unpermute(q[sel], int(n), self._keys(epoch, win[sel], full=True))
+        return out
+
+    def _shard_key(self, epoch: int) -> int:
+        return _feistel.derive_key(self.seed, epoch, _SHARD_TAG)
+
+    def _keys(self, epoch: int, wins: np.ndarray, full: bool = False) -> np.ndarray:
+        """The round keys of each element's window: (ROUNDS,) when one window (unless `full`), else (ROUNDS, len)."""
+        uniq, inv = _distinct(wins)
+        keys = np.stack([_window_keys(self.seed, epoch, int(k)) for k in uniq.tolist()], axis=1)  # (ROUNDS, windows)
+        return keys[:, 0] if uniq.size == 1 and not full else keys[:, inv]
+
+
+@functools.lru_cache(maxsize=8)
+def _epoch_table(order: ShardOrder, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The epoch's shards in their keyed order: each slot's first index (S,) and the samples before each
+    slot (S + 1,). 16 bytes a shard."""
+    sizes = np.frombuffer(order.sizes, dtype="<i8")
     s = sizes.size
-    key = _feistel.derive_key(spec.seed, epoch, _SHARD_TAG)
-    perm = _feistel.permute(np.arange(s, dtype=np.int64), s, _feistel.round_keys(key))  # (S,) shard of each slot
-    first = _offsets(spec)[perm]  # (S,)
+    perm = _feistel.permute(np.arange(s, dtype=np.int64), s, _feistel.round_keys(order._shard_key(epoch)))  # (S,)
+    first = _offsets(order.sizes)[:-1][perm]  # (S,) the first index of each slot's shard
     cum = np.zeros(s + 1, dtype=np.int64)
     np.cumsum(sizes[perm], out=cum[1:])
     first.flags.writeable = False
@@ -87,36 +153,19 @@ def _epoch_table(spec: Spec, epoch: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def order_positions(spec: Spec, epoch: int, positions: np.ndarray) -> np.ndarray:
-    """Dataset indices of positions of `epoch`'s shard order (the ``shards`` permutation's kernel).
+    """Dataset indices of positions of `epoch`'s shard order (the ``shards`` permutation's kernel)."""
+    assert spec.shards is not None  # checked by Spec
+    return ShardOrder(spec.shards, spec.seed, spec.shard_window).indices(epoch, positions)
 
-    The epoch's slots (shards in keyed order) are cut into windows of ``spec.shard_window``; a
-    position's window is found by binary search, its place in the window by the window's keyed
-    Feistel bijection, and its slot by a second binary search.
-    """
-    pos = np.asarray(positions, dtype=np.int64)
-    first, cum = _epoch_table(spec, epoch)
-    w = spec.shard_window
-    s = first.size
-    starts = cum[::w]  # (windows,) first position of each window
-    win = np.searchsorted(starts, pos, side="right") - 1  # (len,)
-    lo = cum[win * w]
-    size = cum[np.minimum(win * w + w, s)] - lo  # (len,) samples of each position's window
-    if pos.size == 0:
-        return np.zeros(pos.shape, dtype=np.int64)
-    out = np.empty(pos.shape, dtype=np.int64)
-    # NOTE: windows of one size share a Feistel domain: one pass with a key per element covers them
-    # all (a batch touches about one window per reading head).
-    one_size = size.min() == size.max()
-    for n in ([int(size.flat[0])] if one_size else np.unique(size).tolist()):
-        sel = slice(None) if one_size else size == n
-        wins = win[sel]
-        uniq, inv = _distinct(wins)
-        keys = np.stack([_window_keys(spec.seed, epoch, int(k)) for k in uniq.tolist()], axis=1)  # (ROUNDS, windows)
-        k_el = keys[:, 0] if uniq.size == 1 else keys[:, inv]  # (ROUNDS,) or (ROUNDS, len)
-        q = lo[sel] + _feistel.permute(pos[sel] - lo[sel], int(n), k_el)
-        slot = np.searchsorted(cum, q, side="right") - 1
-        out[sel] = first[slot] + (q - cum[slot])
-    return out
+
+def source_orders(spec: Spec) -> tuple[ShardOrder, ...]:
+    """Each source's shard order, for a mixture over sharded sources: its shards (the sources' sizes
+    cut the spec's shards, as ``ConcatDataset`` numbers them) and a seed of its own."""
+    assert spec.shards is not None and spec.sources is not None  # checked by Spec
+    sizes = shard_sizes(spec)
+    cut = np.searchsorted(_offsets(spec.shards), np.cumsum([0, *spec.sources]))  # (sources + 1,) shard bounds
+    return tuple(ShardOrder(sizes[a:b].astype("<i8").tobytes(), _feistel.derive_key(spec.seed, k, _SOURCE_TAG),
+                            spec.shard_window) for k, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist())))
 
 
 def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

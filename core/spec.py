@@ -343,18 +343,29 @@ def _validate_shards(s: Spec) -> None:
     if bad.size:
         raise ValueError(f"shard {int(bad[0])} holds {int(sizes[bad[0]])} samples: every shard must hold at least one "
                          f"({bad.size} do not)")
-    if int(sizes.sum()) != s.n:
-        raise ValueError(f"the shards hold {int(sizes.sum())} samples, but n={s.n}: n must be their total")
+    total = int(sizes.sum())
+    if s.sources is None and total != s.n:
+        raise ValueError(f"the shards hold {total} samples, but n={s.n}: n must be their total")
+    if s.sources is not None:
+        # a mixture of sharded sources: the shards of each source, one after another (ConcatDataset's numbering)
+        if total != sum(s.sources):
+            raise ValueError(f"the shards hold {total} samples, but the sources {sum(s.sources)}: they must be equal")
+        edges = set(np.cumsum(sizes).tolist())
+        cut = [int(e) for e in np.cumsum(s.sources)[:-1].tolist() if int(e) not in edges]
+        if cut:
+            raise ValueError(f"a source ends inside a shard (at index {cut[0]}): each source must be whole shards")
+        if s.amendments and any(a.kind == "grow" for a in s.amendments):
+            raise ValueError("a grown source would need the sizes of its new shards: a mixture of sharded sources "
+                             "does not grow")
     if s.permutation != "shards":
         raise ValueError(f"shards= is read by permutation='shards' (got permutation={s.permutation!r})")
-    if (s.sources is not None or s.max_tokens is not None or s.lengths is not None or s.dealing != "static"
+    if (s.max_tokens is not None or s.lengths is not None or s.dealing != "static"
             or s.scope != "global" or s.partition != "strided"):
         raise ValueError(
-            "a shard order deals fixed batches statically over the whole epoch: it takes no sources, max_tokens, "
-            "lengths or dynamic dealing, and needs scope='global', partition='strided' (its reader groups are its "
-            f"partition) (got sources={'set' if s.sources is not None else None}, max_tokens={s.max_tokens}, "
-            f"lengths={'set' if s.lengths is not None else None}, dealing={s.dealing!r}, scope={s.scope!r}, "
-            f"partition={s.partition!r})")
+            "a shard order deals fixed batches statically over the whole epoch: it takes no max_tokens, lengths or "
+            "dynamic dealing, and needs scope='global', partition='strided' (its reader groups are its partition) "
+            f"(got max_tokens={s.max_tokens}, lengths={'set' if s.lengths is not None else None}, "
+            f"dealing={s.dealing!r}, scope={s.scope!r}, partition={s.partition!r})")
 
 
 def _validate_mixture(s: Spec) -> None:
@@ -383,9 +394,10 @@ def _validate_mixture(s: Spec) -> None:
         if sum(c[1]) != mixture.PARTS:
             raise ValueError(f"the parts from position {c[0]} add up to {sum(c[1])}, not {mixture.PARTS} "
                              "(croupier.core.mixture.parts_of rounds weights to parts)")
-    if s.permutation not in ("feistel", "none") or s.scope != "global":
-        raise ValueError("a mixture shuffles each source epoch (permutation='feistel') or keeps it in order ('none'), "
-                         f"over the whole stream (scope='global') (got permutation={s.permutation!r}, scope={s.scope!r})")
+    if s.permutation not in ("feistel", "none", "shards") or s.scope != "global":
+        raise ValueError("a mixture shuffles each source epoch (permutation='feistel'), keeps it in order ('none') or "
+                         "reads each source's shards in a shard order ('shards'), over the whole stream "
+                         f"(scope='global') (got permutation={s.permutation!r}, scope={s.scope!r})")
     if s.amendments and s.lengths is not None and any(a.kind == "grow" for a in s.amendments):
         raise ValueError("a grown source would need the lengths of its new samples: token budgets and buckets "
                          "(lengths=) do not grow")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Protocol
 
 import numpy as np
 
@@ -28,6 +29,16 @@ class _Segment:
 
 #: Where a mixture's schedule of weights is read from (a position of the stream, the weights in parts from there on).
 Change = tuple[int, tuple[int, ...]]
+
+
+class SourceOrder(Protocol):
+    """A source's own order of each of its epochs, in place of the keyed Feistel shuffle (a shard order,
+    ``croupier.core.shards.ShardOrder``): a bijection of [0, size) an epoch, and its inverse. MUST be
+    hashable (a stream is cached by its settings)."""
+
+    def indices(self, epoch: int, positions: np.ndarray) -> np.ndarray: ...
+
+    def positions(self, epoch: int, indices: np.ndarray) -> np.ndarray: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +66,8 @@ class Stream:
             position it holds from, in order: new weights end the schedule there; a grow or a
             skip changes its source's epochs from there on. Indices are numbered by the sources'
             sizes once every grow took effect.
+        orders: Each source's own order of its epochs (a sharded source's shard order), in place of
+            the shuffle; empty: every source takes the shuffle (or none). Such a source does not grow.
     """
 
     sizes: tuple[int, ...]
@@ -63,6 +76,7 @@ class Stream:
     seed: int = 0
     shuffle: bool = True
     amendments: tuple[Amendment, ...] = ()
+    orders: tuple[SourceOrder, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.changes or self.changes[0][0] != 0:
@@ -105,6 +119,17 @@ class Stream:
 
     def _timeline(self, source: int) -> Timeline:
         n = self.sizes[source]
+        if self.orders:
+            order = self.orders[source]
+
+            def own(epoch: np.ndarray, m: int, raw: np.ndarray) -> np.ndarray:
+                out = np.empty(raw.shape, dtype=np.int64)
+                for e in np.unique(epoch).tolist():
+                    sel = epoch == e
+                    out[sel] = order.indices(int(e), raw[sel])
+                return out
+
+            return Timeline(n, own, lambda e, m, samples: order.positions(e, np.asarray(samples, dtype=np.int64)))
         if not self.shuffle:
             return Timeline(n, lambda e, m, raw: raw, lambda e, m, samples: np.asarray(samples, dtype=np.int64))
         base = _base_key(self.seed, mixture._SOURCE_TAG)
@@ -216,7 +241,7 @@ class Stream:
     def indices(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(global index, source, source epoch) of each stream position."""
         source, k = self.locate(positions)
-        if self._plain:
+        if self._plain and not self.orders:
             return indices_of(self.sizes, self.seed, source, k, self.shuffle)
         epoch, sample = np.empty_like(k), np.empty_like(k)
         for s in sorted(set(source.tolist())):
@@ -227,6 +252,6 @@ class Stream:
 
 @functools.lru_cache(maxsize=64)
 def stream(sizes: tuple[int, ...], changes: tuple[Change, ...], max_epochs: tuple[int, ...], seed: int,
-           shuffle: bool, amendments: tuple[Amendment, ...] = ()) -> Stream:
+           shuffle: bool, amendments: tuple[Amendment, ...] = (), orders: tuple[SourceOrder, ...] = ()) -> Stream:
     """The :class:`Stream` of these settings, made once per process (its segments are worked out when made)."""
-    return Stream(sizes, changes, max_epochs, seed, shuffle, amendments)
+    return Stream(sizes, changes, max_epochs, seed, shuffle, amendments, orders)

@@ -186,3 +186,76 @@ def test_what_is_left_is_exactly_what_no_rank_took(sizes: list[int], world: int,
     want = sorted(set(range(plan.left)) - set(taken.tolist()))
     got = [v for a, b in plan.layout.virtual_left(consumed, plan.left, plan.t) for v in range(a, b)]
     assert got == want
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(shards=st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=6), min_size=2, max_size=3),
+       parts=st.lists(st.integers(1, 5), min_size=3, max_size=3), window=st.integers(1, 3), seed=st.integers(0, 2**20),
+       worlds=st.lists(st.integers(1, 6), min_size=1, max_size=3), cut=st.floats(0, 1))
+def test_a_mixture_of_sharded_sources_deals_each_source_epoch_once(shards: list[list[int]], parts: list[int],
+                                                                   window: int, seed: int, worlds: list[int],
+                                                                   cut: float) -> None:
+    """Each source in its own shard order: over three epochs of the mixture, dealt across resizes, every
+    whole source epoch holds each of the source's samples once, and each sample's shard lies in its source."""
+    from croupier.core.mixture import parts_of
+    from croupier.core.order import tags
+
+    sources = [sum(s) for s in shards]
+    weights = ((0, parts_of(parts[:len(sources)])),)
+    flat = [x for s in shards for x in s]
+    spec = Spec.with_shards(flat, n=sum(sources), sources=tuple(sources), weights=weights, shard_window=window,
+                            seed=seed, batch_size=2, tail="uneven", reader_group=2, lanes=3)
+    got: list[np.ndarray] = []
+    where: list[tuple[np.ndarray, np.ndarray]] = []
+    for epoch in range(3):
+        cursor = fresh(spec, epoch)
+        for k, world in enumerate(worlds):
+            plan = plan_epoch(spec, cursor, world, epoch)
+            assert plan is not None
+            last = k == len(worlds) - 1
+            j = max(plan.steps(r) for r in range(world)) if last else int(cut * plan.steps(0))
+            for r in range(world):
+                got.append(plan.lease(r, 0, j)[0])
+                where.append(tags(spec, epoch, plan.lease_positions(r, 0, j)))
+            cursor = plan.advance(j)
+        assert cursor.epoch == epoch + 1
+    idx = np.concatenate(got)
+    src = np.concatenate([w[0] for w in where])
+    sep = np.concatenate([w[1] for w in where])
+    offsets = np.cumsum([0, *sources])
+    assert ((idx >= offsets[src]) & (idx < offsets[src + 1])).all(), "an index outside its source"
+    for s in range(len(sources)):
+        for e in set(sep[src == s].tolist()):
+            sel = (src == s) & (sep == e)
+            mine = np.sort(idx[sel])
+            assert len(set(mine.tolist())) == mine.size, f"source {s} epoch {e}: a sample twice"
+            if e < int(sep[src == s].max()):  # a whole source epoch (the last may be open)
+                assert np.array_equal(mine, np.arange(offsets[s], offsets[s + 1])), f"source {s} epoch {e}"
+
+
+def test_a_source_ending_inside_a_shard_is_refused() -> None:
+    with pytest.raises(ValueError, match="a source ends inside a shard \\(at index 5\\)"):
+        Spec.with_shards([4, 4], n=8, sources=(5, 3), weights=((0, (2**23, 2**23)),))
+
+
+def test_each_sharded_source_is_read_shard_by_shard_in_a_shuffled_order() -> None:
+    """Windows of one shard: along the epoch's order, within a source epoch a source's samples come shard by
+    shard, the shards in a keyed order and the rows of each shuffled (neither is the stored order). Fails
+    when the stream takes no source orders (tried)."""
+    from croupier.core.order import order, tags
+
+    shards = [[6, 7, 5, 8], [9, 4, 6]]
+    sources = [sum(s) for s in shards]
+    flat = [x for s in shards for x in s]
+    spec = Spec.with_shards(flat, n=sum(sources), sources=tuple(sources), weights=((0, (2**23, 2**23)),),
+                            shard_window=1, seed=11, tail="uneven")
+    pos = np.arange(spec.n)
+    idx = order(spec, 0, pos)
+    src, sep = tags(spec, 0, pos)
+    offsets = np.cumsum([0, *flat])
+    for s in range(2):
+        mine = idx[(src == s) & (sep == 0)]
+        shard = np.searchsorted(offsets, mine, side="right") - 1
+        runs = 1 + int(np.count_nonzero(np.diff(shard)))
+        assert runs == len(shards[s]), "each shard read whole before the next"
+        assert not np.array_equal(mine, np.sort(mine)), "the stored order: the source's order was not used"

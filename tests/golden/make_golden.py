@@ -282,6 +282,9 @@ MIXTURE_CASES: list[dict[str, Any]] = [
     dict(n=64, seed=11, sources=[5, 30, 200], weights=[(0, [5, 3, 2]), (100, [1, 1, 8])], max_epochs=[3, 0, 0]),
     dict(n=40, seed=0, sources=[9, 21, 4], weights=[(0, [1, 1, 1])], permutation="none"),
     dict(n=10**6, seed=5, sources=[1000 + k for k in range(1000)], weights=[(0, [1 + k % 7 for k in range(1000)])]),
+    # each source in its shard order: 3, 4 and 2 shards, windows of 2 shards
+    dict(n=60, seed=3, sources=[30, 44, 15], weights=[(0, [2, 3, 1])], permutation="shards",
+         shards=[10, 12, 8, 11, 9, 13, 11, 7, 8], shard_window=2),
 ]
 #: (epoch, first position, count) of each case: its first two epochs' starts, and one far along
 MIXTURE_POINTS = [(0, 0, 24), (1, 0, 24), (123, 7, 16)]
@@ -297,6 +300,8 @@ def mixture_spec(case: dict[str, Any]) -> Any:
     kw["weights"] = tuple((at, parts_of(w)) for at, w in kw["weights"])
     if "max_epochs" in kw:
         kw["max_epochs"] = tuple(kw["max_epochs"])
+    if "shards" in kw:
+        return Spec.with_shards(kw.pop("shards"), **kw)
     return Spec(**kw)
 
 

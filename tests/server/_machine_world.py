@@ -151,6 +151,9 @@ class Setup:
             return Spec(n=self.n, tail=self.tail, partition=self.partition)
         from croupier.client._shards import mixture_fields
 
+        if self.shard_sizes:  # each source in its shard order
+            return Spec.with_shards(self.shard_sizes, n=self.n, tail=self.tail, seed=self.seed, shard_window=self.shard_window,
+                                    lanes=self.lanes, reader_group=self.reader_group, **mixture_fields(None, **self._mixture()))
         return Spec(n=self.n, tail=self.tail, partition=self.partition, seed=self.seed, permutation=self.permutation,
                     **mixture_fields(None, **self._mixture()))
 
@@ -188,19 +191,21 @@ def setups(draw: st.DrawFn) -> Setup:
         # honest bound for it, and that combination is left out.
         even = draw(st.booleans()) if (partition, tail) != ("chunked", "uneven") else False
     n = draw(st.integers(1, 60))
-    sharded: dict[str, Any] = {}
-    if kind == "shards":  # a shard order: reader groups of any size, a few windows and heads
-        partition = "strided"
-        cuts = sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=12)))) if n > 1 else []
-        sharded = dict(shard_sizes=tuple(b - a for a, b in zip([0, *cuts], [*cuts, n])),
-                       shard_window=draw(st.integers(1, 4)), lanes=draw(st.integers(1, 6)),
-                       reader_group=draw(st.integers(1, 3)))
-    mixed = "mixture" in KINDS and not sharded and (KINDS == ["mixture"] or draw(st.integers(0, 2)) == 0)
+    mixed = "mixture" in KINDS and (KINDS == ["mixture"] or draw(st.integers(0, 2)) == 0)
     mixture = draw(mixtures()) if mixed else {}
     space = sum(mixture["sources"]) if mixture else n
+    sharded: dict[str, Any] = {}
+    if kind == "shards":  # a shard order (of each source, in a mixture): reader groups of any size, a few windows and heads
+        partition = "strided"
+        sizes: list[int] = []
+        for size in mixture["sources"] if mixture else [n]:
+            cuts = sorted(set(draw(st.lists(st.integers(1, size - 1), max_size=6)))) if size > 1 else []
+            sizes += [b - a for a, b in zip([0, *cuts], [*cuts, size])]
+        sharded = dict(shard_sizes=tuple(sizes), shard_window=draw(st.integers(1, 4)), lanes=draw(st.integers(1, 6)),
+                       reader_group=draw(st.integers(1, 3)))
     if token:
         token["lengths"] = tuple(draw(st.lists(st.integers(1, token["max_tokens"]), min_size=space, max_size=space)))
-    permutations = ["none", "feistel"] if mixture else ["shards"] if sharded else ["none", "feistel", "torch", "window"]
+    permutations = ["shards"] if sharded else ["none", "feistel"] if mixture else ["none", "feistel", "torch", "window"]
     return Setup(
         kind=kind, n=n, seed=draw(st.integers(0, 2**32)),
         permutation=draw(st.sampled_from(permutations)), partition=partition, tail=tail,
