@@ -20,6 +20,8 @@ file, a JSON document::
 No credential, or one the file does not hold: UNAUTHENTICATED. A credential for another job, or
 a role below the call's: PERMISSION_DENIED. Either way the call changes nothing. The health and
 reflection services need no credential (probes); with mutual TLS they still need a certificate.
+The HTTP endpoint (``croupier.server._http``) takes the same credentials, as ``Authorization: Bearer <secret>``,
+each endpoint needing the role of the RPC that shows the same data.
 
 Secrets are compared as SHA-256 digests with ``hmac.compare_digest`` against every credential
 in turn (no early exit). The file is read again on SIGHUP (``croupier serve``) and when its
@@ -188,7 +190,6 @@ class Authorizer:
 
     def identify(self, context: grpc.ServicerContext) -> Credential:
         """The caller's credential; UNAUTHENTICATED when it has none or one not in force."""
-        self._maybe_reload()
         secret = None
         for key, value in context.invocation_metadata():
             if key == METADATA_KEY and isinstance(value, str) and value.startswith(_SCHEME):
@@ -198,13 +199,19 @@ class Authorizer:
                 f"this coordinator needs a credential: send metadata '{METADATA_KEY}: Bearer <secret>' "
                 "(croupier's client sends CROUPIER_CREDENTIAL)"
             )
+        found = self.known(secret)
+        if found is None:
+            raise E.Unauthenticated("the credential is not one this coordinator knows")
+        return found
+
+    def known(self, secret: str) -> Credential | None:
+        """The credential in force whose secret is `secret`, or None (the gRPC calls and the HTTP endpoint ask it)."""
+        self._maybe_reload()
         d = digest(secret)
         found = None
         for c in self._credentials:  # every one, whatever matched: the time does not depend on which
             if hmac.compare_digest(c.digest, d):
                 found = c
-        if found is None:
-            raise E.Unauthenticated("the credential is not one this coordinator knows")
         return found
 
     def check(self, context: grpc.ServicerContext, method: str, job: str | None) -> Credential:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import bisect
+import ssl
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from croupier.core.errors import CroupierError
+from croupier.server._auth import Authorizer
 from croupier.server._coordinator import Coordinator
 from croupier.server._http import Endpoint
 from croupier.server._standing import PER_RANK_MAX_WORLD, JobView, job_view
@@ -30,7 +33,8 @@ class Metrics:
     :meth:`on_commit`); jobs, generations and progress are read from the coordinator at scrape time.
     """
 
-    def __init__(self, core: Coordinator, rpcs: Iterable[str], host: str, port: int) -> None:
+    def __init__(self, core: Coordinator, rpcs: Iterable[str], host: str, port: int, auth: Authorizer | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         """Registers the metrics and installs :meth:`on_commit` as the coordinator's commit callback.
 
         Args:
@@ -38,8 +42,10 @@ class Metrics:
             rpcs: The service's method names; their series exist (at zero) before the first call.
             host: Interface of the HTTP endpoint (:meth:`start`).
             port: Its port; 0 picks a free one.
+            auth: The server's credentials, which the endpoint then asks for (see ``croupier.server._http``).
+            tls: The endpoint's TLS context (the server's certificate); None serves plain HTTP.
         """
-        self.core, self.host, self.port = core, host, port
+        self.core, self.host, self.port, self.auth, self.tls = core, host, port, auth, tls
         self._endpoint: Endpoint | None = None
         self.registry = CollectorRegistry()
         self.calls = Counter("croupier_rpc_calls_total", "Calls of the croupier.v1.Coordinator service, by method and "
@@ -93,15 +99,19 @@ class Metrics:
             OSError: If the endpoint's address cannot be bound.
         """
         if self._endpoint is None:
-            self._endpoint = Endpoint(self.host, self.port, lambda: generate_latest(self.registry),
-                                      lambda after, limit: job_page(self.core, after, limit), lambda: self.core.failed,
-                                      self.core.step_ledger)
+            self._endpoint = Endpoint(self.host, self.port, self.exposition,
+                                      lambda after, limit, reads: job_page(self.core, after, limit, reads),
+                                      lambda: self.core.failed, self.core.step_ledger, self.auth, self.tls)
 
     def stop(self) -> None:
         """Stops the HTTP endpoint (the metrics themselves stay readable)."""
         if self._endpoint is not None:
             self._endpoint.stop()
             self._endpoint = None
+
+    def exposition(self, reads: Callable[[str], bool] | None = None) -> bytes:
+        """The Prometheus text of the registry; with `reads`, without the series of a job it does not grant."""
+        return generate_latest(self.registry if reads is None else _Readable(self.registry, reads))
 
     @property
     def address(self) -> str | None:
@@ -119,13 +129,17 @@ def job_views(core: Coordinator) -> list[JobView]:
     return job_page(core, "", None)[0]
 
 
-def job_page(core: Coordinator, after: str, limit: int | None) -> tuple[list[JobView], int]:
+def job_page(core: Coordinator, after: str, limit: int | None,
+             reads: Callable[[str], bool] | None = None) -> tuple[list[JobView], int]:
     """Up to `limit` jobs (None: all) named after `after` in name order, summarised; and how many jobs there are.
+    With `reads`, only the jobs it grants count (a credential's, as ListJobs lists them).
 
     Only the jobs of the page are read: a page costs the same with 10 jobs or 10,000 (the names are
     listed, in order, once).
     """
     names = core.jobs()  # sorted
+    if reads is not None:
+        names = [n for n in names if reads(n)]
     first = bisect.bisect_right(names, after) if after else 0
     out = []
     for name in names[first:] if limit is None else names[first:first + limit]:
@@ -134,6 +148,19 @@ def job_page(core: Coordinator, after: str, limit: int | None) -> tuple[list[Job
         except CroupierError:
             continue
     return out, len(names)
+
+
+class _Readable:
+    """A registry's metrics without the series labelled with a job that `reads` does not grant."""
+
+    def __init__(self, registry: CollectorRegistry, reads: Callable[[str], bool]) -> None:
+        self.registry, self.reads = registry, reads
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s for s in family.samples if "job" not in s.labels or self.reads(s.labels["job"])]
+            yield out
 
 
 class _AdmissionCollector(Collector):

@@ -16,12 +16,14 @@ class ServerOptions:
     """Transport security, credentials, limits and observability of one server.
 
     Attributes:
-        tls_cert: PEM certificate chain the server presents; with `tls_key`, the port speaks TLS only.
+        tls_cert: PEM certificate chain the server presents; with `tls_key`, the port speaks TLS only
+            (and the HTTP endpoint of `metrics_port` HTTPS only, with the same certificate).
         tls_key: PEM private key of `tls_cert`.
         tls_client_ca: PEM CA bundle; when given, a client must present a certificate it signed
             (mutual TLS), or the handshake fails.
         auth_file: Credentials file (see ``croupier.server._auth``); when given, every call must
-            carry a credential that grants its job and role. Reloaded on SIGHUP and on change.
+            carry a credential that grants its job and role, and so does every request to the HTTP
+            endpoint but ``/`` and ``/healthz``. Reloaded on SIGHUP and on change.
         max_jobs: Jobs the coordinator holds at most; a join that would register one more is
             RESOURCE_EXHAUSTED.
         max_world: Largest world size a join may name.

@@ -59,6 +59,39 @@ function render(data) {
                                                           .map(h => el("th", {}, h)))), body)));
   }
 }
+// The credential the page sends, as "Authorization: Bearer" (a coordinator with credentials wants one): asked for
+// when an endpoint answers 401, kept in this tab's sessionStorage only. Never in the URL, which servers, proxies and
+// the browser's history keep.
+const KEY = "croupier-credential";
+function credential() {
+  try { return sessionStorage.getItem(KEY); } catch (e) { return null; }
+}
+async function getJSON(url) {
+  const secret = credential();
+  const r = await fetch(url, {cache: "no-store", headers: secret ? {"Authorization": "Bearer " + secret} : {}});
+  if (!r.ok) {
+    const why = (await r.text()).trim() || "HTTP " + r.status;
+    if (r.status === 401) askCredential(why);
+    throw new Error(why);
+  }
+  return r.json();
+}
+function askCredential(why) {
+  const box = document.getElementById("login"), shown = box.querySelector("p.error");
+  if (shown) { shown.textContent = why; return; }  // asked already: the field stays as the user left it
+  const input = el("input", {type: "password", id: "credential", autocomplete: "off", size: "40"});
+  const form = el("form", {id: "login-form"}, el("p", {class: "error"}, why), "credential: ", input, " ",
+                  el("button", {type: "submit"}, "use it"));
+  form.addEventListener("submit", ev => {
+    ev.preventDefault();
+    try { sessionStorage.setItem(KEY, input.value.trim()); } catch (e) { return; }
+    box.replaceChildren();
+    refresh(false);
+    openLedger();
+  });
+  box.append(form);
+  input.focus();
+}
 // The page of jobs shown: the name it starts after ("" for the first), as /api/jobs takes it.
 let after = "";
 function pages(data) {
@@ -80,13 +113,12 @@ function pages(data) {
 async function refresh(again = true) {
   const status = document.getElementById("updated");
   try {
-    const r = await fetch("api/jobs?after=" + encodeURIComponent(after), {cache: "no-store"});
-    const data = await r.json();
+    const data = await getJSON("api/jobs?after=" + encodeURIComponent(after));
     render(data);
     pages(data);
     status.textContent = "updated " + new Date().toLocaleTimeString() + " \u00b7 refreshes every 2 s";
   } catch (e) {
-    status.textContent = "cannot reach the coordinator (" + e + "); retrying";
+    status.textContent = (e instanceof TypeError ? "cannot reach the coordinator (" + e + ")" : e.message) + "; retrying";
   }
   if (again) setTimeout(refresh, 2000);
 }
@@ -115,11 +147,6 @@ function swatch(cls, colour) {
 function ledgerJob() {
   const m = /^#ledger=(.*)$/.exec(location.hash);
   try { return m ? decodeURIComponent(m[1]) : null; } catch (e) { return null; }
-}
-async function getJSON(url) {
-  const r = await fetch(url, {cache: "no-store"});
-  if (!r.ok) throw new Error((await r.text()).trim() || "HTTP " + r.status);
-  return r.json();
 }
 function ticks(lo, hi) {
   const raw = (hi - lo) / 6, mag = Math.pow(10, Math.floor(Math.log10(raw)));
@@ -361,6 +388,7 @@ PAGE = """<!doctype html>
 <h1>croupier coordinator</h1>
 <div id="updated">loading&hellip;</div>
 <div id="note"></div>
+<div id="login"></div>
 <noscript>This page needs JavaScript; the same data is at <a href="api/jobs">api/jobs</a> (and a job's step ledger at
 api/ledger?job=NAME, a step's samples at api/step?job=NAME&amp;step=T).</noscript>
 <table>

@@ -19,6 +19,7 @@ from croupier.server._aio import Serving
 from croupier.server._auth import Authorizer
 from croupier.server._coordinator import Coordinator
 from croupier.server._grpc import SERVER_OPTIONS
+from croupier.server._http import tls_context
 from croupier.server._metrics import Metrics
 from croupier.server._options import ServerOptions
 from croupier.server._rpcs import RPCS
@@ -80,9 +81,12 @@ class Server:
         self.options = o = options or ServerOptions()
         self.auth = auth if auth is not None else Authorizer(path=o.auth_file) if o.auth_file else None
         tls = _tls_credentials(o)  # read before anything starts: a bad file fails here
+        http_tls = None if o.metrics_port is None or o.tls_cert is None or o.tls_key is None \
+            else tls_context(o.tls_cert, o.tls_key, o.tls_client_ca)
         self.core = Coordinator(open_store(store_url) if isinstance(store_url, str) else store_url, max_jobs=o.max_jobs,
                                 snapshot_every=o.snapshot_every, max_staleness_s=o.max_staleness_ms / 1000)
-        self.metrics = Metrics(self.core, RPCS, o.metrics_host, o.metrics_port) if o.metrics_port is not None else None
+        self.metrics = None if o.metrics_port is None else Metrics(self.core, RPCS, o.metrics_host, o.metrics_port,
+                                                                   self.auth, http_tls)
         m = self.metrics
         self.service = Serving(self.core, o, self.auth, max_workers, None if m is None else m.on_refuse)
         if m is not None:
@@ -211,7 +215,8 @@ def serve(host: str, port: int, store: str, grace: float = 5.0, options: ServerO
     server = Server(store, host, port, options=options).start()
     print(f"listening on {server.address}", flush=True)
     if server.metrics_address is not None:
-        print(f"metrics and status page on http://{server.metrics_address}/", flush=True)
+        scheme = "http" if server.options.tls_cert is None else "https"
+        print(f"metrics and status page on {scheme}://{server.metrics_address}/", flush=True)
     done = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:

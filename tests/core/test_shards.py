@@ -188,7 +188,7 @@ def test_what_is_left_is_exactly_what_no_rank_took(sizes: list[int], world: int,
     assert got == want
 
 
-@settings(max_examples=examples(60), deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(shards=st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=6), min_size=2, max_size=3),
        parts=st.lists(st.integers(1, 5), min_size=3, max_size=3), window=st.integers(1, 3), seed=st.integers(0, 2**20),
        worlds=st.lists(st.integers(1, 6), min_size=1, max_size=3), cut=st.floats(0, 1))

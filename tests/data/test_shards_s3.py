@@ -15,6 +15,10 @@ from _shard_files import S3, serve_s3, write_parquet, write_tars
 from croupier.client import FILTERED
 from croupier.data import Manifest, Retry, ShardChanged, ShardedDataset, ShardError
 
+# NOTE: a real S3-API server (moto) on loopback, started once for the module: with the end-to-end runs in
+# make test (its start alone takes seconds), not in make check.
+pytestmark = [pytest.mark.e2e, pytest.mark.paired]
+
 FAST = Retry(attempts=3, first_wait_s=0.001, max_wait_s=0.01)
 
 

@@ -201,7 +201,7 @@ def test_secure_overlay_changes_only_tls_credentials_probes_and_metrics() -> Non
     assert ports == {"grpc": args.port, "metrics": args.metrics_port} and args.metrics_host == "0.0.0.0"
     scrape = sts["spec"]["template"]["metadata"]["annotations"]
     assert scrape == {"prometheus.io/scrape": "true", "prometheus.io/port": str(args.metrics_port),
-                      "prometheus.io/path": "/metrics"}
+                      "prometheus.io/path": "/metrics", "prometheus.io/scheme": "https"}
 
     env = env_of(c)
     assert env["CROUPIER_TLS_SERVER_NAME"] == kube("Service", "croupier")["metadata"]["name"], "the name trainers dial"

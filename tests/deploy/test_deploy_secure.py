@@ -6,8 +6,10 @@ import json
 import os
 import pathlib
 import signal
+import ssl
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -111,9 +113,18 @@ def test_secure_coordinator_answers_its_probes(secure_coordinator: SecurePod, pk
     r = run_health(coordinator["healthcheck"]["test"][1:], env, pod.port)
     assert (r.returncode, r.stdout) == (0, "SERVING\n"), r.stderr
 
-    # What Prometheus scrapes, where the pod's annotations say (plain HTTP).
-    path = built(SECURE, "StatefulSet", "croupier")["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{pod.metrics_port}{path}", timeout=10) as reply:
+    # What Prometheus scrapes, where the pod's annotations say: HTTPS with the port's certificate, a client
+    # certificate (mutual TLS) and a bearer credential of the credentials file (the demo's, here).
+    notes = built(SECURE, "StatefulSet", "croupier")["spec"]["template"]["metadata"]["annotations"]
+    url = f"{notes['prometheus.io/scheme']}://127.0.0.1:{pod.metrics_port}{notes['prometheus.io/path']}"
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    ctx.check_hostname = False  # the certificate names the Service; here it is dialled at 127.0.0.1
+    ctx.load_cert_chain(str(pki / "trainer.pem"), str(pki / "trainer.key"))
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(url, timeout=10, context=ctx)
+    credential = secret_contents(pki)[("croupier-demo-credential", "credential")].decode().strip()
+    scrape = urllib.request.Request(url, headers={"Authorization": f"Bearer {credential}"})
+    with urllib.request.urlopen(scrape, timeout=10, context=ctx) as reply:
         assert reply.status == 200 and b"# TYPE " in reply.read()
 
     pod.proc.send_signal(signal.SIGTERM)

@@ -4,8 +4,10 @@ samples the ledger says (a screenshot is kept as a test artifact: out/test-artif
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,3 +134,38 @@ def test_clicking_a_step_lists_the_samples_the_ledger_says(server: Server, brows
     browser.find("#step p.error")
     assert browser.script("return document.querySelector('#step p.error').textContent;") == (
         f"step 41: step 41 is past the run: job {JOB!r} has trained 40 steps (as far as its ranks reported)")
+
+
+def test_behind_credentials_the_page_asks_for_one_and_sends_it(tmp_path: pathlib.Path, browser: Browser) -> None:
+    """With an auth file, the page's data wants a credential: the page asks for it, keeps it in the tab's
+    sessionStorage (not in the URL) and sends it with each request; a wrong one is asked again, saying why."""
+    secret = "dash-secret-0123456789"
+    creds = tmp_path / "credentials.json"
+    creds.write_text(json.dumps({"credentials": [{"name": "dash", "secret": secret, "role": "read", "jobs": [JOB]}]}))
+    s = Server(f"sqlite:///{tmp_path}/a.db", options=ServerOptions(metrics_port=0, auth_file=str(creds))).start()
+    try:
+        run(s.core)
+        url = f"http://{s.metrics_address}/"
+        browser.get(url)
+        why = "return document.querySelector('#login-form p.error').textContent;"
+        browser.type(browser.find("#credential"), "not-the-secret-at-all\ue007")
+        browser.find("#credential")  # asked again, saying why (a request sent before it may answer first)
+        for _ in range(50):
+            if "the credential sent is not one this coordinator knows" in browser.script(why):
+                break
+            time.sleep(0.1)
+        assert "the credential sent is not one this coordinator knows" in browser.script(why)
+        browser.type(browser.find("#credential"), secret + "\ue007")
+        browser.click(browser.find("tr.job a.timeline"))
+        browser.find("#timeline")
+        browser.find("#mix")
+        browser.type(browser.find("#step-input"), "33\ue007")
+        step, versions = _listed(browser)
+        assert step == 33 and versions == _ledger_says(s, step)
+        assert browser.script("return sessionStorage.getItem('croupier-credential');") == secret
+        assert secret not in browser.script("return location.href;")
+        browser.get(url)  # the same tab: not asked again
+        browser.find("tr.job")
+        assert browser.script("return document.getElementById('login').childElementCount;") == 0
+    finally:
+        s.stop(grace=0.5)
