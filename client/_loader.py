@@ -15,16 +15,26 @@ log = logging.getLogger("croupier")
 Croupier = DistributedSampler | DistributedBatchSampler
 
 
-def sampler_of(loader: Any) -> tuple[Croupier, int]:
+def sampler_of(loader: Any, user: str = "Loader", otherwise: str | None = None, *,
+               batched: bool = False) -> tuple[Croupier, int]:
     """The croupier sampler `loader` draws from, and how many of its items one loader batch holds.
 
     One item per batch for a ``DistributedBatchSampler`` (``batch_sampler=``, or ``sampler=`` with
     ``batch_size=None``) and for a ``DistributedSampler`` with ``batch_size=None``; the batch size for
     a ``DistributedSampler`` batched by the loader (``sampler=`` with ``batch_size=k``, or a torch
-    ``BatchSampler`` over it as ``batch_sampler=``).
+    ``BatchSampler`` over it as ``batch_sampler=``). Every wrapper that counts a loader's batches
+    (``Loader``, the integrations) asks this, and counts with :func:`items_consumed`.
+
+    Args:
+        loader: A ``DataLoader`` (or any object with its ``sampler`` and ``batch_sampler``).
+        user: What asked, for the error.
+        otherwise: What to use for other loaders, for the error (None: nothing named).
+        batched: Refuse a ``DistributedSampler`` the loader does not batch (``batch_size=None``): a
+            wrapper that rebuilds the loader and drops such a sampler (Accelerate's) asks for this.
 
     Raises:
-        TypeError: `loader` does not draw from a croupier sampler (the message names what it draws from).
+        TypeError: `loader` does not draw from a croupier sampler (the message names what it draws from),
+            or `batched` and its index sampler is not batched.
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(loader, "sampler", None)
@@ -33,12 +43,29 @@ def sampler_of(loader: Any) -> tuple[Croupier, int]:
     if isinstance(batch_sampler, BatchSampler) and isinstance(batch_sampler.sampler, DistributedSampler):
         return batch_sampler.sampler, int(batch_sampler.batch_size)
     if batch_sampler is None and isinstance(sampler, (DistributedSampler, DistributedBatchSampler)):
+        if batched and isinstance(sampler, DistributedSampler):
+            raise TypeError(f"{user}: a DataLoader over croupier's DistributedSampler needs a batch_size (or use "
+                            "DistributedBatchSampler as its batch_sampler)")
         return sampler, 1
+    rest = "" if otherwise is None else f"; use {otherwise} for the others"
     raise TypeError(
-        f"Loader needs a DataLoader over a croupier sampler (sampler=DistributedSampler, or "
-        f"batch_sampler=DistributedBatchSampler); this {type(loader).__name__}'s sampler is a "
+        f"{user} is for a DataLoader over a croupier sampler (sampler=DistributedSampler, or "
+        f"batch_sampler=DistributedBatchSampler){rest}: this {type(loader).__name__}'s sampler is a "
         f"{type(sampler).__name__} and its batch sampler a {type(batch_sampler).__name__}"
     )
+
+
+def items_consumed(sampler: Croupier, batches: int, per_batch: int, before: int = 0) -> int:
+    """The sampler's items (indices, or batches for the batch sampler) of its epoch in hand that the loop
+    consumed, from the epoch's start: what ``state_dict(consumed=)`` takes.
+
+    `before` items of the epoch were consumed before the count began (a resumed checkpoint's), then
+    `batches` loader batches of `per_batch` items each (:func:`sampler_of`'s) reached the loop. The
+    epoch's last batch may hold fewer: the loop can take it only once the sampler handed out its last
+    item, so what the sampler handed out (``items_done``) bounds the count. Ask it while the sampler is
+    in the epoch the batches are of (handing it out, or the last it handed out).
+    """
+    return min(before + batches * per_batch, sampler.items_done)
 
 
 @dataclasses.dataclass
@@ -173,10 +200,7 @@ class Loader:
         s, run = self.sampler, self._run
         if run is None or run.done or (run.epoch is not None and run.epoch != self._epoch()):
             return s.items_done
-        # NOTE: a loader batch of the index sampler holds `items_per_batch` indices but for the
-        # epoch's last one, which the loop can only take once the sampler handed out its last index:
-        # what the sampler handed out bounds the count.
-        return min(s.items_resumed + run.batches * self.items_per_batch, s.items_done)
+        return items_consumed(s, run.batches, self.items_per_batch, s.items_resumed)
 
     # ---------------------------------------------------------------- checkpoints
 

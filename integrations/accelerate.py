@@ -80,8 +80,7 @@ from accelerate.data_loader import DataLoaderShard  # type: ignore[import-untype
 from accelerate.data_loader import prepare_data_loader as _accelerate_prepare_data_loader
 from torch.utils.data import DataLoader, IterableDataset
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
-from croupier.integrations._loaders import croupier_sampler_of
+from croupier.client import DistributedBatchSampler, DistributedSampler, items_consumed, sampler_of
 
 log = logging.getLogger("croupier")
 
@@ -107,7 +106,8 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
     croupier_state: CroupierLoaderState
     _croupier_unit: int  # sampler items per loader batch: 1 for the batch sampler, batch_size for the index sampler
     _count_epoch: int  # the epoch the count is for
-    _count_items: int  # sampler items the loop took in _count_epoch, from its start
+    _count_before: int  # sampler items of _count_epoch taken before the count began (a resumed state's)
+    _count_batches: int  # loader batches the loop took in _count_epoch since then
     _count_len: int  # len(sampler) for _count_epoch, taken when its pass began
     _accumulation: int  # batches an optimizer step takes (the accelerator's gradient accumulation)
     _steps_before: int | None  # optimizer steps of the job before _count_epoch (None: not known, a resume without one)
@@ -120,10 +120,10 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
         self.iteration = epoch
         if self._count_epoch != epoch:
             self._steps_before = self.steps()
-            self._count_epoch, self._count_items = epoch, 0
+            self._count_epoch, self._count_before, self._count_batches = epoch, 0, 0
         self._count_len = len(sampler)
         for batch in super().__iter__():
-            self._count_items += self._croupier_unit
+            self._count_batches += 1
             yield batch
 
     def consumed(self) -> int | None:
@@ -134,15 +134,20 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
         """
         if self._count_epoch != self.iteration:
             return None
-        return min(self._count_items, self._count_len)
+        return items_consumed(self.croupier_sampler, self._count_batches, self._croupier_unit, self._count_before)
+
+    def _batches_taken(self) -> int:
+        """Loader batches of the current epoch the loop took, from the epoch's start (a resumed state's included)."""
+        return self._count_before // self._croupier_unit + self._count_batches
 
     def steps(self) -> int | None:
         """Optimizer steps the loop took since the job's start, by its count of batches (see the module);
         None when not known (resumed from a state that names no step)."""
         if self._steps_before is None:
             return None
-        batches, a = self._count_items // self._croupier_unit, self._accumulation
-        whole = self._count_len and self._count_items >= self._count_len  # the epoch's last batch was taken
+        batches, a = self._batches_taken(), self._accumulation
+        # the epoch's last batch was taken
+        whole = self._count_len and self._count_before + self._count_batches * self._croupier_unit >= self._count_len
         return self._steps_before + (-(-batches // a) if whole else batches // a)
 
     def batches_left(self) -> int:
@@ -150,7 +155,7 @@ class CroupierDataLoader(DataLoaderShard):  # type: ignore[misc]  # accelerate s
         n = len(self)
         if self._count_epoch != self.croupier_sampler.epoch:
             return n
-        return max(0, n - self._count_items // self._croupier_unit)
+        return max(0, n - self._batches_taken())
 
     def __reduce__(self) -> Any:
         # DataLoaderShard reports DataLoader as its __class__; pickle this class.
@@ -191,12 +196,13 @@ class CroupierLoaderState:
         loader.croupier_sampler.load_state_dict(state_dict["sampler"])
         epoch = loader.croupier_sampler.epoch
         items = int(state_dict.get("items") or 0)
-        loader._count_epoch, loader._count_items = epoch, items if state_dict.get("epoch") == epoch else 0
+        loader._count_epoch, loader._count_batches = epoch, 0
+        loader._count_before = items if state_dict.get("epoch") == epoch else 0
         loader.iteration = epoch
         # NOTE: the steps of the epochs before are the saved step less the resumed epoch's (counted
         # with this launch's accumulation: a launch that changes it mid-epoch counts from there on)
         step = state_dict["sampler"].get("step") if isinstance(state_dict["sampler"], dict) else None
-        in_epoch = loader._count_items // loader._croupier_unit // loader._accumulation
+        in_epoch = loader._batches_taken() // loader._accumulation
         loader._steps_before = step - in_epoch if isinstance(step, int) and step >= in_epoch else None
 
 
@@ -206,9 +212,10 @@ def prepare_data_loader(accelerator: accelerate.Accelerator, data_loader: DataLo
 
     Args:
         accelerator: The job's ``Accelerator``.
-        data_loader: A ``DataLoader`` whose ``batch_sampler`` is a
-            :class:`~croupier.client.DistributedBatchSampler`, or whose ``sampler`` is a
-            :class:`~croupier.client.DistributedSampler` (with a ``batch_size``).
+        data_loader: A ``DataLoader`` over a croupier sampler, as :class:`~croupier.client.Loader` takes it:
+            a :class:`~croupier.client.DistributedBatchSampler` (``batch_sampler=``), or a
+            :class:`~croupier.client.DistributedSampler` (``sampler=``, with a ``batch_size``,
+            or under a torch ``BatchSampler``).
         device_placement: Move batches to ``accelerator.device`` (default: the accelerator's setting).
         register: Register the loader's :class:`CroupierLoaderState` with
             ``accelerator.register_for_checkpointing``, so that ``save_state`` / ``load_state``
@@ -219,10 +226,11 @@ def prepare_data_loader(accelerator: accelerate.Accelerator, data_loader: DataLo
 
     Raises:
         ValueError: the accelerator dispatches or splits batches.
-        TypeError: the loader is not over a croupier sampler, or its dataset is iterable.
+        TypeError: the loader is not over a croupier sampler (or over the index sampler without a batch size),
+            or its dataset is iterable.
     """
-    sampler, unit = croupier_sampler_of(data_loader, "croupier.integrations.accelerate.prepare_data_loader",
-                                        "accelerator.prepare")
+    sampler, unit = sampler_of(data_loader, "croupier.integrations.accelerate.prepare_data_loader",
+                               "accelerator.prepare", batched=True)
     if isinstance(data_loader.dataset, IterableDataset):
         raise TypeError("croupier's samplers deal map-style datasets; this loader's dataset is an IterableDataset")
     if accelerator.dispatch_batches:
@@ -247,7 +255,7 @@ def prepare_data_loader(accelerator: accelerate.Accelerator, data_loader: DataLo
     loader.__dict__.update(prepared.__dict__)
     loader.croupier_sampler = sampler
     loader._croupier_unit = unit
-    loader._count_epoch, loader._count_items, loader._count_len = sampler.epoch, 0, 0
+    loader._count_epoch, loader._count_before, loader._count_batches, loader._count_len = sampler.epoch, 0, 0, 0
     loader._accumulation, loader._steps_before = max(1, int(accelerator.gradient_accumulation_steps)), 0
     loader.iteration = sampler.epoch
     loader.croupier_state = CroupierLoaderState(loader)

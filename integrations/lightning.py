@@ -74,7 +74,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
+from croupier.client import DistributedBatchSampler, DistributedSampler, items_consumed, sampler_of
 
 __all__ = ["CroupierCheckpoint", "croupier_sampler"]
 
@@ -84,14 +84,11 @@ Sampler: TypeAlias = "DistributedSampler | DistributedBatchSampler"
 
 
 def croupier_sampler(dataloader: object) -> Sampler | None:
-    """The croupier sampler that drives `dataloader`: its ``sampler``, its ``batch_sampler``, or the latter's sampler."""
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for obj in (getattr(dataloader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)):
-        if isinstance(obj, DistributedSampler):
-            return obj
-        if isinstance(obj, DistributedBatchSampler):
-            return obj
-    return None
+    """The croupier sampler that drives `dataloader` (``croupier.client.sampler_of``'s), None for another loader."""
+    try:
+        return sampler_of(dataloader)[0]
+    except TypeError:
+        return None
 
 
 def _is_stateful(obj: object) -> bool:
@@ -161,17 +158,15 @@ class CroupierCheckpoint(Callback):
         finished = batches >= trainer.num_training_batches
         states: list[dict[str, Any] | None] = []
         for dl in loaders:
-            sampler = croupier_sampler(dl)
-            if sampler is None:
+            try:
+                sampler, per_batch = sampler_of(dl)
+            except TypeError:
                 states.append(None)
                 continue
             if finished:
                 consumed = len(sampler)  # the whole epoch: the state names the next one, as Lightning does
-            elif isinstance(sampler, DistributedBatchSampler):
-                consumed = batches
             else:
-                batch_size = getattr(dl, "batch_size", None) or getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
-                consumed = min(batches * int(batch_size or 1), len(sampler))
+                consumed = items_consumed(sampler, batches, per_batch)
             states.append(sampler.state_dict(consumed=consumed, step=trainer.global_step))
         return {"format": _FORMAT, "samplers": states}
 

@@ -34,9 +34,10 @@ this module does them::
   (Ray Train v2 dropped ``resume_from_checkpoint``). Either way the state loads before the
   sampler's first batch, on any number of workers.
 
-With ``DistributedBatchSampler`` as ``batch_sampler=``, :func:`prepare_data_loader` passes
-``add_dist_sampler=False``: otherwise Ray rebuilds the loader around a torch ``DistributedSampler``
-of its own and croupier is not used.
+With a loader whose ``sampler`` is not croupier's ``DistributedSampler`` (``DistributedBatchSampler``
+as ``batch_sampler=``, or a torch ``BatchSampler`` over croupier's sampler), :func:`prepare_data_loader`
+passes ``add_dist_sampler=False``: otherwise Ray rebuilds the loader around a torch
+``DistributedSampler`` of its own and croupier is not used.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ import ray.train
 import ray.train.torch
 from torch.utils.data import DataLoader
 
-from croupier.client import DistributedBatchSampler, DistributedSampler
-from croupier.integrations._loaders import croupier_sampler_of
+from croupier.client import DistributedBatchSampler, DistributedSampler, items_consumed, sampler_of
 
 __all__ = ["STATE_FILE", "CountedLoader", "load", "prepare_data_loader", "report"]
 
@@ -84,8 +84,7 @@ class CountedLoader:
     def consumed(self) -> int:
         """What the loop took of the epoch, as ``state_dict(consumed=)`` counts it: from the epoch's start
         (a resumed epoch's items before the checkpoint included), batches for a batch sampler."""
-        # The last batch of an epoch may be short: counted full, it names the epoch's end all the same.
-        return self.resumed + self.batches * self.unit
+        return items_consumed(self.sampler, self.batches, self.unit, self.resumed)
 
 
 def prepare_data_loader(loader: DataLoader[Any], **ray_options: Any) -> CountedLoader:
@@ -94,10 +93,10 @@ def prepare_data_loader(loader: DataLoader[Any], **ray_options: Any) -> CountedL
     Raises:
         TypeError: `loader` is not driven by a croupier sampler (or drives the index sampler without a batch size).
     """
-    sampler, unit = croupier_sampler_of(loader, "croupier.integrations.ray.prepare_data_loader",
-                                        "ray.train.torch.prepare_data_loader")
-    if isinstance(sampler, DistributedBatchSampler):
-        # Ray would otherwise rebuild the loader around a torch DistributedSampler of its own.
+    sampler, unit = sampler_of(loader, "croupier.integrations.ray.prepare_data_loader",
+                               "ray.train.torch.prepare_data_loader", batched=True)
+    if not isinstance(loader.sampler, DistributedSampler):
+        # A batch sampler's loader: Ray would otherwise rebuild it around a torch DistributedSampler of its own.
         ray_options.setdefault("add_dist_sampler", False)
     return CountedLoader(ray.train.torch.prepare_data_loader(loader, **ray_options), sampler, unit)
 

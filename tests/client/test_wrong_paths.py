@@ -128,20 +128,23 @@ def test_a_sampler_read_ahead_by_rays_loader_wants_what_the_loop_consumed() -> N
 
 
 def test_the_integrations_find_the_croupier_sampler_of_a_loader_or_refuse_it() -> None:
-    """What Accelerate's and Ray's prepare_data_loader read of a loader: its croupier sampler and items per batch."""
-    from croupier.integrations._loaders import croupier_sampler_of
+    """What Accelerate's and Ray's prepare_data_loader read of a loader (the client's one ``sampler_of``): its
+    croupier sampler and items per batch, or a refusal naming the function that asked and what to use instead."""
+    from croupier.client import sampler_of
 
     dataset = TensorDataset(torch.arange(16))
     index = DistributedSampler(dataset, num_replicas=1, rank=0)
     batches = DistributedBatchSampler(dataset, 4, num_replicas=1, rank=0)
     try:
-        assert croupier_sampler_of(DataLoader(dataset, batch_size=4, sampler=index), "f", "g") == (index, 4)
-        assert croupier_sampler_of(DataLoader(dataset, batch_sampler=batches), "f", "g") == (batches, 1)
-        assert croupier_sampler_of(DataLoader(dataset, sampler=batches, batch_size=None), "f", "g") == (batches, 1)
-        with pytest.raises(TypeError, match="over croupier's DistributedSampler needs a batch_size"):
-            croupier_sampler_of(DataLoader(dataset, batch_size=None, sampler=index), "f", "g")
-        with pytest.raises(TypeError, match=r"sampler is a RandomSampler .*: f is for loaders over .*use g for the others"):
-            croupier_sampler_of(DataLoader(dataset, batch_size=4, shuffle=True), "f", "g")
+        assert sampler_of(DataLoader(dataset, batch_size=4, sampler=index), "f", "g") == (index, 4)
+        assert sampler_of(DataLoader(dataset, batch_sampler=batches), "f", "g") == (batches, 1)
+        assert sampler_of(DataLoader(dataset, sampler=batches, batch_size=None), "f", "g") == (batches, 1)
+        assert sampler_of(DataLoader(dataset, batch_size=None, sampler=index), "f", "g") == (index, 1)
+        with pytest.raises(TypeError, match="f: a DataLoader over croupier's DistributedSampler needs a batch_size"):
+            sampler_of(DataLoader(dataset, batch_size=None, sampler=index), "f", "g", batched=True)
+        with pytest.raises(TypeError, match=r"f is for a DataLoader over a croupier sampler .*; use g for the others: "
+                                            r"this DataLoader's sampler is a RandomSampler"):
+            sampler_of(DataLoader(dataset, batch_size=4, shuffle=True), "f", "g")
     finally:
         index.close()
         batches.close()
