@@ -295,7 +295,7 @@ class ShardedDataset:
 
         def fetch(dest: str) -> None:
             shard.check(self._storage.stat(shard.path))
-            self._storage.fetch(shard.path, dest, shard.bytes)
+            self._storage.fetch(shard.path, dest, shard.bytes, shard.etag)
 
         return self.cache.ensure(shard.key, shard.bytes, fetch)
 

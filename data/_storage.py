@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import hashlib
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -72,6 +74,10 @@ class Retry:
 
 #: OSErrors that trying again does not cure: what is missing, refused or not a file stays so.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+#: An etag that is the MD5 of the object's bytes (an object uploaded in one part; a multipart etag has a "-N").
+_MD5 = re.compile(r"[0-9a-fA-F]{32}")
 
 
 def transient(e: BaseException) -> bool:
@@ -198,23 +204,31 @@ class Storage:
         fs, path = self.fs(url)
         return self.retry.run(f"open {url}", lambda: fs.open(path, "rb", block_size=block_size))
 
-    def fetch(self, url: str, dest: str, size: int) -> None:
+    def fetch(self, url: str, dest: str, size: int, etag: str | None = None) -> None:
         """Copies `url` to the local file `dest` (created, empty), `size` bytes, in large ranged reads; a
-        copy cut short is a transient error, tried again from the start.
+        copy cut short is a transient error, tried again from the start. Where the store's `etag` is the
+        MD5 of the content (S3 and most of its kind give it for an object uploaded in one part: 32 hex
+        digits), the copy's MD5 must match it: a copy that does not is a transient error too.
 
         Raises:
             OSError: the copy failed, the last try's error once the tries are spent.
         """
         fs, path = self.fs(url)
+        want = etag.lower() if etag is not None and _MD5.fullmatch(etag) else None
 
         def call() -> None:
             got = 0
+            digest = hashlib.md5(usedforsecurity=False) if want is not None else None
             with fs.open(path, "rb", block_size=CHUNK_BYTES, cache_type="none") as src, open(dest, "wb") as out:
                 while chunk := src.read(CHUNK_BYTES):
                     out.write(chunk)
                     got += len(chunk)
+                    if digest is not None:
+                        digest.update(chunk)
             if got != size:
                 raise OSError(errno.EIO, f"read {got} bytes of {url}, expected {size}")
+            if digest is not None and digest.hexdigest() != want:
+                raise OSError(errno.EIO, f"the copy of {url} has MD5 {digest.hexdigest()}, but the store's etag is {want}")
 
         self.retry.run(f"fetch {url}", call)
 

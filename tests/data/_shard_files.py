@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import io
 import logging
 import os
@@ -139,6 +140,34 @@ class FlakyFS(LocalFileSystem):
 
 
 fsspec.register_implementation("flakytest", FlakyFS, clobber=True)
+
+
+class GarbledFS(LocalFileSystem):
+    """Local files under ``garbledtest://`` whose info carries the MD5 of their bytes as the etag (as S3 gives
+    for an object uploaded in one part), and whose first `garbles` reads serve a copy with one byte changed."""
+
+    protocol = ("garbledtest",)
+    garbles = 0
+    opens = 0
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        out = dict(super().info(path, **kwargs))
+        with open(self._strip_protocol(path), "rb") as f:
+            out["ETag"] = '"' + hashlib.md5(f.read(), usedforsecurity=False).hexdigest() + '"'
+        return out
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "r" in mode:
+            type(self).opens += 1
+            if type(self).garbles > 0:
+                type(self).garbles -= 1
+                data = bytearray(pathlib.Path(self._strip_protocol(path)).read_bytes())
+                data[len(data) // 2] ^= 0xFF  # one byte changed in transit
+                return io.BytesIO(bytes(data))
+        return super()._open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("garbledtest", GarbledFS, clobber=True)
 
 
 def lock_waiters(lock_file: str) -> int:

@@ -9,7 +9,7 @@ import pathlib
 import threading
 
 import pytest
-from _shard_files import FlakyFS, hold, lock_waiters, until, write_parquet
+from _shard_files import FlakyFS, GarbledFS, hold, lock_waiters, until, write_parquet
 
 from croupier.client import FILTERED
 from croupier.data import Retry, ShardCache, ShardedDataset, ShardError
@@ -30,6 +30,22 @@ def test_a_read_that_fails_twice_then_works_is_retried(tmp_path: pathlib.Path) -
     FlakyFS.failures = 2
     assert ds[7]["id"] == 7
     assert FlakyFS.opens == 3 and ds.cache.fetches == 1  # two failed tries, then the fetch
+
+
+def test_a_copy_whose_md5_is_not_the_etag_is_fetched_again(tmp_path: pathlib.Path) -> None:
+    """The store's etag is the MD5 of the shard: a copy garbled in transit is caught and fetched again; one
+    garbled on every try is named, never read."""
+    files = write_parquet(tmp_path / "d", [6, 6])
+    ds = ShardedDataset([f"garbledtest://{f}" for f in files], cache_dir=tmp_path / "cache",
+                        retry=Retry(attempts=3, first_wait_s=0.001, max_wait_s=0.01))
+    GarbledFS.garbles, GarbledFS.opens = 1, 0
+    assert [ds[i]["id"] for i in range(12)] == list(range(12))
+    assert GarbledFS.opens == 3 and ds.cache.fetches == 2  # shard 0: a garbled copy, then a good one
+    bad = ShardedDataset([f"garbledtest://{f}" for f in files], cache_dir=tmp_path / "cache2",
+                         retry=Retry(attempts=2, first_wait_s=0.001, max_wait_s=0.01))
+    GarbledFS.garbles = 2
+    with pytest.raises(ShardError, match="has MD5 [0-9a-f]{32}, but the store's etag is [0-9a-f]{32}"):
+        bad[0]
 
 
 def test_retries_are_bounded(tmp_path: pathlib.Path) -> None:
