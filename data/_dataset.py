@@ -28,7 +28,7 @@ ON_ERROR = ("raise", "skip")
 #: The node's cache bound when none is given, in bytes.
 DEFAULT_CACHE_BYTES = 16 * 2**30
 #: Shards one process keeps open (each with its decoded row groups), the least recently read closed first.
-OPEN_SHARDS = 4
+OPEN_SHARDS = 256
 #: Tries at opening a shard the cache fetched, should another process evict it before the open.
 _OPEN_TRIES = 3
 

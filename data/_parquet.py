@@ -10,8 +10,42 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-#: Decoded row groups one open shard keeps in memory, in bytes (at least the one being read).
+#: Decoded row groups a process keeps in memory, over all its open shards, in bytes (of their arrow form).
 DECODED_BYTES = 256 * 2**20
+
+
+class _Decoded:
+    """The row groups a process decoded, as lists of rows, least recently used out first past DECODED_BYTES.
+
+    NOTE: one budget for the process, not one per open shard: a shard order reads a few hundred shards in
+    turn (a window of each reading head), and a rank's reads hop between them from one batch to the next.
+    """
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[tuple[int, int], tuple[list[Any], int]] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: tuple[int, int]) -> list[Any] | None:
+        hit = self.groups.get(key)
+        if hit is None:
+            return None
+        self.groups.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: tuple[int, int], rows: list[Any], nbytes: int) -> None:
+        self.groups[key] = (rows, nbytes)
+        self.bytes += nbytes
+        while self.bytes > DECODED_BYTES and len(self.groups) > 1:
+            self.bytes -= self.groups.popitem(last=False)[1][1]
+
+    def drop(self, reader: int) -> None:
+        for key in [k for k in self.groups if k[0] == reader]:
+            self.bytes -= self.groups.pop(key)[1]
+
+
+_DECODED = _Decoded()
+#: Names each reader in the decoded groups (never reused, unlike ``id``).
+_SERIAL = itertools.count()
 
 
 class Parquet:
@@ -19,9 +53,9 @@ class Parquet:
 
     NOTE: the file, not the row group, is the shard: it is what the store addresses (its size and etag in
     the manifest), what the shard order deals from, and what the cache fetches in one piece. Its row
-    groups are the unit of decoding: a read decodes the row's whole group and keeps it for the next rows
-    (up to DECODED_BYTES of them per open shard), so rows read in any order within a shard decode each
-    group about once.
+    groups are the unit of decoding: a read decodes the row's whole group into Python rows and keeps them
+    for the next rows (up to DECODED_BYTES of groups in a process), so rows read in any order within a
+    shard decode each group about once.
     """
 
     name: str = "parquet"
@@ -54,26 +88,21 @@ class ParquetReader:
             self._file.close()
             raise
         self._starts = list(itertools.accumulate(groups, initial=0))  # (groups + 1,)
-        self._groups: OrderedDict[int, pa.Table] = OrderedDict()
-        self._bytes = 0
+        self._serial = next(_SERIAL)
 
     def row(self, r: int) -> Any:
         """Row `r` as a dict of column name to Python value."""
         if not 0 <= r < self._starts[-1]:
             raise IndexError(f"row {r} is not in [0, {self._starts[-1]})")
         g = bisect.bisect_right(self._starts, r) - 1
-        table = self._groups.get(g)
-        if table is None:
+        rows = _DECODED.get((self._serial, g))
+        if rows is None:
             table = self._pf.read_row_group(g)
-            self._groups[g] = table
-            self._bytes += table.nbytes
-            while self._bytes > DECODED_BYTES and len(self._groups) > 1:
-                self._bytes -= self._groups.popitem(last=False)[1].nbytes
-        else:
-            self._groups.move_to_end(g)
-        return table.slice(r - self._starts[g], 1).to_pylist()[0]
+            rows = table.to_pylist()
+            _DECODED.put((self._serial, g), rows, table.nbytes)
+        return rows[r - self._starts[g]]
 
     def close(self) -> None:
-        """Closes the file (the decoded groups go with the reader)."""
-        self._groups.clear()
+        """Closes the file (its decoded groups go with it)."""
+        _DECODED.drop(self._serial)
         self._file.close()
