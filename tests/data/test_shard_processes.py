@@ -13,6 +13,7 @@ import pytest
 import torch
 from _shard_files import S3, hold, lock_waiters, read_one, row_id, serve_s3, until, write_parquet
 
+from croupier.client import worker_options
 from croupier.data import Manifest, ShardedDataset
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paired]
@@ -71,8 +72,10 @@ def test_dataloader_workers_share_the_node_cache(s3: S3, tmp_path: pathlib.Path)
     m = Manifest.build("s3://shards/loader/", storage_options=s3.options)
     ds = ShardedDataset(m, storage_options=s3.options, cache_dir=tmp_path / "node", transform=row_id)
     before = [s3.gets(s.path) for s in m.shards]
-    # Batches of 10 dealt to the two workers in turn: both read every shard.
-    loader = torch.utils.data.DataLoader(ds, batch_size=10, num_workers=2)
+    # Batches of 10 dealt to the two workers in turn: both read every shard. NOTE: workers that start safely
+    # (worker_options: spawned before CPython 3.12): this process runs the S3 server's and the store client's
+    # threads, and a fork beside them can leave a worker stuck before it runs a line (CPython gh-112275).
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, **worker_options(2))
     assert [i for batch in loader for i in batch.tolist()] == list(range(120))
     fetched = [s3.gets(s.path) - b for s, b in zip(m.shards, before)]
     assert fetched == _gets_of_one_fetch(s3, m, tmp_path)  # each shard fetched once by the two workers
