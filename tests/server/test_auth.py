@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from _pki import make_pki
 from _ranks import on_ranks
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -28,23 +29,10 @@ SECRETS = {"admin": "admin-secret-0123456789", "train": "train-secret-0123456789
            "other": "other-secret-0123456789"}
 
 
-def _openssl(*args: str, cwd: pathlib.Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """A CA, a server certificate for localhost / 127.0.0.1, and a client certificate (EC P-256)."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=croupier test CA", cwd=d)
-    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for who in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN=croupier {who}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext", cwd=d)
-    return d
+    """A CA, a server certificate for localhost / 127.0.0.1 and a client certificate (tests/_pki.py)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _creds_file(d: pathlib.Path) -> pathlib.Path:

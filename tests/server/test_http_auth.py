@@ -9,13 +9,13 @@ import json
 import logging
 import pathlib
 import ssl
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from _ledger_run import JOB, SPEC, run
+from _pki import make_pki
 from prometheus_client.parser import text_string_to_metric_families
 
 from croupier.core.api import JoinRequest
@@ -54,23 +54,10 @@ def expected(caller: str, path: str) -> int:
     return 200
 
 
-def _openssl(*args: str, cwd: pathlib.Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """A CA, a server certificate for localhost / 127.0.0.1 and a client certificate (EC P-256)."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=croupier test CA", cwd=d)
-    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for who in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN=croupier {who}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext", cwd=d)
-    return d
+    """A CA, a server certificate for localhost / 127.0.0.1 and a client certificate (tests/_pki.py)."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _serve(tmp_path: pathlib.Path, **options: object) -> Server:
