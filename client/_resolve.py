@@ -359,13 +359,9 @@ def _start_embedded(store_url: str, host: str, job: str | None = None) -> tuple[
 
 def local_world_size() -> int:
     """The ranks of this node: torchrun's ``LOCAL_WORLD_SIZE``, else 1 (a shard order's default reader group)."""
-    v = os.environ.get("LOCAL_WORLD_SIZE")
-    if v is None:
+    got = _env_int("LOCAL_WORLD_SIZE")
+    if got is None:
         return 1
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={v!r} is not a number of ranks") from None
-    if n < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE={v!r} must be at least 1")
-    return n
+    if got[1] < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE must be at least 1 (got LOCAL_WORLD_SIZE={got[1]})")
+    return got[1]

@@ -55,7 +55,7 @@ def shard_sizes(spec: Spec) -> np.ndarray:
     return np.frombuffer(spec.shards, dtype="<i8")
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=128)  # one a dataset, or a sharded source of a mixture
 def _offsets(sizes: bytes) -> np.ndarray:
     """Each shard's first index; (S + 1,) with the total last."""
     out = np.zeros(len(sizes) // 8 + 1, dtype=np.int64)
@@ -137,7 +137,9 @@ class ShardOrder:
         return keys[:, 0] if uniq.size == 1 and not full else keys[:, inv]
 
 
-@functools.lru_cache(maxsize=8)
+# NOTE: one table a dataset and epoch in use: a mixture of sharded sources holds one a source (16 bytes a
+# shard; a single dataset of 1e5 shards: 1.6 MB), and a lease of a mixture touches every source.
+@functools.lru_cache(maxsize=128)
 def _epoch_table(order: ShardOrder, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """The epoch's shards in their keyed order: each slot's first index (S,) and the samples before each
     slot (S + 1,). 16 bytes a shard."""
