@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     if attempts < 1 or n < 1 or args.step_ms < 0:
         parser.error(f"--attempts {attempts}, --n {n}, --step-ms {args.step_ms:g}: at least 1, 1 and 0")
     logging.getLogger("croupier.integrations.torchft").setLevel(logging.ERROR)
-    from croupier.tools._serve import ServeProcess
+    from croupier.tools.serve import ServeProcess
 
     machine = _machine()
     began, load0 = time.monotonic(), os.getloadavg()[0]

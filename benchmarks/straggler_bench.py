@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    from croupier.tools._serve import ServeProcess
+    from croupier.tools.serve import ServeProcess
 
     args.batches = args.batches or (400 if args.quick else 2000)
     args.t_ms = args.t_ms or (10.0 if args.quick else 20.0)

@@ -162,7 +162,7 @@ def _join_last(address: str, world: int) -> tuple[float, float]:
 
 def waiting(ranks: int, drivers: int, window_s: float, serving: baseline.Serving) -> dict[str, Any]:
     """`ranks` joins waiting on a fresh ``croupier serve`` of `serving`'s code; its figures."""
-    from croupier.tools._serve import start_serve
+    from croupier.tools.serve import start_serve
 
     world = ranks + 1
     with tempfile.TemporaryDirectory() as tmp, open(pathlib.Path(tmp, "serve.log"), "w+") as log:

@@ -2,7 +2,7 @@
 
 Set ``CROUPIER_CALL_LOG`` to a directory and every client channel of the process records each Join,
 Grant, Lease and checkpoint Report it makes, with the ``time.monotonic()`` of its invocation and of
-its answer, one JSON line per call in ``DIR/calls-<host>-<pid>.jsonl``; ``croupier.tools.linearize``
+its answer, one JSON line per call in ``DIR/calls-<host>-<pid>.jsonl``; ``croupier.harness.linearize``
 reads those files and checks that the history is linearizable (``croupier chaos`` does, after its run).
 Each line is one ``write`` to a file opened for appending: a kill -9 of the process loses none that
 returned (a crash of the machine may).

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from croupier.core.checks import is_int
+from croupier.core.checks import check_int, is_int
 
 #: The packed state's format: ``{"version", "epoch", "sampler", "waiting", "skip"}``.
 VERSION = 1
@@ -144,16 +144,16 @@ def from_state(state: Mapping[str, Any]) -> tuple[int | None, dict[str, Any], li
                          "own state goes to the sampler's load_state_dict")
     if state["version"] != VERSION:
         raise ValueError(f"packed loader state version {state['version']!r} is not one this release reads ({VERSION})")
-    if not (is_int(state["epoch"]) and state["epoch"] >= 0):
-        raise ValueError(f"the packed state's epoch must be an int >= 0 (got {state['epoch']!r})")
+    check_int("the packed state's epoch", state["epoch"], 0, type_error=ValueError)
     if not isinstance(state["sampler"], Mapping):
         raise ValueError(f"the packed state's sampler must be a sampler's state dict (got {state['sampler']!r})")
     waiting: list[Key] = []
     for k in state["waiting"]:
-        if not (isinstance(k, (list, tuple)) and len(k) == 3 and all(is_int(x) for x in k)
-                and k[0] >= 0 and k[1] >= 0 and k[2] >= 1):
+        if not (isinstance(k, (list, tuple)) and len(k) == 3):
             raise ValueError(f"a waiting piece is [index >= 0, offset >= 0, length >= 1] (got {k!r})")
-        waiting.append((int(k[0]), int(k[1]), int(k[2])))
+        waiting.append((check_int("a waiting piece's index", k[0], 0, type_error=ValueError),
+                        check_int("a waiting piece's offset", k[1], 0, type_error=ValueError),
+                        check_int("a waiting piece's length", k[2], 1, type_error=ValueError)))
     skip = state["skip"]
     if not isinstance(skip, (list, tuple)) or not all(is_int(i) and i >= 0 for i in skip):
         raise ValueError(f"the packed state's skip is a list of indices >= 0 (got {skip!r})")

@@ -14,7 +14,7 @@ from croupier.client._filter import FILTERED, Filtered, is_filtered
 from croupier.client._pack_state import Key, Merged, Part, from_state, merge, share, to_state
 from croupier.client._packing import LONG, Packed, Piece, Planner, Row, assemble, make_planner, pieces_of
 from croupier.client._sampler import DistributedSampler
-from croupier.core.checks import check_int
+from croupier.core.checks import check_choice, check_int
 
 log = logging.getLogger("croupier")
 Gather = Callable[[dict[str, Any]], list[dict[str, Any]]]
@@ -187,11 +187,9 @@ class PackedLoader:
         if given is not sampler:
             raise ValueError(f"the loader's sampler ({type(given).__name__}) is not the sampler given: the loader must "
                              "draw from it (DataLoader(..., sampler=sampler))")
-        if long not in LONG:
-            raise ValueError(f"long must be one of {LONG} (got long={long!r})")
+        check_choice("long", long, LONG)
         make_planner(pack, seq_len, buffer)  # checks the three
-        if on_filtered not in ("record", "skip"):
-            raise ValueError(f"on_filtered must be 'record' or 'skip' (got on_filtered={on_filtered!r})")
+        check_choice("on_filtered", on_filtered, ("record", "skip"))
         if on_filtered == "skip" and sampler.spec.sources is None:
             raise ValueError("on_filtered='skip' records filtered samples as skipped, a change of a mixture: the "
                              "sampler deals one dataset (make it with weights=), or use on_filtered='record'")

@@ -9,7 +9,7 @@ from croupier.core.api import MAX_WORLD
 from croupier.core.checks import check_int
 
 
-def _data_parallel_group(process_group: Any | None, device_mesh: Any | None, mesh_dim: str | int | None) -> Any | None:
+def data_parallel_group(process_group: Any | None, device_mesh: Any | None, mesh_dim: str | int | None) -> Any | None:
     """The process group whose ranks deal the data: given, or the `mesh_dim` dimension of `device_mesh`."""
     if device_mesh is None:
         if mesh_dim is not None:
@@ -23,7 +23,7 @@ def _data_parallel_group(process_group: Any | None, device_mesh: Any | None, mes
     return device_mesh.get_group(mesh_dim if mesh_dim is not None else 0)
 
 
-def _first_of_its_rank(group: Any | None, rank: int) -> bool:
+def first_of_its_rank(group: Any | None, rank: int) -> bool:
     """Whether this process is the lowest global rank among those that share its data-parallel rank.
 
     With a data-parallel group inside a larger mesh, several processes (a tensor-parallel group)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from croupier.core.checks import check_count, check_int, is_int
+from croupier.core.checks import check_choice, check_count, check_int, is_int
 
 KINDS = ("weights", "grow", "skip")
 #: Most samples one ``skip`` may name, and most a job may have skipped in all (each costs every
@@ -70,8 +70,7 @@ class Amendment:
         if not isinstance(v, (list, tuple)) or len(v) != 3 or not isinstance(v[1], (list, tuple)):
             raise ValueError(f"an amendment must be [kind, values, at] (got {v!r})")
         kind, values, at = v
-        if kind not in KINDS:
-            raise ValueError(f"amendment kind must be one of {', '.join(map(repr, KINDS))} (got {kind!r})")
+        kind = check_choice("amendment kind", kind, KINDS)
         if not all(is_int(x) for x in values):
             raise ValueError(f"a {kind} amendment's values must be ints (got {list(values)!r})")
         if at is not None:

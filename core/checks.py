@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 import numpy as np
 
 #: How much of a value's repr an error quotes.
 SHOW = 80
+
+T = TypeVar("T")
 
 
 def show(value: Any) -> str:
@@ -27,7 +29,7 @@ def is_int(value: Any) -> TypeGuard[int]:
 
 
 def check_int(name: str, value: Any, lo: int | None, hi: int | None = None, error: type[Exception] = ValueError,
-              *, type_error: type[Exception] | None = None) -> int:
+              *, type_error: type[Exception] | None = None, why: str = "") -> int:
     """Returns `value` as an int after checking ``lo <= value < hi``.
 
     Args:
@@ -38,6 +40,7 @@ def check_int(name: str, value: Any, lo: int | None, hi: int | None = None, erro
         error: What a value out of range raises.
         type_error: What a value that is not an int raises; default TypeError when `error` is
             ValueError, else `error` (a protocol error stays one exception).
+        why: Why the bound is what it is, said after the value when it is out of range.
 
     Raises:
         TypeError: `value` is not an int (or `type_error` / `error`, as above).
@@ -53,8 +56,21 @@ def check_int(name: str, value: Any, lo: int | None, hi: int | None = None, erro
             bound = f">= {lo}"
         else:
             bound = f"in [{lo}, {hi})"
-        raise error(f"{name} must be {bound} (got {name}={value})")
+        raise error(f"{name} must be {bound} (got {name}={value}){': ' if why else ''}{why}")
     return int(value)
+
+
+def check_int_text(name: str, text: str, lo: int | None, hi: int | None = None) -> int:
+    """Returns `text` read as a decimal int (a query's or a file's value) after checking ``lo <= value < hi``.
+
+    Raises:
+        ValueError: `text` is not a decimal int, or the value is out of range.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an int (got {name}={show(text)})") from None
+    return check_int(name, value, lo, hi)
 
 
 def check_seconds(name: str, value: Any, error: type[Exception] = ValueError) -> float:
@@ -86,17 +102,48 @@ def check_count(name: str, values: Any, expected: int, what: str, error: type[Ex
         raise error(f"the job has {expected} {what}; {len(values)} {name} given")
 
 
-def check_choice(name: str, value: Any, choices: tuple[str, ...], why: str = "") -> str:
-    """Returns `value` after checking it is one of `choices`; ValueError names both (and `why`) otherwise."""
+def check_choice(name: str, value: Any, choices: tuple[T, ...], why: str = "") -> T:
+    """Returns the one of `choices` that `value` equals; ValueError names both (and `why`) otherwise."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)} (got {name}={show(value)}){': ' if why else ''}{why}")
-    return str(value)
+    return choices[choices.index(value)]
 
 
 def check_name(name: str, value: Any, max_len: int, error: type[Exception] = ValueError) -> str:
     """Returns `value` after checking it is a non-empty string of at most `max_len` characters."""
     if not isinstance(value, str) or not value or len(value) > max_len:
         raise error(f"{name} must be a non-empty string of at most {max_len} characters (got {name}={show(value)})")
+    return value
+
+
+def check_weights(weights: Any) -> list[float]:
+    """Returns a mixture's weights as floats after checking there is at least one, each a finite number
+    >= 0, and not all 0.
+
+    Raises:
+        ValueError: no weights, one not a number, negative or not finite, or all 0 (the message names it).
+    """
+    try:
+        w = np.array(weights, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise ValueError(f"weights must be numbers (got {show(list(weights))})") from None
+    if not w.size:
+        raise ValueError("a mixture needs at least one source")
+    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"weight {weights[i]!r} of source {i} must be finite and >= 0")
+    ws: list[float] = w.tolist()
+    if not sum(ws) > 0:
+        raise ValueError(f"weights {show(list(weights))} add up to {sum(ws)}: at least one must be > 0")
+    return ws
+
+
+def check_type(name: str, value: Any, kind: type[T], error: type[Exception] = TypeError) -> T:
+    """Returns `value` after checking it is a `kind` (a bool is no int here); `error` (TypeError) names both
+    otherwise (a file's content that is of the wrong type stays a ValueError of its reader)."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise error(f"{name} must be of type {kind.__name__} (got {type(value).__name__})")
     return value
 
 

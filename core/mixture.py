@@ -46,13 +46,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from croupier.core import feistel
-from croupier.core.checks import check_int
+from croupier.core.checks import check_int, check_weights
 
 PARTS = 1 << 24
 MAX_POSITION = (1 << 63) // PARTS - 1
 #: Tells the per-sample seeds apart from every other key croupier derives (the bytes of "croupier/sample").
 _SAMPLE_TAG = int.from_bytes(b"croupier/sample", "little")
-_SOURCE_TAG = int.from_bytes(b"croupier/source", "little")
+#: Tells each source's permutation keys apart from every other key croupier derives (the bytes of "croupier/source").
+SOURCE_TAG = int.from_bytes(b"croupier/source", "little")
 
 
 def parts_of(weights: Sequence[float]) -> tuple[int, ...]:
@@ -61,20 +62,8 @@ def parts_of(weights: Sequence[float]) -> tuple[int, ...]:
     Raises:
         ValueError: no weights, a negative, non-finite or all-zero weight list, or more sources than parts.
     """
-    try:
-        w = np.array(weights, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
-        raise ValueError(f"weights must be numbers (got {list(weights)!r})") from None
-    if not w.size:
-        raise ValueError("a mixture needs at least one source")
-    bad = np.flatnonzero(~np.isfinite(w) | (w < 0))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"weight {weights[i]!r} of source {i} must be finite and >= 0")
-    ws = w.tolist()
+    ws = check_weights(weights)
     total = sum(ws)
-    if total <= 0:
-        raise ValueError(f"weights {list(weights)!r} add up to {total}: at least one must be > 0")
     positive = [i for i, w in enumerate(ws) if w > 0]
     if len(positive) > PARTS:
         raise ValueError(f"{len(positive)} sources with a weight: at most {PARTS}")
@@ -293,8 +282,8 @@ def indices_of(sizes: Sequence[int], seed: int, source: np.ndarray, k: np.ndarra
         return offset + offsets[source], source, epoch
     index = np.empty_like(k)
     # One Feistel pass per distinct source size, each element keyed by its (source, source epoch).
-    combo, which = _pairs(source, epoch)
-    keys = _round_keys(_base_key(seed, _SOURCE_TAG), combo)  # (ROUNDS, pairs)
+    combo, which = source_epoch_pairs(source, epoch)
+    keys = round_keys(base_key(seed, SOURCE_TAG), combo)  # (ROUNDS, pairs)
     # NOTE: distinct sizes from a set, not np.unique: numpy 2's unique of plain values imports numpy.ma on first
     # use, some 10 ms of a resumed process's first batch.
     for n in sorted(set(size.tolist())):
@@ -321,11 +310,12 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _base_key(seed: int, tag: int) -> int:
+def base_key(seed: int, tag: int) -> int:
+    """The key a job's `seed` derives for one use of keys (`tag`: SOURCE_TAG, ...)."""
     return feistel.derive_key(seed, tag)
 
 
-def _pairs(source: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def source_epoch_pairs(source: np.ndarray, epoch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct (source, source epoch) pairs packed one in an int64 (source << 40 | epoch), and
     which pair each element is (one 1-D unique, not a 2-D one)."""
     # Sources are below 2**23 (MAX_SOURCES) and source epochs below MAX_POSITION < 2**40.
@@ -338,7 +328,7 @@ def _pair_keys(base: int, combo: np.ndarray) -> np.ndarray:
     return _mix(np.uint64(base) ^ _mix(combo.astype(np.uint64)))
 
 
-def _round_keys(base: int, combo: np.ndarray) -> np.ndarray:
+def round_keys(base: int, combo: np.ndarray) -> np.ndarray:
     """The Feistel round keys of each packed (source, source epoch): shape (ROUNDS, pairs)."""
     key = _pair_keys(base, combo)
     with np.errstate(over="ignore"):
@@ -349,7 +339,7 @@ def _round_keys(base: int, combo: np.ndarray) -> np.ndarray:
 def permute_source(seed: int, source: int, epoch: int, n: int, offsets: np.ndarray) -> np.ndarray:
     """Source `source`'s samples at `offsets` of its epoch `epoch`: a keyed permutation of [0, n)."""
     off = np.asarray(offsets, dtype=np.int64).reshape(-1)
-    keys = _round_keys(_base_key(seed, _SOURCE_TAG), np.array([(source << 40) | epoch], dtype=np.int64))
+    keys = round_keys(base_key(seed, SOURCE_TAG), np.array([(source << 40) | epoch], dtype=np.int64))
     return feistel.permute(off, n, np.repeat(keys, off.size, axis=1))
 
 
@@ -364,8 +354,8 @@ def sample_seeds(seed: int, source: np.ndarray, epoch: np.ndarray, index: np.nda
     idx = np.asarray(index, dtype=np.int64).reshape(-1)
     if src.size == 0:
         return np.zeros(0, dtype=np.int64)
-    combo, which = _pairs(src, ep)
-    keys = _pair_keys(_base_key(seed, _SAMPLE_TAG), combo)[which]
+    combo, which = source_epoch_pairs(src, ep)
+    keys = _pair_keys(base_key(seed, _SAMPLE_TAG), combo)[which]
     with np.errstate(over="ignore"):
         z = _mix(keys ^ (idx.astype(np.uint64) * _GOLDEN))
     out: np.ndarray = (z >> np.uint64(1)).astype(np.int64)

@@ -48,7 +48,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("CROUPIER_CREDENTIAL", None, "the job's credential, sent with every call to a coordinator that "
             "checks credentials (`croupier serve --credentials`)"),
     Setting("CROUPIER_CALL_LOG", None, "a directory: every client records its Join, Grant, Lease and checkpoint "
-            "calls there with their times, for `croupier.tools.linearize` (unset: no record)"),
+            "calls there with their times, for `croupier.harness.linearize` (unset: no record)"),
     Setting("CROUPIER_STORE", "sqlite:///croupier.db", "the store `croupier serve` opens when given no "
             "`--store` (keeps a database password out of the command line)"),
     Setting("CROUPIER_DEMO_NODE", None, "set by `croupier demo` for its trainers: the name of the node a trainer "

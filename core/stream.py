@@ -16,7 +16,7 @@ import numpy as np
 from croupier.core import feistel, mixture
 from croupier.core.amend import Amendment, Timeline, check
 from croupier.core.checks import check_int
-from croupier.core.mixture import PARTS, Mixture, _base_key, _pairs, _round_keys, indices_of, parts_of
+from croupier.core.mixture import PARTS, Mixture, base_key, indices_of, parts_of, round_keys, source_epoch_pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +132,14 @@ class Stream:
             return Timeline(n, own, lambda e, m, samples: order.positions(e, np.asarray(samples, dtype=np.int64)))
         if not self.shuffle:
             return Timeline(n, lambda e, m, raw: raw, lambda e, m, samples: np.asarray(samples, dtype=np.int64))
-        base = _base_key(self.seed, mixture._SOURCE_TAG)
+        base = base_key(self.seed, mixture.SOURCE_TAG)
 
         def perm(epoch: np.ndarray, m: int, raw: np.ndarray) -> np.ndarray:
-            combo, which = _pairs(np.full(epoch.shape, source, dtype=np.int64), epoch)
-            return feistel.permute(raw, m, _round_keys(base, combo)[:, which])
+            combo, which = source_epoch_pairs(np.full(epoch.shape, source, dtype=np.int64), epoch)
+            return feistel.permute(raw, m, round_keys(base, combo)[:, which])
 
         def unperm(epoch: int, m: int, samples: np.ndarray) -> np.ndarray:
-            keys = _round_keys(base, np.array([(source << 40) | epoch], dtype=np.int64))
+            keys = round_keys(base, np.array([(source << 40) | epoch], dtype=np.int64))
             return feistel.unpermute(samples, m, np.repeat(keys, samples.size, axis=1))
 
         return Timeline(n, perm, unperm)
@@ -190,18 +190,18 @@ class Stream:
                                  f"the mixture has nothing to deal {until} (give a source with weight no cap)")
             if spent:
                 parts = list(parts_of(parts))
-            mixture = Mixture(self.sizes, tuple(parts), self.seed)
-            _ = mixture._arrays  # its tree, made with the stream (when a sampler is made), not in a first batch
+            mix = Mixture(self.sizes, tuple(parts), self.seed)
+            _ = mix._arrays  # its tree, made with the stream (when a sampler is made), not in a first batch
             end = nxt
             for s, p in enumerate(parts):
                 c = cap(s)
                 if p and c is not None:
-                    at = pos + mixture.position_of(s, c - base[s])
+                    at = pos + mix.position_of(s, c - base[s])
                     end = at if end is None else min(end, at)
-            segments.append(_Segment(pos, end, mixture, tuple(base)))
+            segments.append(_Segment(pos, end, mix, tuple(base)))
             if end is None:
                 return tuple(segments), lines
-            base = [b + mixture.count(s, end - pos) for s, b in enumerate(base)]
+            base = [b + mix.count(s, end - pos) for s, b in enumerate(base)]
             pos = end
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

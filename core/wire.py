@@ -8,6 +8,7 @@ import numpy as np
 
 from croupier.core.amend import Amendment
 from croupier.core.api import CheckpointRecord
+from croupier.core.checks import check_choice
 from croupier.core.cursor import Cursor
 from croupier.core.errors import InvalidArgument
 from croupier.core.schedule import Schedule
@@ -177,8 +178,7 @@ def pack_indices(indices: np.ndarray, n: int) -> tuple[bytes, int]:
 
 def unpack_indices(data: bytes, itemsize: int) -> np.ndarray:
     """Inverse of :func:`pack_indices`: an int64 array."""
-    if itemsize not in (4, 8):
-        raise ValueError(f"itemsize must be 4 or 8 (got {itemsize})")
+    check_choice("itemsize", itemsize, (4, 8))
     return np.frombuffer(data, dtype="<u4" if itemsize == 4 else "<i8").astype(np.int64)
 
 

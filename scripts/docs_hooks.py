@@ -12,7 +12,7 @@ import importlib.util
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PARTS = ("client", "core", "data", "integrations", "server", "tools", "v1")
+PARTS = ("client", "core", "data", "demos", "harness", "integrations", "server", "tools", "v1")
 
 
 def on_startup(command: str, dirty: bool) -> None:

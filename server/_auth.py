@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 
 from croupier.core import errors as E
+from croupier.core.checks import check_choice, check_type
 
 log = logging.getLogger("croupier.server")
 
@@ -105,7 +106,7 @@ def parse(doc: Any, where: str) -> tuple[Credential, ...]:
         if ("sha256" in entry) == ("secret" in entry):
             raise ValueError(f"{at} needs exactly one of sha256 and secret")
         if "secret" in entry:
-            if not isinstance(entry["secret"], str) or len(entry["secret"]) < 16:
+            if len(check_type(f"{at}: secret", entry["secret"], str, ValueError)) < 16:
                 raise ValueError(f"{at}: secret must be a string of at least 16 characters")
             d = digest(entry["secret"])
         else:
@@ -116,9 +117,10 @@ def parse(doc: Any, where: str) -> tuple[Credential, ...]:
                 d = b""
             if len(d) != 32:
                 raise ValueError(f"{at}: sha256 must be 64 hex digits")
-        role = entry.get("role")
-        if role not in ROLES:
-            raise ValueError(f"{at}: role must be one of {list(ROLES)} (got {role!r})")
+        try:
+            role = check_choice("role", entry.get("role"), ROLES)
+        except ValueError as e:
+            raise ValueError(f"{at}: {e}") from None
         jobs = entry.get("jobs", ["*"])
         if not isinstance(jobs, list) or not jobs or not all(isinstance(p, str) and p for p in jobs):
             raise ValueError(f"{at}: jobs must be a non-empty list of patterns")

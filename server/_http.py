@@ -9,6 +9,7 @@ need no credential.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from croupier.core import api
+from croupier.core.checks import check_int_text
 from croupier.core.errors import CroupierError
 from croupier.core.ledger import Ledger
 from croupier.server._auth import NEEDS, ROLES, Authorizer, Credential
@@ -147,134 +149,148 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
-def _handler(metrics: Exposition, views: Views, failed: Callable[[], str | None],
-             ledgers: Ledgers, auth: Authorizer | None) -> type[BaseHTTPRequestHandler]:
+@dataclasses.dataclass(frozen=True)
+class _Sources:
+    """What the endpoint's answers are computed from (see :class:`Endpoint`)."""
+
+    metrics: Exposition
+    views: Views
+    failed: Callable[[], str | None]
+    ledgers: Ledgers
+    auth: Authorizer | None
     # NOTE: one ledger question at a time: a realized mix computes up to MIX_WINDOWS x MIX_STEPS steps, and
     # a burst of them (a page open in many tabs) must not take every core from the coordinator's calls.
-    asking = threading.Lock()
+    asking: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "croupier"
 
-        def do_GET(self) -> None:  # the name the http.server protocol calls
-            try:
-                url = urlsplit(self.path)
-                self._get(url.path, parse_qs(url.query))
-            except Exception:
-                log.exception("metrics endpoint: GET %s failed", self.path)
-                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, TEXT, b"internal error (see the coordinator's log)\n")
+def _handler(metrics: Exposition, views: Views, failed: Callable[[], str | None],
+             ledgers: Ledgers, auth: Authorizer | None) -> type[BaseHTTPRequestHandler]:
+    """A request handler class bound to one endpoint's sources."""
+    return type("Handler", (_Handler,), {"src": _Sources(metrics, views, failed, ledgers, auth)})
 
-        def _get(self, path: str, query: dict[str, list[str]]) -> None:
-            reads: Reads = None
-            if auth is not None and path in SHOWS:
-                who = self._who(auth, path, query.get("job", [""])[-1] if path in ABOUT_A_JOB else "")
-                if who is None:
-                    return
-                reads = who.reads
-            if path == "/metrics":
-                self._send(HTTPStatus.OK, METRICS_CONTENT_TYPE, metrics(reads))
-            elif path == "/":
-                self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode(), {"Content-Security-Policy": PAGE_CSP})
-            elif path == "/api/jobs":
-                try:
-                    after, limit = _page(query)
-                except ValueError as e:
-                    self._send(HTTPStatus.BAD_REQUEST, TEXT, f"{e}\n".encode())
-                    return
-                now_ms = api.now_ms()
-                why = failed()
-                body: dict[str, Any] = {"now_unix_ms": now_ms, "coordinator_failed": why, "jobs": [], "total": 0,
-                                        "next_after": None}
-                if why is None:
-                    page, total = views(after, limit, reads)
-                    body["jobs"] = [view_json(v, now_ms) for v in page]
-                    body["total"] = total
-                    # the page's last name: the next page starts after it (None on the last page)
-                    if page and len(page) == limit:
-                        body["next_after"] = page[-1].name
-                self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
-            elif path == "/api/ledger":
-                self._ledger(query, ledger_json)
-            elif path == "/api/mix":
-                self._ledger(query, mix)
-            elif path == "/api/step":
-                step, samples = query.get("step", [None])[-1], query.get("samples", [str(STEP_SAMPLES)])[-1]
-                self._ledger(query, lambda led: step_json(led, step, samples))
-            elif path == "/healthz":
-                why = failed()
-                if why is None:
-                    self._send(HTTPStatus.OK, TEXT, b"ok\n")
-                else:
-                    self._send(HTTPStatus.SERVICE_UNAVAILABLE, TEXT, f"failed: {why}\n".encode())
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request to the endpoint: routed by its path, each answer computed from :attr:`src`."""
+
+    server_version = "croupier"
+    src: _Sources  # set by :func:`_handler`'s subclass
+
+    def do_GET(self) -> None:  # the name the http.server protocol calls
+        try:
+            url = urlsplit(self.path)
+            self._get(url.path, parse_qs(url.query))
+        except Exception:
+            log.exception("metrics endpoint: GET %s failed", self.path)
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, TEXT, b"internal error (see the coordinator's log)\n")
+
+    def _get(self, path: str, query: dict[str, list[str]]) -> None:
+        src = self.src
+        reads: Reads = None
+        if src.auth is not None and path in SHOWS:
+            who = self._who(src.auth, path, query.get("job", [""])[-1] if path in ABOUT_A_JOB else "")
+            if who is None:
+                return
+            reads = who.reads
+        if path == "/metrics":
+            self._send(HTTPStatus.OK, METRICS_CONTENT_TYPE, src.metrics(reads))
+        elif path == "/":
+            self._send(HTTPStatus.OK, "text/html; charset=utf-8", PAGE.encode(), {"Content-Security-Policy": PAGE_CSP})
+        elif path == "/api/jobs":
+            self._jobs(query, reads)
+        elif path == "/api/ledger":
+            self._ledger(query, ledger_json)
+        elif path == "/api/mix":
+            self._ledger(query, mix)
+        elif path == "/api/step":
+            step, samples = query.get("step", [None])[-1], query.get("samples", [str(STEP_SAMPLES)])[-1]
+            self._ledger(query, lambda led: step_json(led, step, samples))
+        elif path == "/healthz":
+            why = src.failed()
+            if why is None:
+                self._send(HTTPStatus.OK, TEXT, b"ok\n")
             else:
-                self._send(HTTPStatus.NOT_FOUND, TEXT, b"not found: try /, /metrics, /api/jobs, /api/ledger?job=, "
-                           b"/api/mix?job=, /api/step?job=&step=, /healthz\n")
+                self._send(HTTPStatus.SERVICE_UNAVAILABLE, TEXT, f"failed: {why}\n".encode())
+        else:
+            self._send(HTTPStatus.NOT_FOUND, TEXT, b"not found: try /, /metrics, /api/jobs, /api/ledger?job=, "
+                       b"/api/mix?job=, /api/step?job=&step=, /healthz\n")
 
-        def _who(self, auth: Authorizer, path: str, job: str) -> Credential | None:
-            """The caller's credential if it may read `path` (for `job`: "" for none); else None, the refusal sent:
-            401 with no credential or one not in force, 403 with one short of the role or the job. Nothing is read."""
-            need = NEEDS[SHOWS[path]]
-            what = f"{path} needs a credential with role {need!r} or more" + (f" for job {job!r}" if job else "")
-            scheme, _, secret = self.headers.get("Authorization", "").strip().partition(" ")
-            secret = secret.strip() if scheme.lower() == _BEARER else ""
-            cred = auth.known(secret) if secret else None
-            if cred is None:
-                why = "the credential sent is not one this coordinator knows" if secret else \
-                    "send the header 'Authorization: Bearer <secret>' (none was sent)"
-                self._send(HTTPStatus.UNAUTHORIZED, TEXT, f"{what}: {why}\n".encode(),
-                           {"WWW-Authenticate": 'Bearer realm="croupier"'})
-                return None
-            if not cred.may(need, job or None):
-                if ROLES.index(cred.role) < ROLES.index(need):
-                    why = f"it has role {cred.role!r}"
-                else:
-                    why = f"its jobs are {list(cred.jobs)}"
-                self._send(HTTPStatus.FORBIDDEN, TEXT, f"{what}: credential {cred.name!r} may not read it: {why}\n".encode(),
-                           {"WWW-Authenticate": 'Bearer realm="croupier", error="insufficient_scope"'})
-                return None
-            return cred
+    def _jobs(self, query: dict[str, list[str]], reads: Reads) -> None:
+        """``/api/jobs``: a page of the jobs `reads` may see, and where the next page starts."""
+        try:
+            after, limit = _page(query)
+        except (ValueError, TypeError) as e:
+            self._send(HTTPStatus.BAD_REQUEST, TEXT, f"{e}\n".encode())
+            return
+        now_ms = api.now_ms()
+        why = self.src.failed()
+        body: dict[str, Any] = {"now_unix_ms": now_ms, "coordinator_failed": why, "jobs": [], "total": 0,
+                                "next_after": None}
+        if why is None:
+            page, total = self.src.views(after, limit, reads)
+            body["jobs"] = [view_json(v, now_ms) for v in page]
+            body["total"] = total
+            # the page's last name: the next page starts after it (None on the last page)
+            if page and len(page) == limit:
+                body["next_after"] = page[-1].name
+        self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
 
-        def _ledger(self, query: dict[str, list[str]], answer: Callable[[Ledger], dict[str, Any] | None]) -> None:
-            """``answer`` of the step ledger of the job named by ``?job=``, as JSON; a domain error as its
-            status (:data:`ERROR_STATUS`) with its message."""
-            job = query.get("job", [""])[-1]
-            if not job:
-                self._send(HTTPStatus.BAD_REQUEST, TEXT, f"job= is missing: {self.path.partition('?')[0]}?job=NAME\n".encode())
-                return
-            try:
-                with asking:
-                    body = answer(ledgers(job))
-            except CroupierError as e:
-                status = ERROR_STATUS.get(e.code, HTTPStatus.INTERNAL_SERVER_ERROR)
-                self._send(status, TEXT, f"{e}\n".encode())
-                return
-            self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
+    def _who(self, auth: Authorizer, path: str, job: str) -> Credential | None:
+        """The caller's credential if it may read `path` (for `job`: "" for none); else None, the refusal sent:
+        401 with no credential or one not in force, 403 with one short of the role or the job. Nothing is read."""
+        need = NEEDS[SHOWS[path]]
+        what = f"{path} needs a credential with role {need!r} or more" + (f" for job {job!r}" if job else "")
+        scheme, _, secret = self.headers.get("Authorization", "").strip().partition(" ")
+        secret = secret.strip() if scheme.lower() == _BEARER else ""
+        cred = auth.known(secret) if secret else None
+        if cred is None:
+            why = "the credential sent is not one this coordinator knows" if secret else \
+                "send the header 'Authorization: Bearer <secret>' (none was sent)"
+            self._send(HTTPStatus.UNAUTHORIZED, TEXT, f"{what}: {why}\n".encode(),
+                       {"WWW-Authenticate": 'Bearer realm="croupier"'})
+            return None
+        if not cred.may(need, job or None):
+            if ROLES.index(cred.role) < ROLES.index(need):
+                why = f"it has role {cred.role!r}"
+            else:
+                why = f"its jobs are {list(cred.jobs)}"
+            self._send(HTTPStatus.FORBIDDEN, TEXT, f"{what}: credential {cred.name!r} may not read it: {why}\n".encode(),
+                       {"WWW-Authenticate": 'Bearer realm="croupier", error="insufficient_scope"'})
+            return None
+        return cred
 
-        def _send(self, status: HTTPStatus, kind: str, body: bytes, headers: dict[str, str] | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(body)
+    def _ledger(self, query: dict[str, list[str]], answer: Callable[[Ledger], dict[str, Any] | None]) -> None:
+        """``answer`` of the step ledger of the job named by ``?job=``, as JSON; a domain error as its
+        status (:data:`ERROR_STATUS`) with its message."""
+        job = query.get("job", [""])[-1]
+        if not job:
+            self._send(HTTPStatus.BAD_REQUEST, TEXT, f"job= is missing: {self.path.partition('?')[0]}?job=NAME\n".encode())
+            return
+        try:
+            with self.src.asking:
+                body = answer(self.src.ledgers(job))
+        except CroupierError as e:
+            status = ERROR_STATUS.get(e.code, HTTPStatus.INTERNAL_SERVER_ERROR)
+            self._send(status, TEXT, f"{e}\n".encode())
+            return
+        self._send(HTTPStatus.OK, "application/json", json.dumps(body).encode())
 
-        def log_message(self, format: str, *args: Any) -> None:
-            log.debug("metrics endpoint: %s - %s", self.address_string(), format % args)
+    def _send(self, status: HTTPStatus, kind: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
 
-    return Handler
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics endpoint: %s - %s", self.address_string(), format % args)
 
 
 def _page(query: dict[str, list[str]]) -> tuple[str, int]:
     """``/api/jobs``'s page from its query: ``after`` (a job name: the page starts after it) and ``limit``."""
     after = query.get("after", [""])[-1]
-    raw = query.get("limit", [str(PAGE_JOBS)])[-1]
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_PAGE_JOBS:
-        raise ValueError(f"limit must be an int in [1, {MAX_PAGE_JOBS}] (got limit={raw!r})")
+    limit = check_int_text("limit", query.get("limit", [str(PAGE_JOBS)])[-1], 1, MAX_PAGE_JOBS + 1)
     return after, limit

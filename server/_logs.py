@@ -8,6 +8,8 @@ import logging
 import sys
 from typing import IO, Any
 
+from croupier.core.checks import check_choice
+
 #: Record attributes a log call about one job sets through ``extra=``, in the order they are shown.
 FIELDS = ("job", "generation", "rank")
 #: Today's text format; :class:`TextFormatter` appends the fields a record carries.
@@ -77,8 +79,7 @@ def configure_logging(fmt: str = "text", level: int = logging.WARNING, stream: I
     Raises:
         ValueError: An unknown `fmt`.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS} (got {fmt=})")
+    check_choice("log format", fmt, FORMATS)
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)

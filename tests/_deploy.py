@@ -36,7 +36,7 @@ KUBE = ROOT / "deploy" / "kubernetes"
 BIN = pathlib.Path(sys.executable).parent
 
 
-TRAINER_MODULE = "croupier.tools.demo_train"
+TRAINER_MODULE = "croupier.demos.demo_train"
 
 
 #: The coordinator's health service answers for the server ("") and for its API.

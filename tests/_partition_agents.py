@@ -6,7 +6,7 @@
         finished); prints "EPOCH e" as each ends.
     python tests/_partition_agents.py probe HISTORY
         Calls on command: one JSON line per call on stdin ({"op": "join" | "grant", "addr", "job",
-        "incarnation" | "generation", and "timeout" in seconds if not CALL_S}), each recorded (croupier.tools.linearize) and answered on stdout with its
+        "incarnation" | "generation", and "timeout" in seconds if not CALL_S}), each recorded (croupier.harness.linearize) and answered on stdout with its
         status code, its seconds and, for a join, its generation. Batches, each answered with the lists
         "codes" and "seconds" of its calls: {"op": "grants", "count", ...} (grants one after the other),
         {"op": "depart", "jobs", "timeout", ...} (a join of each job at once), {"op": "writes", "incarnation",
@@ -28,7 +28,7 @@ import grpc
 
 from croupier.core.spec import Spec
 from croupier.core.wire import spec_to_proto
-from croupier.tools.linearize import Recorder
+from croupier.harness.linearize import Recorder
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 

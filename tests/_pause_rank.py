@@ -1,5 +1,5 @@
 """A rank for tests/e2e/test_pauses.py: joins a job (world 1, an incarnation of its own) through one coordinator, then asks
-grants and reports checkpoints of its generation until it is fenced, recording every call (tools/linearize.py).
+grants and reports checkpoints of its generation until it is fenced, recording every call (harness/linearize.py).
 
     python tests/_pause_rank.py ADDRESS JOB HISTORY NAME
 """
@@ -14,7 +14,7 @@ import grpc
 from croupier.core.cursor import Cursor
 from croupier.core.spec import Spec
 from croupier.core.wire import checkpoint_to_proto, spec_to_proto
-from croupier.tools.linearize import Recorder
+from croupier.harness.linearize import Recorder
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 

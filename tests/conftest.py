@@ -10,7 +10,7 @@ import pytest
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
-from croupier.tools import _serve
+from croupier.tools import serve
 
 #: End-to-end tests that run alone (make test runs the others two at a time): those that assert a
 #: stall, a latency or a duration (partitions, pauses, clock jumps, an outage, a full disk, the
@@ -63,7 +63,7 @@ def client(server: Server) -> Iterator[CoordinatorClient]:
         c.close()
 
 
-class ServeProcess(_serve.ServeProcess):
+class ServeProcess(serve.ServeProcess):
     """`croupier serve` in a child process, started at once as the tools start one; its log is kept in a
     temporary file."""
 

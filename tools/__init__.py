@@ -1,1 +1,1 @@
-"""croupier's tools: the ``croupier`` command line, the audit, the demo and the chaos run."""
+"""croupier's product commands: the ``croupier`` command line, status, audit, provenance, amendments, data."""

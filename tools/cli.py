@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -56,18 +55,6 @@ def _serve_cmd(args: argparse.Namespace) -> int:
     return serve(args.host, args.port, args.store, grace=args.grace, options=options)
 
 
-def _audit_ft(logdir: str) -> dict[str, bool]:
-    """Audits the fault-tolerant (torchft) jobs' logs under `logdir` (``croupier.tools.audit_ft``), printing each."""
-    from croupier.tools.audit_ft import audit_ft, load_ft, render_ft
-
-    out = {}
-    for job, records in sorted(load_ft(logdir).items()):
-        a = audit_ft(job, records)
-        print(render_ft(a))
-        out[job] = a.ok
-    return out
-
-
 def _audit_cmd(args: argparse.Namespace) -> int:
     from croupier.tools.audit import audit, by_source, render, render_sources, verdict
 
@@ -76,11 +63,8 @@ def _audit_cmd(args: argparse.Namespace) -> int:
                          "audits the coordinator's ledger alone)")
     ok = True
     try:
-        ft_jobs = {} if args.logdir is None else _audit_ft(args.logdir)
-        if ft_jobs:
-            ok = all(ft_jobs.values())
-        if args.logdir is not None and (not ft_jobs or any(pathlib.Path(args.logdir).glob("*/*.audit"))):
-            reports = audit(args.logdir)
+        if args.logdir is not None:
+            reports = audit(args.logdir)  # every kind of job (``croupier.tools.audit_log``: one reader)
             print(render(reports))
             for job in sorted({r.job for r in reports if r.sources}):
                 print(f"\n{job}: by source and source epoch")
@@ -99,13 +83,13 @@ def _audit_cmd(args: argparse.Namespace) -> int:
 
 
 def _demo_cmd(args: argparse.Namespace) -> int:
-    from croupier.tools.demo import main as demo
+    from croupier.demos.demo import main as demo
 
     return demo(args.workdir, n=args.n, epochs=args.epochs, coordinator=args.coordinator)
 
 
 def _chaos_cmd(args: argparse.Namespace) -> int:
-    from croupier.tools.chaos import main as chaos
+    from croupier.harness.chaos import main as chaos
 
     # NOTE: no database control from the command line: it cannot restart a server it does not own.
     return chaos(args.workdir, faults=args.faults, epochs=args.epochs, n=args.n, seed=args.seed, store=args.store,
@@ -114,7 +98,7 @@ def _chaos_cmd(args: argparse.Namespace) -> int:
 
 
 def _infer_demo_cmd(args: argparse.Namespace) -> int:
-    from croupier.tools.infer_demo import run as infer_demo
+    from croupier.demos.infer_demo import run as infer_demo
 
     return infer_demo(args.workdir, n=args.n, batch=args.batch_size, faults=args.faults, seed=args.seed,
                       batch_ms=args.batch_ms, world=args.world)
@@ -170,11 +154,8 @@ def _health_cmd(args: argparse.Namespace) -> int:
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the `croupier` command."""
-    parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_serve(sub: Any) -> None:
+    """`croupier serve`: a coordinator and every setting of ServerOptions."""
     s = sub.add_parser("serve", help="run a coordinator (first line on stdout: 'listening on HOST:PORT')")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one (default 50051)")
@@ -224,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"grant (default {opt.max_staleness_ms})")
     s.set_defaults(func=_serve_cmd)
 
+
+def _add_health(sub: Any) -> None:
+    """`croupier health`: a probe of a coordinator's health service."""
     h = sub.add_parser("health", help="check a coordinator's health service (for probes); TLS settings from "
                                       "CROUPIER_TLS_CA, CROUPIER_TLS_CERT, CROUPIER_TLS_KEY; exit 0 when SERVING")
     h.add_argument("--address", default="127.0.0.1:50051", help="HOST:PORT (default 127.0.0.1:50051)")
@@ -231,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     h.set_defaults(func=_health_cmd)
 
+
+def _add_demo(sub: Any) -> None:
+    """`croupier demo`: the elastic job of croupier.demos.demo."""
     d = sub.add_parser("demo", help="the main job: an elastic job on several torchrun nodes, resized in place and preempted, "
                                    "then audited")
     d.add_argument("--workdir", default="out/demo", help="where checkpoints, logs and the audit log go (default out/demo)")
@@ -240,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank 0 of each world hosts the coordinator (default), or one `croupier serve` process")
     d.set_defaults(func=_demo_cmd)
 
+
+def _add_chaos(sub: Any) -> None:
+    """`croupier chaos`: the harness's faults (croupier.harness.chaos)."""
     c = sub.add_parser("chaos", help="the demo's trainer under random kills of ranks and of a standalone coordinator, "
                                      "rollbacks and resizes 1-4, audited after every launch")
     c.add_argument("--workdir", default="out/chaos",
@@ -272,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "PostgreSQL's server binaries)")
     c.set_defaults(func=_chaos_cmd)
 
+
+def _add_infer_demo(sub: Any) -> None:
+    """`croupier infer-demo`: the inference demo of croupier.demos.infer_demo."""
     f = sub.add_parser("infer-demo", help="exactly-once batch inference on preemptible workers (dynamic dealing) under "
                                           "worker kills, resizes and coordinator kills, audited against the journal")
     f.add_argument("--workdir", default="out/infer-demo",
@@ -285,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batch-ms", type=float, default=5.0, help="simulated model time per batch, in ms (default 5)")
     f.set_defaults(func=_infer_demo_cmd)
 
+
+def _add_status(sub: Any) -> None:
+    """`croupier status`: the jobs a coordinator holds, or one job's ranks."""
     t = sub.add_parser("status", help="every job a coordinator holds (progress, slowest rank), or one job's ranks "
                                       "and checkpoints")
     t.add_argument("job", nargs="?", metavar="JOB", help="show this job's ranks and checkpoints")
@@ -295,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--after", default="", metavar="NAME", help="the table of every job starts after this job")
     t.set_defaults(func=_status_cmd)
 
+
+def _add_provenance(sub: Any) -> None:
+    """`croupier provenance`: what a job's steps trained."""
     v = sub.add_parser("provenance", help="what a job's training steps trained (kept and abandoned versions), where a "
                                           "sample was trained, or the run as an order file (docs/provenance.md)")
     v.add_argument("job", metavar="JOB")
@@ -314,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     v.set_defaults(func=_provenance_cmd)
 
+
+def _add_amend(sub: Any) -> None:
+    """`croupier amend`: a change of a running mixture's weights or sizes."""
     m = sub.add_parser("amend", help="record a change of a running mixture: new weights, or a source grown; it holds "
                                      "from the job's next generation (docs/mixtures.md)")
     m.add_argument("job", metavar="JOB")
@@ -322,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     m.set_defaults(func=_amend_cmd, kind="amend")
 
+
+def _add_skip(sub: Any) -> None:
+    """`croupier skip`: samples taken out of a running mixture."""
     k = sub.add_parser("skip", help="take samples out of a running mixture for good (found corrupt): never dealt again "
                                     "from the job's next generation on, counted by the audit as skipped")
     k.add_argument("job", metavar="JOB")
@@ -332,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--address", help="HOST:PORT of the coordinator (default $CROUPIER_ADDRESS, else 127.0.0.1:50051)")
     k.set_defaults(func=_amend_cmd, kind="skip")
 
+
+def _add_audit(sub: Any) -> None:
+    """`croupier audit`: a job's audit log (and step ledger) checked."""
     a = sub.add_parser("audit", help="check a job's audit log for G1: per epoch, expected/trained/duplicates/missing; "
                                      "--by-step: every kept step along the timeline, and the first that diverged")
     a.add_argument("logdir", nargs="?", help="the directory given to the samplers as audit_dir / CROUPIER_AUDIT_DIR "
@@ -350,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pass although the trainer cut epochs short (a batch limit, a debug run); default: fail")
     a.set_defaults(func=_audit_cmd)
 
+
+def _add_order(sub: Any) -> None:
+    """`croupier order`: the first batches of one rank in one epoch."""
     o = sub.add_parser("order", help="print the first batches one rank gets in one epoch")
     o.add_argument("--n", type=int, required=True, help="dataset size")
     o.add_argument("--seed", type=int, default=0)
@@ -363,6 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tail", choices=TAILS, default="pad")
     o.set_defaults(func=_order_cmd)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `croupier` command."""
+    parser = argparse.ArgumentParser(prog="croupier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_health(sub)
+    _add_demo(sub)
+    _add_chaos(sub)
+    _add_infer_demo(sub)
+    _add_status(sub)
+    _add_provenance(sub)
+    _add_amend(sub)
+    _add_skip(sub)
+    _add_audit(sub)
+    _add_order(sub)
     data_tool.add_parser(sub)
     return parser
 

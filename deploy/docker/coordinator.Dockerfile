@@ -30,6 +30,8 @@ COPY core/ core/
 COPY server/ server/
 COPY client/ client/
 COPY tools/ tools/
+COPY harness/ harness/
+COPY demos/ demos/
 COPY integrations/ integrations/
 COPY data/ data/
 RUN pip install --constraint constraints.txt . \

@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The demo trainer (croupier.tools.demo_train) under torchrun, CPU only, gloo.
+# The demo trainer (croupier.demos.demo_train) under torchrun, CPU only, gloo.
 #
 #   docker build -f deploy/docker/trainer.Dockerfile -t croupier-trainer:0.1.0 .
 #   docker run -v croupier-work:/work croupier-trainer:0.1.0
@@ -26,10 +26,12 @@ COPY core/ core/
 COPY server/ server/
 COPY client/ client/
 COPY tools/ tools/
+COPY harness/ harness/
+COPY demos/ demos/
 COPY integrations/ integrations/
 COPY data/ data/
 RUN pip install --constraint constraints.txt . \
- && python -c "import croupier.tools.demo_train"
+ && python -c "import croupier.demos.demo_train"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/croupier/bin:$PATH \
@@ -55,4 +57,4 @@ EXPOSE 29400
 # A batch job, not a service: torchrun and the coordinator's health check watch over it.
 HEALTHCHECK NONE
 ENTRYPOINT ["torchrun"]
-CMD ["--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m", "croupier.tools.demo_train"]
+CMD ["--standalone", "--nproc-per-node=2", "--max-restarts=3", "-m", "croupier.demos.demo_train"]

@@ -166,5 +166,5 @@ def test_what_the_image_copies_builds_the_package(name: str, tmp_path: pathlib.P
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = (tmp_path / "wheel").glob("croupier-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for pkg in ("core", "server", "client", "tools", "integrations", "v1"):
+    for pkg in ("core", "server", "client", "tools", "harness", "demos", "integrations", "v1"):
         assert f"croupier/{pkg}/__init__.py" in names, f"the image's package lacks croupier.{pkg}"

@@ -10,7 +10,7 @@ import sys
 import pytest
 from _procs import processes_naming
 
-from croupier.tools import _faults
+from croupier.harness import _faults
 
 pytestmark = pytest.mark.e2e  # several processes
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 from _procs import processes_naming
 
-from croupier.tools import _dc_replicas, chaos, linearize
+from croupier.harness import _dc_replicas, chaos, linearize
 
 WHY = _dc_replicas.available()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]

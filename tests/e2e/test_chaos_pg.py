@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import pytest
 from _procs import processes_naming
 
+from croupier.harness import chaos
 from croupier.server import GenerationOpened, GenerationStarted, open_store, read_journal
-from croupier.tools import chaos
 
 if TYPE_CHECKING:
     from _postgres import Postgres  # the plugin imports it first (pytest_plugins below)
@@ -75,7 +75,7 @@ def _replicated_run(work: pathlib.Path, url: str, pg: Postgres, capsys: pytest.C
     opened, started = _journal(url)
     assert [g for g, _ in opened] == list(range(1, len(opened) + 1)), f"accepted twice or out of order: {opened}"
     assert len({t for _, t in opened}) == len(opened), "an incarnation opened two generations"
-    acked = {(j["token"], j["generation"]) for j in map(json.loads, (work / "joins.jsonl").read_text().splitlines())}
+    acked = {(j["incarnation"], j["generation"]) for j in map(json.loads, (work / "joins.jsonl").read_text().splitlines())}
     assert acked, "no rank recorded its join"
     assert acked <= {(t, g) for g, t in opened}, f"acknowledged joins lost: {sorted(acked - {(t, g) for g, t in opened})[:5]}"
     assert {g for _, g in acked} <= started

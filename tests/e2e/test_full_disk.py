@@ -18,9 +18,9 @@ import pytest
 
 from croupier.core.spec import Spec
 from croupier.core.wire import spec_to_proto
+from croupier.harness._faults import fill_up
 from croupier.server._store import StoreFull
 from croupier.server._stores import open_store
-from croupier.tools._faults import fill_up
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-from croupier.tools import demo
+from croupier.demos import demo
 
 pytestmark = pytest.mark.e2e  # several processes
 

@@ -1,12 +1,12 @@
 """Network partitions and a slow, lossy link for real: PostgreSQL, two replicas and the ranks on hosts of their
-own (Linux network namespaces behind one router, croupier/tools/_netns.py), cut from each other and healed,
+own (Linux network namespaces behind one router, croupier/harness/_netns.py), cut from each other and healed,
 or their link delayed 200 ms each way with a tenth of its packets lost, while a rank trains.
 
 The faults, in order: the rank cut from every replica; one replica cut from the database while a new
 generation is opened through the other; the database cut from both replicas; a replica cut from the
 database with a join in flight through it, healed before the join's deadline. Throughout, a training
 rank (a `DistributedBatchSampler` over both replicas, audited) trains epoch after epoch, and a probe
-records every call it makes (tools/linearize.py). What must hold: every epoch exactly once; the probe's
+records every call it makes (harness/linearize.py). What must hold: every epoch exactly once; the probe's
 history linearizable (grants given the replicas' staleness bound); no acknowledged join missing from
 the journal; and the replica cut from the database never answers a grant of the generation replaced
 meanwhile (fails if a replica serves from what it knew without confirming it: tried, by making the
@@ -16,7 +16,7 @@ The slow, lossy link (`test_a_slow_lossy_link...`): 200 ms each way and 10 % of 
 between the rank and the replica it calls, then between the other replica and the database while a new
 generation is opened through the first; the grant of the replaced generation sent to the slow replica at
 once must be refused. The kernel here has no netem: the router sends the link's packets through a TUN
-device whose process delays and drops them (croupier/tools/_impair.py). Fails if a replica takes its
+device whose process delays and drops them (croupier/harness/_impair.py). Fails if a replica takes its
 confirmation of the journal's end as of when the answer came rather than when the question left (tried:
 4 runs of 4 failed; about a quarter of the grants are then answered from the cache, so 12 grants miss
 it about once in 25 runs).
@@ -46,12 +46,12 @@ import pytest
 from _postgres import USER, Postgres
 from _postgres import unavailable_reason as pg_unavailable
 
+from croupier.harness._netns import Hosts, unavailable_reason
+from croupier.harness.linearize import check, load
 from croupier.server._events import GenerationOpened
 from croupier.server._journal import read_journal
 from croupier.server._stores import open_store
-from croupier.tools._netns import Hosts, unavailable_reason
 from croupier.tools.audit import audit
-from croupier.tools.linearize import check, load
 
 WHY = unavailable_reason() or pg_unavailable()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(WHY is not None, reason=f"{WHY}")]

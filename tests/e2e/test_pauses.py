@@ -1,6 +1,6 @@
 """Pauses: a replica and a rank stopped (SIGSTOP) for longer than every timeout, then woken (SIGCONT) with a call
 in flight, act on nothing they knew before the pause; every call of the run is recorded and the history of the
-job's generations is checked linearizable (tools/linearize.py).
+job's generations is checked linearizable (harness/linearize.py).
 
 Two `croupier serve` replicas on one PostgreSQL database, A and B. A rank process joins through A and trains
 (grants, checkpoints). Both the rank and A are stopped; meanwhile a new generation of the job is opened
@@ -29,8 +29,8 @@ import pytest
 
 from croupier.core.spec import Spec
 from croupier.core.wire import spec_to_proto
+from croupier.harness.linearize import Recorder, check, load
 from croupier.server._grpc import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
-from croupier.tools.linearize import Recorder, check, load
 from croupier.v1 import coordinator_pb2 as pb
 from croupier.v1 import coordinator_pb2_grpc as pb_grpc
 

@@ -7,7 +7,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PACKAGES = ("core", "server", "client", "tools", "integrations", "data")
+PACKAGES = ("core", "server", "client", "tools", "harness", "demos", "integrations", "data")
 README_LINES = 250
 
 
@@ -128,3 +128,53 @@ def test_the_outside_check_can_fail(tmp_path: pathlib.Path) -> None:
         "tests/test_x.py:1: reference/",
         "tests/test_x.py:1: SPEC.md",
     ]
+
+
+# ------------------------------------------------------------------ the front pages as things stand
+
+
+def guarantees(root: pathlib.Path = ROOT) -> list[tuple[str, str]]:
+    """(G<n>, its name) of every guarantee docs/guarantees.md states, in order."""
+    return re.findall(r"^### (G\d+) (.+)$", (root / "docs" / "guarantees.md").read_text(), re.M)
+
+
+def unnamed_guarantees(page: str, stated: list[tuple[str, str]]) -> list[str]:
+    """What a front page misses of the guarantees as they stand: their range ("G1–G14") and each by name
+    ("exactly once (G1)"), the page's line breaks read as spaces."""
+    text = " ".join(page.split())
+    missing = [] if f"G1–{stated[-1][0]}" in text else [f"the range G1–{stated[-1][0]}"]
+    return missing + [f"{name} ({g})" for g, name in stated if f"{name} ({g})" not in text]
+
+
+def test_the_front_pages_name_the_guarantees_as_they_stand() -> None:
+    stated = guarantees()
+    assert len(stated) >= 14 and [g for g, _ in stated] == [f"G{i}" for i in range(1, len(stated) + 1)]
+    for page in ("README.md", "docs/index.md"):
+        assert unnamed_guarantees((ROOT / page).read_text(), stated) == [], page
+
+
+def test_the_guarantee_check_can_fail() -> None:
+    stated = [("G1", "exactly once"), ("G2", "determinism"), ("G3", "durability")]
+    assert unnamed_guarantees("G1–G3: exactly once (G1),\ndeterminism (G2), durability (G3)", stated) == []
+    assert unnamed_guarantees("G1–G2: exactly once (G1), determinism (G2)", stated) == [
+        "the range G1–G3", "durability (G3)"]
+
+
+def ha_figures(results: str) -> list[str]:
+    """The figures the README's HA row quotes from benchmarks/results/ha.md: 3 replicas' grants/s with progress
+    moved and on the read path, one SQLite coordinator's, the threaded serving's, and their ratios."""
+    cells = [[c.strip() for c in ln.split("|")[1:-1]] for ln in results.splitlines()]
+    moved, read = [r for r in cells if r[:2] and r[0] == "grants/s" and r[1].startswith("64 ranks")][:2]  # this tree's
+    out = []
+    for row in (moved, read):  # (measure, load, SQLite, PostgreSQL 1, 2, 3 replicas): "2,014/s (0.94x)"
+        out += [row[5].split(" ")[0], row[2].removesuffix("/s"), row[5].split("(")[1].rstrip(")")]
+    for row in (r for r in cells if r[:1] == ["PostgreSQL, 3 replicas"]):  # (what, load, old, new, new / old, target)
+        out += [row[2].removesuffix("/s"), row[4]]
+    return out
+
+
+def test_the_readmes_ha_row_is_what_the_results_say() -> None:
+    row = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if "benchmarks/results/ha.md" in ln)
+    figures = ha_figures((ROOT / "benchmarks" / "results" / "ha.md").read_text())
+    assert len(figures) == 10
+    assert [f for f in figures if f not in row] == [], row

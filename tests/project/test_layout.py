@@ -14,13 +14,22 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Source folder -> the package it installs as.
 PACKAGES = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client", "tools": "croupier.tools",
-            "integrations": "croupier.integrations", "data": "croupier.data"}
+            "harness": "croupier.harness", "demos": "croupier.demos", "integrations": "croupier.integrations",
+            "data": "croupier.data"}
 #: What each package may import of croupier (its own package always).
 ALLOWED = {
     "croupier.core": {"croupier.v1"},
     "croupier.server": {"croupier.core", "croupier.v1"},
     "croupier.client": {"croupier.core", "croupier.v1", "croupier.server"},  # the server: the embedded coordinator
-    "croupier.tools": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client", "croupier.data"},
+    # The product's commands; the CLI starts the demos and the chaos run (CLI_ONLY).
+    "croupier.tools": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client", "croupier.data",
+                       "croupier.harness", "croupier.demos"},
+    # The demos: a job on this machine's processes, audited by the product's commands.
+    "croupier.demos": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client", "croupier.data",
+                       "croupier.tools"},
+    # Fault injection and the checkers: the demos' job and trainer under faults, checked with the commands' audit.
+    "croupier.harness": {"croupier.core", "croupier.v1", "croupier.server", "croupier.client", "croupier.data",
+                         "croupier.tools", "croupier.demos"},
     # The trainers' glue: the client's public API only, as a user's code would use it.
     "croupier.integrations": {"croupier.core", "croupier.client"},
     # Sharded datasets: the core's checks, and the client's FILTERED for a skipped shard's samples.
@@ -28,6 +37,10 @@ ALLOWED = {
 }
 #: Third-party modules a package must not import at module level (lazily inside a function is allowed).
 NOT_AT_TOP = {"croupier.core": {"grpc", "sqlite3", "torch", "msgpack"}}
+#: Packages the product's commands reach only from the command line, lazily (``croupier chaos``, ``croupier demo``):
+#: no other command module imports them, and the CLI not at module level.
+CLI_ONLY = {"croupier.harness", "croupier.demos"}
+CLI = "tools/cli.py"
 
 
 def _imports(path: pathlib.Path) -> list[tuple[str, int, bool]]:
@@ -61,6 +74,8 @@ def violations(root: pathlib.Path = ROOT) -> list[str]:
                     continue
                 if other not in ALLOWED[pkg]:
                     bad.setdefault(f"{where}:{line}", f"{pkg} must not import {other} ({mod})")
+                elif pkg == "croupier.tools" and other in CLI_ONLY and (where.as_posix() != CLI or at_top):
+                    bad.setdefault(f"{where}:{line}", f"only {CLI} imports {other}, inside the command's function ({mod})")
                 elif any(p.startswith("_") for p in parts[2:]):
                     bad.setdefault(f"{where}:{line}", f"{pkg} imports a private module of {other} ({mod})")
     return [f"{k}: {v}" for k, v in bad.items()]
@@ -77,17 +92,22 @@ def test_import_contract_catches_a_breach(tmp_path: pathlib.Path) -> None:
     (tmp_path / "server" / "bad.py").write_text("def f():\n    from croupier.client import DistributedSampler\n")
     (tmp_path / "client" / "bad.py").write_text("from croupier.server._state import State\n")
     (tmp_path / "core" / "bad.py").write_text("import grpc\n")
+    (tmp_path / "tools" / "status.py").write_text("def f():\n    from croupier.harness import chaos\n")
+    (tmp_path / "tools" / "cli.py").write_text("from croupier.demos import demo\n")
+    (tmp_path / "demos" / "bad.py").write_text("from croupier.harness import chaos\n")
     found = violations(tmp_path)
-    assert len(found) == 3, found
+    assert len(found) == 6, found
 
 
 def private_reads(root: pathlib.Path = ROOT) -> list[str]:
-    """Every read in tools/ of another object's private attribute (``x._name``, ``getattr(x, "_name")``),
-    as 'file:line: name': a tool reads the server's and the client's objects through their public
-    names (a stored state through ``croupier.server.generation_deals``, a sampler through its
-    properties), so their internals stay free to change."""
+    """Every read in tools/, harness/ or demos/ of another object's private attribute (``x._name``,
+    ``getattr(x, "_name")``), as 'file:line: name': the commands, the harness and the demos read the
+    server's and the client's objects through their public names (a stored state through
+    ``croupier.server.generation_deals``, a sampler through its properties), so their internals stay
+    free to change."""
     out: list[str] = []
-    for path in sorted((root / "tools").rglob("*.py")):
+    for path in sorted(p for room in ("tools", "harness", "demos") if (root / room).is_dir()
+                       for p in (root / room).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             name = None
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
@@ -103,7 +123,7 @@ def private_reads(root: pathlib.Path = ROOT) -> list[str]:
     return out
 
 
-def test_tools_read_no_private_attribute() -> None:
+def test_the_commands_harness_and_demos_read_no_private_attribute() -> None:
     assert private_reads() == []
 
 
@@ -124,6 +144,7 @@ def test_the_private_read_check_can_fail(tmp_path: pathlib.Path) -> None:
         ("croupier.client", ["sqlite3", "croupier.server", "croupier.tools"]),
         ("croupier.server", ["croupier.client", "croupier.tools"]),
         ("croupier.data", ["torch", "croupier.server", "croupier.tools"]),
+        ("croupier.tools.cli", ["croupier.harness", "croupier.demos", "torch"]),
     ],
 )
 def test_what_an_import_loads(module: str, absent: list[str]) -> None:
@@ -134,7 +155,8 @@ def test_what_an_import_loads(module: str, absent: list[str]) -> None:
 
 # ---------------------------------------------------------------------- the tests' own layout
 
-TEST_FOLDERS = {"core", "server", "client", "tools", "integrations", "data", "e2e", "deploy", "benchmarks", "project"}
+TEST_FOLDERS = {"core", "server", "client", "tools", "harness", "demos", "integrations", "data", "e2e", "deploy", "benchmarks",
+                "project"}
 LONGEST_TEST_FILE = 500
 
 
@@ -206,10 +228,8 @@ def test_the_docs_test_check_can_fail(tmp_path: pathlib.Path) -> None:
 
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
     """croupier module -> the croupier modules it imports (at any level of the file)."""
-    packages = {"core": "croupier.core", "server": "croupier.server", "client": "croupier.client",
-                "tools": "croupier.tools", "integrations": "croupier.integrations", "data": "croupier.data"}
     graph: dict[str, set[str]] = {}
-    for folder, pkg in packages.items():
+    for folder, pkg in PACKAGES.items():
         for path in sorted((root / folder).rglob("*.py")):
             name = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
             deps = graph.setdefault(name, set())

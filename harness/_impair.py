@@ -1,10 +1,10 @@
-"""A lossy, slow link for the network-namespace hosts of :mod:`croupier.tools._netns`: packets delayed and dropped.
+"""A lossy, slow link for the network-namespace hosts of :mod:`croupier.harness._netns`: packets delayed and dropped.
 
-    python -m croupier.tools._impair DEVICE --delay-ms 200 --loss 0.1 [--seed S]
+    python -m croupier.harness._impair DEVICE --delay-ms 200 --loss 0.1 [--seed S]
 
 Run inside the router namespace. It makes the TUN device DEVICE (layer 3, no packet information) and
 brings it up; the router's policy routing then sends the packets of one link into it
-(:meth:`croupier.tools._netns.Hosts.impair`). Every packet read from the device is dropped with
+(:meth:`croupier.harness._netns.Hosts.impair`). Every packet read from the device is dropped with
 probability ``loss``, else written back into it ``delay-ms`` later; the kernel takes a packet written
 into a TUN device as one received on it, and forwards it on to its destination. Packets leave in the
 order they came (the delay is the same for every packet), so what TCP sees is a longer round trip and
@@ -98,7 +98,7 @@ def run(name: str, delay_s: float, loss: float, rng: random.Random) -> tuple[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m croupier.tools._impair", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m croupier.harness._impair", description=__doc__.split("\n\n")[0])
     p.add_argument("device")
     p.add_argument("--delay-ms", type=float, default=200.0)
     p.add_argument("--loss", type=float, default=0.0, help="probability that a packet is dropped, in [0, 1)")

@@ -1,4 +1,4 @@
-"""The linearizability checker of generations (tools/linearize.py): it accepts what is linearizable, catches a
+"""The linearizability checker of generations (harness/linearize.py): it accepts what is linearizable, catches a
 stale read, and agrees with a brute-force oracle on random small histories."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from croupier.core import errors as E
 from croupier.core.api import JoinRequest
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
+from croupier.harness.linearize import Call, Recorder, _accepts, _search, check, load
 from croupier.server._service import Server
-from croupier.tools.linearize import Call, Recorder, _accepts, _search, check, load
 from tests._budget import examples
 
 

@@ -8,7 +8,7 @@ it gets no answer at all and waits for its deadline. Processes run in a host thr
 the test talks to them through pipes and files, which cross namespaces.
 
 A link between two hosts can also be made slow and lossy (:meth:`Hosts.impair`): the router's policy
-routing sends what they send each other through a TUN device whose process (:mod:`croupier.tools._impair`)
+routing sends what they send each other through a TUN device whose process (:mod:`croupier.harness._impair`)
 delays every packet and drops some, which does what ``tc ... netem delay loss`` would on a kernel that
 has netem (many, this one included, do not).
 
@@ -111,7 +111,7 @@ class Hosts:
         self._tables += 1
         table = self._tables
         dev = f"{self.tag}i{table}"
-        cmd = [sys.executable, "-m", "croupier.tools._impair", dev, "--delay-ms", str(delay_ms), "--loss", str(loss),
+        cmd = [sys.executable, "-m", "croupier.harness._impair", dev, "--delay-ms", str(delay_ms), "--loss", str(loss),
                *(["--seed", str(seed)] if seed is not None else [])]
         proc = subprocess.Popen(["ip", "netns", "exec", self.router, *cmd],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

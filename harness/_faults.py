@@ -2,7 +2,7 @@
 partitioned or slow, lossy network.
 
 The coordinator and the job run on hosts of their own: two network namespaces behind a router
-(:mod:`croupier.tools._netns`), the coordinator's host "co", the job's (torchrun and its workers) "job".
+(:mod:`croupier.harness._netns`), the coordinator's host "co", the job's (torchrun and its workers) "job".
 Each fault is one the job trains through, injected on the single coordinator (``croupier serve`` on a
 SQLite store), on one of the job's workers or on the network between them:
 
@@ -17,7 +17,7 @@ SQLite store), on one of the job's workers or on the network between them:
 * ``partition``: the job's host cut from the coordinator's for a while (packets dropped silently both
   ways: calls get no answer), then healed;
 * ``slow-link``: the link between them delayed 200 ms each way with a tenth of its packets lost, for a
-  while (:mod:`croupier.tools._impair`, since not every kernel has netem).
+  while (:mod:`croupier.harness._impair`, since not every kernel has netem).
 
 What each needs is checked up front by :func:`available` (root for the tmpfs and the namespaces,
 libfaketime's library).
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from croupier.tools import _netns
+from croupier.harness import _netns
 
 #: libfaketime, from Debian's faketime package.
 FAKETIME = pathlib.Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")

@@ -1,7 +1,7 @@
 """The chaos run's record and its checks: what it injected, the audit and the resume point after every
 launch, the journal's history at the end, and the lines that report them.
 
-:mod:`croupier.tools.chaos` runs the job and injects the faults (counting them in a :class:`Tally`);
+:mod:`croupier.harness.chaos` runs the job and injects the faults (counting them in a :class:`Tally`);
 the checks here only read what the run left: the audit log, the checkpoints and, with replicas,
 the journal in the shared store, read back to check that no generation was accepted twice or out
 of order and that no acknowledged join was lost.
@@ -148,6 +148,79 @@ def _read_joins(path: pathlib.Path) -> list[dict[str, Any]]:
     return out
 
 
+@dataclasses.dataclass
+class _Generations:
+    """What a job's journal records say of its generations."""
+
+    opened: dict[int, tuple[str, int, int]]  # generation -> (incarnation, world, seq)
+    by_incarnation: dict[str, int]
+    started: dict[int, int]  # generation -> seq
+    last: int  # the last generation opened (0: none)
+
+
+def _read_generations(events: Any, job: str, first_seq: int) -> _Generations:
+    """The generations `job`'s records open and start, checked in journal order (see :func:`check_history`)."""
+    from croupier.server import GenerationOpened, GenerationStarted, RankJoined
+
+    opened: dict[int, tuple[str, int, int]] = {}  # generation -> (incarnation, world, seq)
+    by_incarnation: dict[str, int] = {}
+    started: dict[int, int] = {}  # generation -> seq
+    last = 0
+    for seq, ev in events:
+        if getattr(ev, "job", None) != job:
+            continue
+        if isinstance(ev, GenerationOpened):
+            # After a pruned prefix, the first generation held may have any number; then each the next.
+            if (opened or first_seq == 1) and ev.generation != last + 1:
+                raise ChaosError(f"journal record {seq} opens generation {ev.generation} of job {job!r} after "
+                                 f"generation {last}: a generation accepted twice or out of order")
+            if ev.incarnation in by_incarnation:
+                raise ChaosError(f"journal record {seq} opens generation {ev.generation} with incarnation {ev.incarnation!r}, "
+                                 f"which already opened generation {by_incarnation[ev.incarnation]}")
+            opened[ev.generation] = (ev.incarnation, ev.world, seq)
+            by_incarnation[ev.incarnation] = ev.generation
+            last = ev.generation
+        elif isinstance(ev, (GenerationStarted, RankJoined)):
+            what = "starts" if isinstance(ev, GenerationStarted) else f"joins rank {ev.rank} to"
+            if ev.generation not in opened:
+                raise ChaosError(f"journal record {seq} {what} generation {ev.generation} of job {job!r}, which no "
+                                 "earlier record opened")
+            if isinstance(ev, GenerationStarted):
+                if ev.generation in started:
+                    raise ChaosError(f"journal record {seq} starts generation {ev.generation} again (first started "
+                                     f"by record {started[ev.generation]})")
+                started[ev.generation] = seq
+    return _Generations(opened, by_incarnation, started, last)
+
+
+def _check_acknowledged(acks: list[tuple[str, int | None, int | None, str]], journal: _Generations,
+                        first_seq: int) -> tuple[int, int]:
+    """Checks every acknowledged join against the journal; returns (joins checked, joins a pruned prefix hid)."""
+    opened, by_incarnation, started, last = journal.opened, journal.by_incarnation, journal.started, journal.last
+    first_gen = min(opened, default=last + 1)
+    checked: set[tuple[str, int]] = set()
+    unchecked: set[tuple[str, int | None]] = set()
+    for incarnation, gen, world, where in acks:
+        if gen is None:  # recorded without the generation (see demo_train): the incarnation must be there
+            gen = by_incarnation.get(incarnation)
+            if gen is None and first_seq == 1:
+                raise ChaosError(f"the join acknowledged with incarnation {incarnation!r} ({where}) is not in the journal: lost")
+        if gen is None or gen < first_gen and gen not in opened:
+            unchecked.add((incarnation, gen))
+            continue
+        if gen not in opened:
+            raise ChaosError(f"the join acknowledged as generation {gen} with incarnation {incarnation!r} ({where}) is not "
+                             f"in the journal, which opened generations {first_gen}..{last}: an acknowledged join lost")
+        jincarnation, jworld, seq = opened[gen]
+        if jincarnation != incarnation or (world is not None and jworld != world):
+            raise ChaosError(f"the join acknowledged as generation {gen} with incarnation {incarnation!r}, world {world} "
+                             f"({where}) is not what journal record {seq} opened: incarnation {jincarnation!r}, world {jworld}")
+        if gen not in started:
+            raise ChaosError(f"generation {gen} was acknowledged as started ({where}) but the journal never started it")
+        checked.add((incarnation, gen))
+    return len(checked), len(unchecked)
+
+
 def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History:
     """Checks the run's journal against itself and against the joins the ranks were acknowledged.
 
@@ -176,7 +249,7 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
     Raises:
         ChaosError: The first violation, with the journal's seq and the values involved.
     """
-    from croupier.server import GenerationOpened, GenerationStarted, RankJoined, open_store, read_journal
+    from croupier.server import open_store, read_journal
 
     store = open_store(store_url)
     try:
@@ -184,66 +257,18 @@ def check_history(store_url: str, work: pathlib.Path, job: str = JOB) -> History
     finally:
         store.close()
     first_seq = rec.snapshot_seq + 1 if rec.snapshot is not None else 1
-    opened: dict[int, tuple[str, int, int]] = {}  # generation -> (incarnation, world, seq)
-    by_incarnation: dict[str, int] = {}
-    started: dict[int, int] = {}  # generation -> seq
-    last = 0
-    for seq, ev in rec.events:
-        if getattr(ev, "job", None) != job:
-            continue
-        if isinstance(ev, GenerationOpened):
-            # After a pruned prefix, the first generation held may have any number; then each the next.
-            if (opened or first_seq == 1) and ev.generation != last + 1:
-                raise ChaosError(f"journal record {seq} opens generation {ev.generation} of job {job!r} after "
-                                 f"generation {last}: a generation accepted twice or out of order")
-            if ev.incarnation in by_incarnation:
-                raise ChaosError(f"journal record {seq} opens generation {ev.generation} with incarnation {ev.incarnation!r}, "
-                                 f"which already opened generation {by_incarnation[ev.incarnation]}")
-            opened[ev.generation] = (ev.incarnation, ev.world, seq)
-            by_incarnation[ev.incarnation] = ev.generation
-            last = ev.generation
-        elif isinstance(ev, (GenerationStarted, RankJoined)):
-            what = "starts" if isinstance(ev, GenerationStarted) else f"joins rank {ev.rank} to"
-            if ev.generation not in opened:
-                raise ChaosError(f"journal record {seq} {what} generation {ev.generation} of job {job!r}, which no "
-                                 "earlier record opened")
-            if isinstance(ev, GenerationStarted):
-                if ev.generation in started:
-                    raise ChaosError(f"journal record {seq} starts generation {ev.generation} again (first started "
-                                     f"by record {started[ev.generation]})")
-                started[ev.generation] = seq
-    first_gen = min(opened, default=last + 1)
-
+    journal = _read_generations(rec.events, job, first_seq)
     lines = _read_joins(work / "joins.jsonl")
     incs = load(work / "audit").get(job, []) if (work / "audit").exists() else []
     # (incarnation, generation, world, where it was recorded) of every acknowledged join.
     acks: list[tuple[str, int | None, int | None, str]] = [
-        (str(j["token"]), j.get("generation"), j.get("world"), f"joins.jsonl line {i}, rank {j.get('rank')}")
+        (str(j["incarnation"]), j.get("generation"), j.get("world"), f"joins.jsonl line {i}, rank {j.get('rank')}")
         for i, j in enumerate(lines, start=1)]
     acks += [(inc.name, inc.generation, inc.world, "the audit log") for inc in incs]
-    checked: set[tuple[str, int]] = set()
-    unchecked: set[tuple[str, int | None]] = set()
-    for incarnation, gen, world, where in acks:
-        if gen is None:  # recorded without the generation (see demo_train): the incarnation must be there
-            gen = by_incarnation.get(incarnation)
-            if gen is None and first_seq == 1:
-                raise ChaosError(f"the join acknowledged with incarnation {incarnation!r} ({where}) is not in the journal: lost")
-        if gen is None or gen < first_gen and gen not in opened:
-            unchecked.add((incarnation, gen))
-            continue
-        if gen not in opened:
-            raise ChaosError(f"the join acknowledged as generation {gen} with incarnation {incarnation!r} ({where}) is not "
-                             f"in the journal, which opened generations {first_gen}..{last}: an acknowledged join lost")
-        jincarnation, jworld, seq = opened[gen]
-        if jincarnation != incarnation or (world is not None and jworld != world):
-            raise ChaosError(f"the join acknowledged as generation {gen} with incarnation {incarnation!r}, world {world} "
-                             f"({where}) is not what journal record {seq} opened: incarnation {jincarnation!r}, world {jworld}")
-        if gen not in started:
-            raise ChaosError(f"generation {gen} was acknowledged as started ({where}) but the journal never started it")
-        checked.add((incarnation, gen))
-    return History(records=len(rec.events), generations=len(opened), started=len(started),
-                   acknowledged=len(checked), join_lines=len(lines), incarnations=len(incs),
-                   first_seq=first_seq, unchecked=len(unchecked))
+    checked, unchecked = _check_acknowledged(acks, journal, first_seq)
+    return History(records=len(rec.events), generations=len(journal.opened), started=len(journal.started),
+                   acknowledged=checked, join_lines=len(lines), incarnations=len(incs),
+                   first_seq=first_seq, unchecked=unchecked)
 
 
 def history_line(h: History) -> str:

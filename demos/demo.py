@@ -28,9 +28,10 @@ import signal
 import time
 from typing import Any
 
-from croupier.tools._serve import ServeProcess
+from croupier.core.checks import check_choice
+from croupier.demos.cluster import Cluster, statuses
 from croupier.tools.audit import audit, load, render, verdict
-from croupier.tools.cluster import Cluster, statuses
+from croupier.tools.serve import ServeProcess
 
 JOB = "demo"
 
@@ -138,8 +139,7 @@ def run_story(work: pathlib.Path, cluster: Cluster, story: tuple[Event, ...], ti
 def main(workdir: str = "out/demo", n: int = 6000, epochs: int = 5, batch_size: int = 32,
          coordinator: str = "embedded", story: tuple[Event, ...] = STORY, step_ms: int = 40) -> int:
     """Runs the demo; returns 0 when the audit finds G1 holds and the job made only the planned generations."""
-    if coordinator not in ("embedded", "standalone"):
-        raise ValueError(f"coordinator must be 'embedded' or 'standalone' (got coordinator={coordinator!r})")
+    check_choice("coordinator", coordinator, ("embedded", "standalone"))
     work = pathlib.Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

@@ -4,7 +4,7 @@ and the job on hosts of their own, with replica pauses, partitions and slow link
 The run starts a throwaway PostgreSQL server of its own (:class:`HostedDatabase`, Debian's binaries run as
 the ``postgres`` OS user) on host "db", K ``croupier serve`` replicas on it on hosts "r0".."rK-1" and the
 job (torchrun and its workers, every rank given every replica) on host "job", each a network namespace
-behind one router (:mod:`croupier.tools._netns`). Beside the replicated run's faults (rank kills, replica
+behind one router (:mod:`croupier.harness._netns`). Beside the replicated run's faults (rank kills, replica
 kills, PostgreSQL restarts, preemptions) and a worker's pause, it injects, each for a while, then undone:
 
 * ``replica-pause``: one replica stopped (SIGSTOP), then woken (SIGCONT), as a long GC pause or a frozen VM;
@@ -16,7 +16,7 @@ kills, PostgreSQL restarts, preemptions) and a worker's pause, it injects, each 
 * ``job-slow-link``: the link between the job and one replica delayed 200 ms each way with a tenth of its
   packets lost.
 
-The single coordinator's clock jumps and full disk (:mod:`croupier.tools._faults`) are faults of its SQLite
+The single coordinator's clock jumps and full disk (:mod:`croupier.harness._faults`) are faults of its SQLite
 store's file system and of libfaketime under one process: this mode has no such store and injects the
 faults above instead. The replica a fault hits is, as for a kill, half the time the one the ranks are using
 (the most connections with recent traffic), else one at random.
@@ -36,10 +36,10 @@ import subprocess
 import tempfile
 from typing import Any
 
-from croupier.tools import _faults, _netns
-from croupier.tools._serve import ServeGroup, ServeProcess, active_clients
-from croupier.tools.cluster import runs_trainer
-from croupier.tools.history import Tally
+from croupier.demos.cluster import runs_trainer
+from croupier.harness import _faults, _netns
+from croupier.harness.history import Tally
+from croupier.tools.serve import ServeGroup, ServeProcess, active_clients
 
 #: The faults this module injects beside the replicated run's kills, restarts and preemptions.
 KINDS = ("replica-pause", "rank-pause", "db-partition", "job-partition", "db-slow-link", "job-slow-link")

@@ -1,7 +1,7 @@
 """`croupier chaos`: random SIGKILLs, rollbacks and resizes of a real torchrun job and its coordinator (or replicas), audited.
 
 One standalone coordinator (``croupier serve`` on a SQLite store) and a sequence of torchrun
-launches of the demo trainer (``croupier.tools.demo_train``) pointed at it. Each launch runs
+launches of the demo trainer (``croupier.demos.demo_train``) pointed at it. Each launch runs
 with a random world size between 1 and 4 and ``--max-restarts=0``; after the job has made some
 random progress (read from the trainer's status files) one fault is injected:
 
@@ -17,7 +17,7 @@ orchestrator names (``resume_from``); a rollback deletes the checkpoints after t
 from, so that the history is the chain the job follows. After every launch the audit log is
 checked (no duplicates so far in any epoch, the finished ones complete), and so is the launch's
 resume point (its samplers resumed from the checkpoint its model came from); at the end, every
-epoch must be finished and pass the audit. The checks are :mod:`croupier.tools.history`'s.
+epoch must be finished and pass the audit. The checks are :mod:`croupier.harness.history`'s.
 
 Replicated mode (``store`` a ``postgresql://`` URL, ``replicas`` k): k ``croupier serve`` replicas
 on that database instead of the one coordinator, every rank given all k endpoints. The
@@ -29,16 +29,16 @@ on that database instead of the one coordinator, every rank given all k endpoint
 * ``database``: a restart of the PostgreSQL server (through a :class:`DatabaseControl`), with a
   fast and an immediate shutdown in turn; the replicas answer UNAVAILABLE meanwhile, and recover.
 
-``datacenter`` adds faults the job trains through: with one coordinator, :mod:`croupier.tools._faults`'s;
+``datacenter`` adds faults the job trains through: with one coordinator, :mod:`croupier.harness._faults`'s;
 with ``replicas`` k > 1 and no ``store``, the run starts PostgreSQL, the k replicas and the job on hosts of
-their own and adds :mod:`croupier.tools._dc_replicas`'s (replica pauses, partitions, slow links).
+their own and adds :mod:`croupier.harness._dc_replicas`'s (replica pauses, partitions, slow links).
 
 Every rank records the join it got acknowledged (WORKDIR/joins.jsonl, see
-``croupier.tools.demo_train``); at the end, :func:`croupier.tools.history.check_history` reads the journal from the
+``croupier.demos.demo_train``); at the end, :func:`croupier.harness.history.check_history` reads the journal from the
 database and checks that no generation was accepted twice or out of order and that no
 acknowledged join was lost. Every rank's client also records its joins, grants and checkpoints with
 their times (``CROUPIER_CALL_LOG``, WORKDIR/calls); at the end the history is checked linearizable
-(:mod:`croupier.tools.linearize`; grants given the replicas' staleness bound in the replicated mode).
+(:mod:`croupier.harness.linearize`; grants given the replicas' staleness bound in the replicated mode).
 """
 
 from __future__ import annotations
@@ -56,13 +56,13 @@ import sys
 import time
 from typing import IO, Any
 
-from croupier.tools import _dc_replicas, _faults, history, linearize
-from croupier.tools._online import DatabaseControl, OnlineFaults, _where
-from croupier.tools._serve import ServeGroup, ServeProcess
+from croupier.demos.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
+from croupier.demos.demo_train import mixture_of
+from croupier.harness import _dc_replicas, _faults, history, linearize
+from croupier.harness._online import DatabaseControl, OnlineFaults, where
+from croupier.harness.history import JOB, ChaosError
 from croupier.tools.audit import EpochReport, render
-from croupier.tools.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
-from croupier.tools.demo_train import mixture_of
-from croupier.tools.history import JOB, ChaosError
+from croupier.tools.serve import ServeGroup, ServeProcess
 
 BATCH = 12  # per worker; with N a multiple of 12 every world size 1..4 consumes whole steps: no pad, no repeats
 CKPT_EVERY = 2  # steps
@@ -88,11 +88,11 @@ REPLICATED_KINDS = ("rank", "replica", "database", "preempt")
 REPLICATED_WEIGHTS = (0.25, 0.25, 0.15, 0.35)
 NO_DATABASE_KINDS = ("rank", "replica", "preempt")
 NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
-#: ``--datacenter``: the single coordinator's faults and those of tools/_faults.py (pauses, clock jumps, full disk,
+#: ``--datacenter``: the single coordinator's faults and those of harness/_faults.py (pauses, clock jumps, full disk,
 #: partitions, a slow link).
 DATACENTER_KINDS = (*KINDS, *_faults.KINDS)
 DATACENTER_WEIGHTS = (0.10, 0.09, 0.12, 0.15, 0.12, 0.12, 0.12, 0.10, 0.08)
-#: ``--datacenter --replicas K``: the replicated mode's faults and those of tools/_dc_replicas.py.
+#: ``--datacenter --replicas K``: the replicated mode's faults and those of harness/_dc_replicas.py.
 REPLICATED_DATACENTER_KINDS = (*REPLICATED_KINDS, *_dc_replicas.KINDS)
 REPLICATED_DATACENTER_WEIGHTS = (0.08, 0.10, 0.08, 0.12, 0.10, 0.08, 0.12, 0.12, 0.10, 0.10)
 #: Faults the job trains through (the others end the launch).
@@ -265,6 +265,10 @@ class Run(OnlineFaults):
                     early = s0["step"] < target[1] or (near_end and kind in ONLINE)
                     rollback = early and self.tally.faults + 1 < self.faults
                     if rollback:
+                        if kind != "preempt" and self.tally.faults < len(self.first_kinds):
+                            # A first fault of its kind that became a rollback comes next, once the
+                            # rollback has made room: a short run still has one of each kind.
+                            self.first_kinds.insert(self.tally.faults + 1, kind)
                         kind = "preempt"
                     if kind in ONLINE:
                         self._online_fault(kind, statuses(status))
@@ -277,7 +281,7 @@ class Run(OnlineFaults):
                         if runs_trainer(victim["pid"]):
                             sigkill(victim["pid"])
                         self.tally.rank_kills += 1
-                        at = _where([s for s in statuses(status) if s["rank"] == victim["rank"]])
+                        at = where([s for s in statuses(status) if s["rank"] == victim["rank"]])
                         self._say(f"SIGKILL of rank {victim['rank']} of {world} (pid {victim['pid']}) at {at}")
                         try:
                             proc.wait(timeout=60)
@@ -288,7 +292,7 @@ class Run(OnlineFaults):
                         return "finished" if proc.returncode == 0 else "rank"
                     self.kill_launch()
                     self.tally.preemptions += 1
-                    self._say(f"preempted: SIGKILL of torchrun and all {world} workers at {_where(statuses(status))}")
+                    self._say(f"preempted: SIGKILL of torchrun and all {world} workers at {where(statuses(status))}")
                     return "rollback" if rollback else "preempt"
             if time.monotonic() - last_change > STALL:
                 raise ChaosError(f"no training step for {STALL:.0f} s (launch {number}, {world} workers); "
@@ -377,10 +381,10 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             source epoch.
         datacenter: Also pause the coordinator and workers, jump the coordinator's wall clock, fill
             its store's file system, and cut or slow the network between the job and the coordinator,
-            each on a host of its own (``croupier.tools._faults``; as root with libfaketime and network
+            each on a host of its own (``croupier.harness._faults``; as root with libfaketime and network
             namespaces). With `replicas` > 1 (and no `store`): a PostgreSQL server of the run's own, the
             replicas and the job each on a host of its own, replicas paused, cut from the database or the
-            job, their links slowed (``croupier.tools._dc_replicas``), beside the replicated faults.
+            job, their links slowed (``croupier.harness._dc_replicas``), beside the replicated faults.
         step_ms: Simulated compute per training step: a longer step leaves the job more steps to
             host faults it trains through (a pause or a full disk lasts seconds).
 

@@ -7,7 +7,7 @@ its own, so losing a node is one ``killpg`` of the agent and its workers.
 
 Workers must set up their process group for each rendezvous round; the agents get
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that every round has a store of its own (see
-:func:`croupier.tools.demo_train.init_process_group`).
+:func:`croupier.demos.demo_train.init_process_group`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
-TRAINER = "croupier.tools.demo_train"
+TRAINER = "croupier.demos.demo_train"
 
 
 class Cluster:

@@ -46,6 +46,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from croupier.core.checks import check_choice
+
 KINDS = ("join", "grant", "checkpoint")
 OUTCOMES = ("ok", "fenced", "unknown")
 
@@ -63,10 +65,8 @@ class Call:
     returned: float
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS} (got {self.kind!r})")
-        if self.outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {OUTCOMES} (got {self.outcome!r})")
+        check_choice("kind", self.kind, KINDS)
+        check_choice("outcome", self.outcome, OUTCOMES)
         if self.kind == "join" and self.outcome == "fenced":
             raise ValueError("a join is ok (with the generation it names) or unknown, not fenced")
         if not self.returned >= self.invoked:

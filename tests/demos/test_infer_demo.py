@@ -16,9 +16,9 @@ import pytest
 
 from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
+from croupier.demos.infer_audit import JOB, Journal, audit
 from croupier.server._coordinator import Coordinator
 from croupier.server._stores import open_store
-from croupier.tools.infer_demo import JOB, Journal, audit
 
 N, BATCH, FAULTS = 2000, 4, 5
 SUMMARY = re.compile(r"infer-demo: (?P<n>\d+) samples audited: (?P<valid>\d+) committed outputs, (?P<dups>\d+) duplicates, "

@@ -10,7 +10,7 @@ WORKDIR/ckpts/step-XXXXXX.pt; `resume_from` names the checkpoint file to resume 
 ckpt.pt (relative to WORKDIR, or absolute); `lease_ahead` is the sampler's lease size; `step_ms`
 stands in for a larger model's compute: each step takes at least that long (the multi-node demo
 uses it so that a node joining, which takes its agent a few seconds, happens mid-training).
-After its sampler's first batch, every rank appends the join it got acknowledged (incarnation under the key ``token``,
+After its sampler's first batch, every rank appends the join it got acknowledged (incarnation,
 generation, rank, world) as one JSON line to WORKDIR/joins.jsonl (``croupier chaos`` checks them
 against the coordinator's journal).
 """
@@ -85,7 +85,7 @@ def _save(state: dict[str, object], path: pathlib.Path) -> None:
 
 def _record_join(work: pathlib.Path, sampler: DistributedSampler | DistributedBatchSampler, rank: int, world: int) -> None:
     """Appends the join this rank's sampler got acknowledged to WORKDIR/joins.jsonl: one line, one write."""
-    line = json.dumps({"token": sampler.incarnation, "generation": sampler.generation, "rank": rank, "world": world,
+    line = json.dumps({"incarnation": sampler.incarnation, "generation": sampler.generation, "rank": rank, "world": world,
                        "pid": os.getpid(), "t": time.time()}) + "\n"
     # One O_APPEND write of a short line: the ranks' lines never interleave.
     fd = os.open(work / "joins.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -95,15 +95,9 @@ def _record_join(work: pathlib.Path, sampler: DistributedSampler | DistributedBa
         os.close(fd)
 
 
-def main() -> None:
-    cfg = json.loads(os.environ["DEMO"])
-    work = pathlib.Path(cfg["workdir"])
-    torch.set_num_threads(1)
-    init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    node = settings.get("CROUPIER_DEMO_NODE") or ""
-
+def _sampler_and_loader(cfg: dict[str, Any], world: int) -> tuple[DistributedSampler | DistributedBatchSampler,
+                                                                  DataLoader[Any]]:
+    """The sampler the settings ask for (``batching``: fixed, tokens or dynamic) and a loader over it."""
     data = synthetic(cfg["n"])
     extra = {"lease_ahead": cfg["lease_ahead"]} if "lease_ahead" in cfg else {}
     batching = cfg.get("batching", "fixed")
@@ -123,22 +117,43 @@ def main() -> None:
         # index sampler's batch is one index)
         sampler = DistributedSampler(data, shuffle=True, seed=1234, global_batch=cfg["batch_size"] * world, **extra)
         loader = DataLoader(data, batch_size=cfg["batch_size"], sampler=sampler, num_workers=0)
+    return sampler, loader
+
+
+def _resume(cfg: dict[str, Any], work: pathlib.Path, model: DDP, opt: torch.optim.Optimizer,
+            sampler: DistributedSampler | DistributedBatchSampler) -> tuple[int, int]:
+    """Loads the checkpoint to resume from (``resume_from``, else WORKDIR/ckpt.pt, if any) into the model, the
+    optimizer and the sampler; returns (the epoch, the step) to go on from: (0, 0) without one."""
+    resume = work / cfg["resume_from"] if cfg.get("resume_from") else work / "ckpt.pt"  # an absolute path stays
+    if cfg.get("resume_from") and not resume.exists():
+        raise FileNotFoundError(f"resume_from={cfg['resume_from']!r}: no such checkpoint ({resume})")
+    if not resume.exists():
+        return 0, 0
+    state = torch.load(resume, weights_only=False)
+    model.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sampler.load_state_dict(state["sampler"])  # topology-free: any world size resumes from it
+    # the sampler's state names the trainer's step it was taken at (saved with step=)
+    return state["epoch"], state["sampler"].get("step", state["step"])
+
+
+def main() -> None:
+    cfg = json.loads(os.environ["DEMO"])
+    work = pathlib.Path(cfg["workdir"])
+    torch.set_num_threads(1)
+    init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    node = settings.get("CROUPIER_DEMO_NODE") or ""
+
+    batching = cfg.get("batching", "fixed")
+    sampler, loader = _sampler_and_loader(cfg, world)
     model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
-    start_epoch, step = 0, 0
     ckpt = work / "ckpt.pt"
     history = work / "ckpts" if cfg.get("keep_checkpoints") else None
-    resume = work / cfg["resume_from"] if cfg.get("resume_from") else ckpt  # an absolute path stays as it is
-    if cfg.get("resume_from") and not resume.exists():
-        raise FileNotFoundError(f"resume_from={cfg['resume_from']!r}: no such checkpoint ({resume})")
-    if resume.exists():
-        state = torch.load(resume, weights_only=False)
-        model.module.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])  # topology-free: any world size resumes from it
-        # the sampler's state names the trainer's step it was taken at (saved with step=)
-        start_epoch, step = state["epoch"], state["sampler"].get("step", state["step"])
+    start_epoch, step = _resume(cfg, work, model, opt, sampler)
 
     status = work / "status"
     status.mkdir(exist_ok=True)

@@ -1,5 +1,5 @@
-"""A `croupier serve` child process: the one way the tools (chaos, infer-demo, the demo), the tests and the
-benchmarks start one."""
+"""A `croupier serve` child process: the one way the demos, the harness (chaos), the tests and the benchmarks
+start one."""
 
 from __future__ import annotations
 

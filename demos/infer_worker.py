@@ -1,6 +1,6 @@
 """One worker of `croupier infer-demo`: batch "inference" over the batches the coordinator deals it.
 
-Run as ``python -m croupier.tools.infer_worker --n N --batch B --outputs DIR``, with the launcher's
+Run as ``python -m croupier.demos.infer_worker --n N --batch B --outputs DIR``, with the launcher's
 environment: ``RANK``, ``WORLD_SIZE``, ``CROUPIER_ADDRESS``, ``CROUPIER_JOB`` and
 ``CROUPIER_INCARNATION`` (new for every generation, the same on its ranks).
 
@@ -57,7 +57,7 @@ def _commit(sampler: Any, rank: int) -> int:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The worker's options."""
-    ap = argparse.ArgumentParser(prog="croupier.tools.infer_worker", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="croupier.demos.infer_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, required=True, help="samples in the dataset")
     ap.add_argument("--batch", type=int, required=True, help="samples per batch")
     ap.add_argument("--outputs", required=True, help="directory of the output files")

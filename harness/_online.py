@@ -1,8 +1,8 @@
 """The chaos run's faults that the job trains through: kills of the coordinator or of a replica (restarted on
-its port), restarts of the database, and the data-center faults of :mod:`croupier.tools._faults` (one
-coordinator) and :mod:`croupier.tools._dc_replicas` (replicas).
+its port), restarts of the database, and the data-center faults of :mod:`croupier.harness._faults` (one
+coordinator) and :mod:`croupier.harness._dc_replicas` (replicas).
 
-:class:`OnlineFaults` is a part of :class:`croupier.tools.chaos.Run`, kept apart for length; it uses the
+:class:`OnlineFaults` is a part of :class:`croupier.harness.chaos.Run`, kept apart for length; it uses the
 run's servers, tally, random choices and log.
 """
 
@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from croupier.tools import _dc_replicas, _faults, history
-from croupier.tools._serve import ServeGroup, active_clients
-from croupier.tools.cluster import runs_trainer
-from croupier.tools.history import ChaosError
+from croupier.demos.cluster import runs_trainer
+from croupier.harness import _dc_replicas, _faults, history
+from croupier.harness.history import ChaosError
+from croupier.tools.serve import ServeGroup, active_clients
 
 if TYPE_CHECKING:
     import random
@@ -30,7 +30,7 @@ class DatabaseControl(Protocol):
         ...
 
 
-def _where(statuses: list[dict[str, Any]]) -> str:
+def where(statuses: list[dict[str, Any]]) -> str:
     """Where the furthest rank is, from its status file."""
     if not statuses:
         return "an unknown step"
@@ -53,7 +53,7 @@ class OnlineFaults:
     def _online_fault(self, kind: str, st: list[dict[str, Any]]) -> None:
         """A fault the job trains through: kill -9 of the coordinator or of a replica (restarted on its
         port), or a restart of the database."""
-        at = _where(st)
+        at = where(st)
         members = self.servers.members
         if isinstance(self.datacenter, _dc_replicas.ReplicatedDatacenter) and kind in _dc_replicas.KINDS:
             said = self.datacenter.inject(kind, self.servers, self.tally, self.time_left, st, at)
