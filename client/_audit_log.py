@@ -20,7 +20,14 @@ Each rank of each incarnation appends msgpack records to ``LOGDIR/JOB/INCARNATIO
 Logs written before ``resumed`` existed name the checkpoint only by its origin, which
 ``croupier audit`` reads for them alone.
 
-``croupier audit`` (:mod:`croupier.tools.audit`) reads them back.
+A rank of a torchft replica group (``croupier.integrations.torchft``) writes the same kind of file,
+``LOGDIR/JOB/ft-GROUP-rRANK-PID.audit``: a ``start`` with the job, its ``group``, ``rank`` and group
+``world``, the dataset's ``n`` and how steps are sized (``mode``, ``batch``); then a ``step`` per
+attempted step: its run (``run``, ``parent``, ``resumed``), ``step`` (numbered from 1), ``quorum``,
+``participants``, whether it ``counted`` and ``committed``, the step's stream span (``first``,
+``last``), this rank's part of it (``start``, ``stop``) and its indices (``idx``).
+
+``croupier audit`` reads them back, every kind alike (:mod:`croupier.tools.audit_log`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from croupier.core import settings
 from croupier.core.amend import Amendment
 from croupier.core.api import MAX_MESSAGE_BYTES, CheckpointRecord, Grant, JobStatus, JoinRequest, JoinResult, RankCursor
 from croupier.core.ftsteps import CommittedStep, StepRun, Steps
-from croupier.core.ledger import Ledger, unpack
+from croupier.core.ledger import History, Ledger, history, unpack
 from croupier.core.order import Cursor
 from croupier.core.spec import Spec
 from croupier.core.wire import (
@@ -82,7 +82,7 @@ def _waiting(r: pb.JoinResponse | pb.GetJobResponse) -> int:
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-#: The trailing metadata key of the coordinator's retry hint on a refusal (croupier.server._aio.RETRY_AFTER_KEY).
+#: The trailing metadata key of the coordinator's retry hint on a refusal (croupier.server._admission.RETRY_AFTER_KEY).
 RETRY_AFTER_KEY = "croupier-retry-after-ms"
 
 
@@ -452,27 +452,31 @@ class CoordinatorClient:
         return cursor_from_proto(r.cursor) if r.HasField("cursor") else None
 
     def ledger(self, job: str) -> Ledger:
-        """The job's step ledger (``croupier.core.ledger``): what each step trained, where each sample was
-        trained. Fetched once (a few bytes per generation); the questions are answered here."""
-        return self.history(job)[0]
+        """The job's step ledger over its generations (``croupier.core.ledger``): what each step trained, where
+        each sample was trained. Fetched once (a few bytes per generation); the questions are answered here.
+        :meth:`history` answers the same questions for every kind of job."""
+        r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
+        return Ledger(job, spec_from_proto(r.spec), unpack(r.segments))
 
     def steps(self, job: str) -> tuple[Spec, Steps]:
         """A fault-tolerant job's spec and record of committed steps (``croupier.core.ftsteps``)."""
         led, steps = self.history(job)
         return led.spec, steps
 
-    def history(self, job: str) -> tuple[Ledger, Steps]:
-        """The job's step ledger and, for a fault-tolerant job, its record of committed steps: one ``GetLedger``."""
+    def history(self, job: str) -> tuple[History, Steps]:
+        """The job's history (``croupier.core.history``: a generation job's step ledger, or a torchft job's, from
+        its record of committed steps) and that record (empty for a generation job): one ``GetLedger``."""
         r = self._call("get_ledger", lambda: self.stub.GetLedger(pb.GetLedgerRequest(job=job), timeout=self.call_timeout))
-        runs = msgpack.unpackb(r.steps) if r.steps else []
-        return Ledger(job, spec_from_proto(r.spec), unpack(r.segments)), Steps([StepRun.from_dict(v) for v in runs])
+        runs = [StepRun.from_dict(v) for v in (msgpack.unpackb(r.steps) if r.steps else [])]
+        return history(job, spec_from_proto(r.spec), unpack(r.segments), runs), Steps(runs)
 
     def commit_step(self, job: str, spec: Spec, run: str, parent: str, resumed: int, mode: str, batch: int,
                     step: CommittedStep, timeout: float | None = None) -> bool:
         """Records a fault-tolerant job's committed step; False when another group's report recorded it first."""
+        before, start, stop, quorum, participants = step.to_list()  # the wire's form: the steps committed before it
         m = pb.CommitStepRequest(job=job, spec=spec_to_proto(spec), run=run, parent=parent, resumed=resumed, mode=mode,
-                                 batch=batch, step=step.step, start=step.start, stop=step.stop, quorum=step.quorum,
-                                 participants=step.participants)
+                                 batch=batch, step=before, start=start, stop=stop, quorum=quorum,
+                                 participants=participants)
         r = self._call("commit_step", lambda: self.stub.CommitStep(m, timeout=self.call_timeout if timeout is None
                                                                     else timeout))
         return bool(r.recorded)

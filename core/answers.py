@@ -30,7 +30,14 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class Version:
-    """One version of a step: the segment that trained it, and whether the job's timeline keeps it.
+    """One version of a step: the run that trained it, and whether the job's timeline keeps it.
+
+    Every kind of job answers with it (``croupier.core.history``). A generation's version has its
+    world's ranks as `world` and each rank's micro-batches; a version of a torchft step
+    (``croupier.core.quorum_ledger``) has the step's participating replica groups as its "ranks"
+    (`world` of them, one micro-batch each, in the quorum's participant order: group ``g`` trained
+    part ``g`` of the step), the `quorum` that trained it and its `span` of the job's stream;
+    `generation` numbers the run (its place in the job's history) and `incarnation` names it.
 
     NOTE: the step's samples are kept as flat arrays in rank then micro-batch order (`samples`:
     rank, micro-batch, index, source, source epoch, seed); :attr:`batches` cuts them into one
@@ -44,6 +51,8 @@ class Version:
     epoch: int
     kept: bool
     samples: tuple[np.ndarray, ...] = dataclasses.field(repr=False, compare=False, default=())
+    quorum: int | None = None  # a torchft step's quorum id; None for a generation's
+    span: tuple[int, int] | None = None  # a torchft step's stream positions [start, stop); None for a generation's
 
     @functools.cached_property
     def batches(self) -> tuple[Batch, ...]:
@@ -64,9 +73,14 @@ class Version:
         return self.samples[2] if self.samples else np.zeros(0, dtype=np.int64)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "generation": self.generation, "incarnation": self.incarnation,
-                "world": self.world, "epoch": self.epoch, "kept": self.kept,
-                "batches": [b.to_dict() for b in self.batches]}
+        out = {"step": self.step, "generation": self.generation, "incarnation": self.incarnation,
+               "world": self.world, "epoch": self.epoch, "kept": self.kept,
+               "batches": [b.to_dict() for b in self.batches]}
+        if self.quorum is not None:
+            out["quorum"] = self.quorum
+        if self.span is not None:
+            out["span"] = list(self.span)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,17 +2,18 @@
 
 A fault-tolerant job (torchft's replica groups that leave and heal between steps) reads its data
 as one *stream*: the job's epochs laid end to end, stream position ``p`` being position
-``p % n`` of epoch ``p // n``'s order. Its steps are numbered as the quorum numbers them: step
-``s`` is the one that runs once ``s`` steps have committed. A step's samples are a run of the
-stream:
+``p % n`` of epoch ``p // n``'s order. Steps are numbered from 1 as everywhere
+(``croupier.core.history``): step ``T`` is the one that runs once ``s = T - 1`` steps have
+committed (torchft's ``manager.current_step()`` reads ``s`` while it runs, ``T`` once it
+committed); the dealing goes by that count ``s``. A step's samples are a run of the stream:
 
-* ``mode="global"`` (the global batch stays constant): step ``s`` takes ``[s * B, (s + 1) * B)``;
-* ``mode="group"`` (each group's batch stays constant): step ``s`` takes ``[c * b, (c + q) * b)``
+* ``mode="global"`` (the global batch stays constant): step ``T`` takes ``[s * B, (s + 1) * B)``;
+* ``mode="group"`` (each group's batch stays constant): step ``T`` takes ``[c * b, (c + q) * b)``
   where ``c`` is the number of group-batches committed before it (torchft's
   ``batches_committed``) and ``q`` the step's participating groups.
 
-An attempt of step ``s`` that does not commit leaves the committed count where it was, so the next
-attempt of step ``s`` is dealt the same run again, split over whoever is in its quorum: the samples
+An attempt of step ``T`` that does not commit leaves the committed count where it was, so the next
+attempt of step ``T`` is dealt the same run again, split over whoever is in its quorum: the samples
 of a step become trained when (and only when) the step commits. A step may straddle an epoch's end
 (it trains the end of one epoch and the start of the next): the batch stays what was promised.
 
@@ -20,9 +21,10 @@ The quorum's ``q`` participating groups split the run in contiguous parts whose 
 most one (part ``g`` of ``q``), and a group's ``w`` ranks split its part the same way.
 
 What the coordinator records (:class:`StepRun`, :class:`Steps`): per *run* (a start of the whole
-job, fresh or from a checkpoint's step) the committed steps with their quorum, so that a step's
-samples, and who trained which part, can be answered later; a run that resumed from an earlier
-step abandons the steps an earlier run committed from there on. Within a run, a step committed
+job, fresh or from a checkpoint's step: a run of the job's history, ``croupier.core.history``) the
+committed steps with their quorum, so that a step's samples, and who trained which part, can be
+answered later (``croupier.core.quorum_ledger``); a run that resumed at an earlier step abandons the
+steps an earlier run committed after it (the one lineage walk, ``croupier.core.history.lineage``). Within a run, a step committed
 again by a later quorum (the groups that had committed it alone died with its update, and the
 survivors, one step behind, trained it again) supersedes the earlier record and every record
 of a later step from an earlier quorum: those updates are gone with the groups that made them.
@@ -39,11 +41,12 @@ from typing import Any
 import numpy as np
 
 from croupier.core.checks import check_choice, check_int
+from croupier.core.history import LineageCycle, lineage
 from croupier.core.order import order
 from croupier.core.spec import Spec
 
-__all__ = ["MODES", "StepDeal", "StepRun", "Steps", "committed_span", "part", "rank_deal", "stream_indices",
-           "stream_runs"]
+__all__ = ["MODES", "CommittedStep", "StepDeal", "StepRun", "Steps", "committed_span", "part", "rank_deal",
+           "stream_indices", "stream_runs"]
 
 #: How a step's size is kept as groups leave and join: ``global`` (the global batch) or ``group``
 #: (each group's batch; the global batch is the group batch times the step's participants).
@@ -58,29 +61,31 @@ def part(start: int, stop: int, parts: int, k: int) -> tuple[int, int]:
     return start + size * k // parts, start + size * (k + 1) // parts
 
 
-def committed_span(mode: str, batch: int, step: int, committed_batches: int, participants: int) -> tuple[int, int]:
-    """The stream positions [start, stop) of `step`'s samples.
+def committed_span(mode: str, batch: int, committed: int, committed_batches: int,
+                   participants: int) -> tuple[int, int]:
+    """The stream positions [start, stop) of the samples of step ``committed + 1``.
 
     Args:
         mode: ``"global"`` or ``"group"`` (see the module's docstring).
         batch: The global batch (``global``) or the group batch (``group``).
-        step: The step number: the steps committed before it.
+        committed: The steps committed before it (torchft's ``current_step()`` while it runs).
         committed_batches: ``group`` only: the group-batches committed before the step.
         participants: The step's participating groups.
     """
     check_choice("mode", mode, MODES)
     check_int("batch", batch, 1)
-    check_int("step", step, 0)
+    check_int("committed", committed, 0)
     check_int("participants", participants, 1)
     if mode == "global":
-        return step * batch, (step + 1) * batch
+        return committed * batch, (committed + 1) * batch
     check_int("committed_batches", committed_batches, 0)
     return committed_batches * batch, (committed_batches + participants) * batch
 
 
 @dataclasses.dataclass(frozen=True)
 class StepDeal:
-    """What one rank trains in one attempt of a step: stream positions [start, stop) of the step's [first, last)."""
+    """What one rank trains in one attempt of step `step` (from 1): stream positions [start, stop) of the step's
+    [first, last)."""
 
     step: int
     first: int  # the step's stream span
@@ -89,17 +94,17 @@ class StepDeal:
     stop: int
 
 
-def rank_deal(mode: str, batch: int, step: int, committed_batches: int, participants: int, participant: int,
+def rank_deal(mode: str, batch: int, committed: int, committed_batches: int, participants: int, participant: int,
               group_world: int, group_rank: int) -> StepDeal:
-    """This rank's part of `step`: the quorum's participant `participant` of `participants` takes its
-    part of the step's span, and rank `group_rank` of its group's `group_world` ranks its part of that."""
-    first, last = committed_span(mode, batch, step, committed_batches, participants)
+    """This rank's part of step ``committed + 1``: the quorum's participant `participant` of `participants`
+    takes its part of the step's span, and rank `group_rank` of its group's `group_world` ranks its part of that."""
+    first, last = committed_span(mode, batch, committed, committed_batches, participants)
     check_int("participant", participant, 0, participants)
     check_int("group_world", group_world, 1)
     check_int("group_rank", group_rank, 0, group_world)
     g0, g1 = part(first, last, participants, participant)
     r0, r1 = part(g0, g1, group_world, group_rank)
-    return StepDeal(step, first, last, r0, r1)
+    return StepDeal(committed + 1, first, last, r0, r1)
 
 
 def stream_runs(n: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
@@ -124,7 +129,8 @@ def stream_indices(spec: Spec, start: int, stop: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class CommittedStep:
-    """One committed step as recorded: its stream span and the quorum (id, participants) that trained it."""
+    """One committed step as recorded: its number (from 1), its stream span and the quorum (id, participants)
+    that trained it."""
 
     step: int
     start: int
@@ -133,20 +139,28 @@ class CommittedStep:
     participants: int
 
     def to_list(self) -> list[int]:
-        return [self.step, self.start, self.stop, self.quorum, self.participants]
+        """The step as its report, the journal and snapshots carry it: ``[steps committed before it, start,
+        stop, quorum, participants]`` (torchft's count, which every release wrote)."""
+        return [self.step - 1, self.start, self.stop, self.quorum, self.participants]
 
     @classmethod
     def from_list(cls, v: Sequence[int]) -> CommittedStep:
+        """Inverse of :meth:`to_list`. Raises ValueError for a list it would not have written."""
         if len(v) != 5:
-            raise ValueError(f"a committed step is [step, start, stop, quorum, participants] (got {list(v)!r})")
-        return cls(*(int(x) for x in v))
+            raise ValueError(f"a committed step is [steps before it, start, stop, quorum, participants] (got {list(v)!r})")
+        before, start, stop, quorum, participants = (int(x) for x in v)
+        return cls(before + 1, start, stop, quorum, participants)
+
+
+def _shown(c: CommittedStep) -> str:
+    return f"stream [{c.start}, {c.stop}) of quorum {c.quorum} with {c.participants} participants"
 
 
 @dataclasses.dataclass
 class StepRun:
     """One start of a fault-tolerant job: its incarnation, the run whose checkpoint it resumed from and
-    at which step, how it sizes steps, and the steps it committed (in step order; a step reported
-    twice is recorded once)."""
+    at which step (`resumed`: the steps committed before it; it trains steps ``resumed + 1`` on), how it
+    sizes steps, and the steps it committed (in step order; a step reported twice is recorded once)."""
 
     run: str
     parent: str  # the run that saved the checkpoint it resumed from ("" for a fresh start)
@@ -159,8 +173,8 @@ class StepRun:
 
     @property
     def reached(self) -> int:
-        """The step after the last one recorded (the resume step when none is)."""
-        return self.steps[-1].step + 1 if self.steps else self.resumed
+        """The last step recorded (the resume step when none is)."""
+        return self.steps[-1].step if self.steps else self.resumed
 
     def find(self, step: int) -> CommittedStep | None:
         i = bisect.bisect_left(self.steps, step, key=lambda c: c.step)
@@ -202,24 +216,29 @@ class Steps:
         check_choice("mode", mode, MODES)
         check_int("batch", batch, 1)
         check_int("resumed", resumed, 0)
-        check_int("step", c.step, 0)
+        check_int("step", c.step, 1)
         check_int("participants", c.participants, 1)
-        if c.step < resumed:
-            return f"step {c.step} is before the step its run resumed from ({resumed})"
+        if c.step <= resumed:
+            return f"step {c.step} is not after the step its run resumed at ({resumed})"
         if c.stop - c.start != (batch if mode == "global" else batch * c.participants) or c.start < 0:
             return (f"step {c.step} spans [{c.start}, {c.stop}), which is not a step of {mode} batch {batch} "
                     f"with {c.participants} participants")
-        if mode == "global" and c.start != c.step * batch:
-            return f"step {c.step} of global batch {batch} starts at {c.step * batch}, not {c.start}"
+        if mode == "global" and c.start != (c.step - 1) * batch:
+            return f"step {c.step} of global batch {batch} starts at {(c.step - 1) * batch}, not {c.start}"
         r = self.run(run)
+        if r is None and parent:
+            try:
+                self.lineage(StepRun(run, parent, resumed, mode, batch))
+            except LineageCycle:
+                return f"run {run!r} resumes from run {parent!r}, which descends from {run!r}: a run cannot be its own ancestor"
         if r is not None:
             if (r.parent, r.resumed, r.mode, r.batch) != (parent, resumed, mode, batch):
                 return (f"run {run!r} was opened resuming step {r.resumed} of run {r.parent!r} with {r.mode} batch "
                         f"{r.batch}; this report says step {resumed} of run {parent!r} with {mode} batch {batch}")
             seen = r.find(c.step)
             if seen is not None and seen.quorum == c.quorum and seen != c:
-                return (f"step {c.step} of run {run!r} was recorded as {seen.to_list()}, and is now reported as "
-                        f"{c.to_list()} by the same quorum")
+                return (f"step {c.step} of run {run!r} was recorded as {_shown(seen)}, and is now reported as "
+                        f"{_shown(c)} by the same quorum")
         return None
 
     def is_new(self, run: str, c: CommittedStep) -> bool:
@@ -254,21 +273,30 @@ class Steps:
         r.steps[lo:hi] = [c]
         return True
 
-    def kept(self, step: int) -> tuple[StepRun, CommittedStep] | None:
-        """The run and record that the job's timeline keeps for `step`, None when it has none.
+    def lineage(self, latest: StepRun | None = None) -> list[tuple[StepRun, int | None]]:
+        """The latest run's lineage (``croupier.core.history.lineage``), oldest first, each run with the last
+        step of it that is kept (the step its successor resumed at; None for the latest run, kept to its end).
 
-        The timeline is the latest run's lineage: the run itself from the step it resumed at, then
+        Args:
+            latest: A run not yet recorded to walk from (its name stands for it where a recorded run names
+                it as a parent); None for the latest recorded run.
+        """
+        def parent(r: StepRun) -> tuple[StepRun, int] | None:
+            p = latest if latest is not None and r.parent == latest.run else self.run(r.parent) if r.parent else None
+            return None if p is None else (p, r.resumed)
+        return lineage(latest if latest is not None else self.runs[-1] if self.runs else None, parent)
+
+    def kept(self, step: int) -> tuple[StepRun, CommittedStep] | None:
+        """The run and record that the job's timeline keeps for `step` (from 1), None when it has none.
+
+        The timeline is the latest run's lineage: the run itself after the step it resumed at, then
         the run whose checkpoint it resumed from, up to that step, and so on; what other runs
         committed is abandoned (a rollback, or a run whose checkpoint no later run resumed from).
         """
-        r = self.runs[-1] if self.runs else None
-        seen: set[str] = set()
-        while r is not None and r.run not in seen:
-            if step >= r.resumed:
+        for r, until in self.lineage():
+            if r.resumed < step and (until is None or step <= until):
                 c = r.find(step)
                 return None if c is None else (r, c)
-            seen.add(r.run)
-            r = self.run(r.parent) if r.parent else None
         return None
 
     def abandoned(self, step: int) -> list[tuple[StepRun, CommittedStep]]:

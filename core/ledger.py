@@ -38,16 +38,19 @@ import numpy as np
 from croupier.core.answers import Batch, Occurrence, StepRecord, Version
 from croupier.core.checks import check_int, is_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from croupier.core.ftsteps import StepRun, Steps
+from croupier.core.history import History, check_step, lineage
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import order, tags
 from croupier.core.plan import EpochPlan
+from croupier.core.quorum_ledger import QuorumLedger
 from croupier.core.registry import plan_epoch, sized_batches
 from croupier.core.schedule import Schedule
 from croupier.core.segments import Segment, fresh_segment, pack, unpack
 from croupier.core.spec import Spec
 
-__all__ = ["Batch", "Ledger", "Occurrence", "Schedule", "Segment", "StepRecord", "Version", "fresh_segment", "pack",
-           "unpack"]
+__all__ = ["Batch", "History", "Ledger", "Occurrence", "Schedule", "Segment", "StepRecord", "Version", "fresh_segment",
+           "history", "pack", "unpack"]
 
 
 # --------------------------------------------------------------------------- the ledger
@@ -85,26 +88,22 @@ class Ledger:
 
     def _timeline(self) -> list[tuple[Segment, int | None]]:
         """The kept segments, oldest first, each with the last step it keeps (None: the newest, open)."""
-        if not self.segments:
-            return []
-        out: list[tuple[Segment, int | None]] = []
-        seg: Segment | None = self.segments[-1]
-        end: int | None = None
-        while seg is not None:
-            out.append((seg, end))
-            if seg.step is None or seg.step == 0 and seg.parent is None:
-                break
-            end = seg.step
-            seg = self._parent(seg)
-        out.reverse()
-        return out
+        return lineage(self.segments[-1] if self.segments else None, self._resumed_from)
+
+    def _resumed_from(self, seg: Segment) -> tuple[Segment, int] | None:
+        """The segment `seg` resumed from and the step it resumed at (None: a fresh start, or not held)."""
+        if seg.step is None or seg.step == 0 and seg.parent is None:
+            return None
+        p = self._parent(seg)
+        return None if p is None else (p, seg.step)
 
     def _parent(self, seg: Segment) -> Segment | None:
         """The segment that took the checkpoint `seg` resumed from, when this history holds it.
 
-        NOTE: a generation number alone does not name it: a coordinator that lost its store numbers
-        its generations from 1 again, while a checkpoint of the old store names the old number. A
-        parent is taken only if it is older, began before the step and recorded a checkpoint at it.
+        NOTE: a store that lost the job's history numbers its generations apart from the lost store's
+        (``croupier.server._decide.next_number``), so a checkpoint of the lost store names no generation
+        held here; a history written before that rule may still reuse a number, so a parent is taken
+        only if it is older, began before the step and recorded a checkpoint at it.
         """
         if seg.parent is not None:
             p = self._by_gen.get(seg.parent)
@@ -205,8 +204,7 @@ class Ledger:
         return max([self.last_step, *(self._reached_step(s) for s in self.segments if s.step is not None)])
 
     def _check_step(self, t: int) -> None:
-        if not is_int(t) or t < 1:
-            raise InvalidArgument(f"step must be an int >= 1 (steps count from 1, as the trainers log them; got {t!r})")
+        check_step(t)
         if not self.segments:
             raise FailedPrecondition(f"job {self.job!r} has no generation that started: no step was trained yet")
         if t > self.last_step and t > self.furthest_step:
@@ -430,3 +428,28 @@ class Ledger:
                 sizes.add(self._spec(seg).batch_size * seg.world)
         return sizes.pop() if len(sizes) == 1 and sized_batches(self.spec) else None
 
+    def why_batch_varies(self) -> str:
+        """Why the kept timeline's steps differ in size (when :meth:`constant_batch` is None), in words."""
+        if not sized_batches(self.spec):
+            return "its batches are token budgets (max_tokens): a step holds as many samples as fit, so steps differ in size"
+        sizes = []
+        for seg, _ in self._kept:
+            if seg.schedule.rampup is not None:
+                start, inc, every = seg.schedule.rampup
+                return (f"generation {seg.generation} ramps its global batch up (from {start} by {inc} every {every} "
+                        f"steps to {seg.schedule.global_batch})")
+            sizes.append((seg.generation, seg.world, seg.schedule.global_batch or self.spec.batch_size * seg.world))
+        return "its global batch changed: " + ", ".join(f"generation {g} (world {w}) took {b} samples a step"
+                                                         for g, w, b in sizes)
+
+
+def history(job: str, spec: Spec, segments: Sequence[Segment], runs: Sequence[StepRun] = ()) -> History:
+    """A job's history (``croupier.core.history``) from what its coordinator holds: its generations' segments,
+    or, for a job of torchft replica groups (whose runs report committed steps), its step runs.
+
+    NOTE: the one place the kind of a job's runs picks how they are read; a coordinator holds one or the
+    other for a job (it refuses step reports under a job whose samplers joined it).
+    """
+    if runs and not segments:
+        return QuorumLedger(job, spec, Steps(runs))
+    return Ledger(job, spec, segments)

@@ -16,9 +16,10 @@ loader was. Here the data side follows the quorum instead::
         loss_fn(model(batch)).backward()
         optimizer.step()            # commits, or not
 
-How a step is dealt (``croupier.core.ftsteps``): the job's epochs are one stream; step ``s`` (the
-number of steps committed before it, which torchft's quorum agrees on and moves to a healing group
-with the manager's state) takes stream positions ``[s * B, (s + 1) * B)``; the quorum's
+How a step is dealt (``croupier.core.ftsteps``): the job's epochs are one stream; the step run once
+``s`` steps have committed (torchft's ``current_step()``, which its quorum agrees on and moves to a
+healing group with the manager's state; the job's history numbers that step ``s + 1``, as trainers log
+steps) takes stream positions ``[s * B, (s + 1) * B)``; the quorum's
 participating groups split them in contiguous parts, a group's ranks split its part. A step that
 does not commit leaves ``s`` where it was: its samples are dealt again, to whoever is in the next
 attempt's quorum. No maximum group count; no loader state moves between groups; a group that
@@ -139,8 +140,9 @@ class StepLoader:
         self.run = self._named_run or "fresh"
         self.parent, self.resumed = "", 0
         self._expect_step: int | None = None  # a loaded state's step, checked against the manager's at the first deal
-        #: the last batch handed out: its indices, step, quorum and participants; counted: whether the
-        #: step counts it (False for a group that is not participating)
+        #: the last batch handed out: its indices, step (torchft's ``current_step()`` while it ran: the steps
+        #: committed before it; the job's history numbers it ``step + 1``, as ``deal.step``), quorum and
+        #: participants; counted: whether the step counts it (False for a group that is not participating)
         self.indices: list[int] = []
         self.step = -1
         self.quorum = -1
@@ -159,8 +161,8 @@ class StepLoader:
         self._reporter: threading.Thread | None = None
         self._refused = False
         audit_dir = audit_dir or settings.get("CROUPIER_AUDIT_DIR")
-        self._audit = _FtAudit(audit_dir, self.job, group or os.environ.get("REPLICA_GROUP_ID") or str(os.getpid()),
-                               self.group_rank) if audit_dir else None
+        self._audit = _FtAudit(audit_dir, self, group or os.environ.get("REPLICA_GROUP_ID") or str(os.getpid())
+                               ) if audit_dir else None
 
     # ------------------------------------------------------------------ torchft's calls
 
@@ -184,7 +186,7 @@ class StepLoader:
             if self._audit is not None and self.deal is not None:
                 self._audit.step(self, ok)
             if ok and self.counted and self.deal is not None and self._client is not None:
-                self._send(CommittedStep(self.step, self.deal.first, self.deal.last, self.quorum, self.participants))
+                self._send(CommittedStep(self.deal.step, self.deal.first, self.deal.last, self.quorum, self.participants))
             return ok
 
         manager.start_quorum = start_quorum
@@ -310,26 +312,30 @@ class StepLoader:
 
 
 class _FtAudit:
-    """One rank's audit log of attempted steps: msgpack records in ``LOGDIR/JOB/ft-GROUP-rRANK-PID.ftaudit``,
-    each flushed (a kill -9 loses at most the last). Read by ``croupier.tools.audit_ft``."""
+    """One rank's audit log, in the format every job's ranks write (``croupier.client._audit_log``): msgpack
+    records in ``LOGDIR/JOB/ft-GROUP-rRANK-PID.audit``, each flushed (a kill -9 loses at most the last). A
+    ``start`` record names the job, the replica group and this rank in it, the dataset's size and how steps are
+    sized; a ``step`` record each attempted step (numbered from 1, ``croupier.core.history``), naming its run.
+    Read by ``croupier.tools.audit_log``, judged by ``croupier.tools.audit_ft``."""
 
-    def __init__(self, root: str, job: str, group: str, rank: int) -> None:
-        d = pathlib.Path(root) / job
+    def __init__(self, root: str, lo: StepLoader, group: str) -> None:
+        d = pathlib.Path(root) / lo.job
         d.mkdir(parents=True, exist_ok=True)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in group)
-        self.group, self.rank = group, rank
-        self._f = open(d / f"ft-{safe}-r{rank}-{os.getpid()}.ftaudit", "ab")
+        self._f = open(d / f"ft-{safe}-r{lo.group_rank}-{os.getpid()}.audit", "ab")
+        self._write({"t": "start", "ts": time.time(), "job": lo.job, "group": group, "rank": lo.group_rank,
+                     "world": lo.group_world, "n": lo.spec.n, "mode": lo.mode, "batch": lo.batch})
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        self._f.write(msgpack.packb(rec))
+        self._f.flush()
 
     def step(self, lo: StepLoader, committed: bool) -> None:
         assert lo.deal is not None
-        rec = {"t": "step", "ts": time.time(), "group": self.group, "rank": self.rank, "world": lo.group_world,
-               "run": lo.run, "parent": lo.parent, "resumed": lo.resumed, "mode": lo.mode, "batch": lo.batch,
-               "n": lo.spec.n, "step": lo.step, "quorum": lo.quorum, "participants": lo.participants,
-               "counted": lo.counted, "committed": committed, "first": lo.deal.first, "last": lo.deal.last,
-               "start": lo.deal.start, "stop": lo.deal.stop,
-               "idx": np.asarray(lo.indices, dtype="<i8").tobytes()}
-        self._f.write(msgpack.packb(rec))
-        self._f.flush()
+        self._write({"t": "step", "ts": time.time(), "run": lo.run, "parent": lo.parent, "resumed": lo.resumed,
+                     "step": lo.deal.step, "quorum": lo.quorum, "participants": lo.participants, "counted": lo.counted,
+                     "committed": committed, "first": lo.deal.first, "last": lo.deal.last, "start": lo.deal.start,
+                     "stop": lo.deal.stop, "idx": np.asarray(lo.indices, dtype="<i8").tobytes()})
 
     def close(self) -> None:
         self._f.close()

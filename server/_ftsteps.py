@@ -31,7 +31,7 @@ def decide_commit(jobs: dict[str, Job], job: str, spec: Spec, run: str, parent: 
         raise InvalidArgument(f"a step report's parent run has at most {MAX_RUN} characters (got {len(parent)})")
     if mode not in MODES:
         raise InvalidArgument(f"a step report's mode must be one of {', '.join(map(repr, MODES))} (got {mode!r})")
-    for name, value, low in (("batch", batch, 1), ("resumed", resumed, 0), ("step", step.step, 0),
+    for name, value, low in (("batch", batch, 1), ("resumed", resumed, 0), ("step", step.to_list()[0], 0),
                              ("start", step.start, 0), ("participants", step.participants, 1), ("quorum", step.quorum, 0)):
         check_int(f"a step report's {name}", value, low, None, InvalidArgument)
     j = jobs.get(job)
@@ -49,6 +49,5 @@ def decide_commit(jobs: dict[str, Job], job: str, spec: Spec, run: str, parent: 
     if not record.is_new(run, step):
         return False, []
     events: list[Event] = [] if j is not None else [JobRegistered(job, spec)]
-    events.append(StepCommitted(job, run, parent, resumed, mode, batch, step.step, step.start, step.stop, step.quorum,
-                                step.participants))
+    events.append(StepCommitted(job, run, parent, resumed, mode, batch, *step.to_list()))  # the journal's form
     return True, events

@@ -1,7 +1,9 @@
-"""`croupier audit`: reads the audit logs the samplers wrote and checks G1 from them.
+"""`croupier audit`: reads the audit logs the ranks wrote and checks G1 (G12 for a torchft job) from them.
 
 The log's records are described in :mod:`croupier.client` (``_audit_log``): ``start``, ``batch``,
-``end``, ``cut``, ``ckpt`` and ``filtered``.
+``end``, ``cut``, ``ckpt``, ``filtered`` and a torchft rank's ``step``; :mod:`croupier.tools.audit_log`
+reads every job's logs into one model (its runs as :class:`Incarnation`), and :func:`audit` judges
+each job into the same epoch reports (a torchft job's by :mod:`croupier.tools.audit_ft`).
 
 The audit follows the chain backwards from the last incarnation to start: each resumed from a
 checkpoint that an earlier one made (its start record's ``resumed`` names it: the incarnation or
@@ -17,42 +19,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
+from croupier.core.history import LineageCycle, lineage
 from croupier.core.registry import kind_for
+from croupier.tools.audit_ft import FtAudit, audit_ft
+from croupier.tools.audit_log import Incarnation, _read, load, stepped
 
-
-@dataclasses.dataclass
-class _Rank:
-    start: dict[str, Any]
-    batches: list[tuple[int, int, np.ndarray]]  # (epoch, at, indices)
-
-
-@dataclasses.dataclass
-class Incarnation:
-    """One generation of a job as its ranks logged it."""
-
-    name: str
-    generation: int
-    world: int
-    ts: float
-    origin: str | None
-    n: int
-    tail: str
-    partition: str
-    ranks: dict[int, _Rank]
-    ends: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> ranks that finished it
-    checkpoints: set[str] = dataclasses.field(default_factory=set)  # origins of the states it made
-    cuts: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> items taken when the trainer moved on
-    dealing: str = "static"
-    mixture: dict[str, Any] | None = None  # a mixture's sources, weights, caps, seed and shuffle
-    resumed: dict[str, Any] | None = None  # the start record's checkpoint resumed from, as fields (None: none named)
-    filtered: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (epoch, at, index) filtered out
+__all__ = ["EpochReport", "Incarnation", "SourceRow", "_read", "audit", "audit_job", "by_source", "checkpoint_chain",
+           "ft_reports", "load", "render", "render_sources", "verdict"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,50 +64,6 @@ class EpochReport:
     filtered: int = 0  # handed out, then filtered out after loading (not in `trained`, not missing)
 
 
-def _read(path: pathlib.Path) -> list[dict[str, Any]]:
-    out = []
-    with open(path, "rb") as f:
-        unpacker = msgpack.Unpacker(f, raw=False)
-        try:
-            for rec in unpacker:
-                out.append(rec)
-        except (msgpack.OutOfData, ValueError):
-            pass  # a record cut short by a kill -9: everything before it counts
-    return out
-
-
-def load(logdir: str | os.PathLike[str]) -> dict[str, list[Incarnation]]:
-    """Every job's incarnations, oldest first."""
-    jobs: dict[str, dict[str, Incarnation]] = collections.defaultdict(dict)
-    for path in sorted(pathlib.Path(logdir).glob("*/*.audit")):
-        recs = _read(path)
-        if not recs or recs[0].get("t") != "start":
-            continue
-        s = recs[0]
-        inc = jobs[s["job"]].get(s["token"])
-        if inc is None:
-            inc = Incarnation(s["token"], s["generation"], s["world"], s["ts"], s.get("origin"), s["n"], s["tail"],
-                              s["partition"], {}, dealing=s.get("dealing", "static"), mixture=s.get("mixture"))
-            jobs[s["job"]][s["token"]] = inc
-        inc.ts = min(inc.ts, s["ts"])
-        inc.origin = inc.origin or s.get("origin")
-        inc.resumed = inc.resumed or s.get("resumed")
-        rank = _Rank(s, [])
-        for r in recs[1:]:
-            if r["t"] == "batch":
-                rank.batches.append((r["epoch"], r["at"], np.frombuffer(r["idx"], dtype="<i8")))
-            elif r["t"] == "end":
-                inc.ends[r["epoch"]] = inc.ends.get(r["epoch"], 0) + 1
-            elif r["t"] == "ckpt":
-                inc.checkpoints.add(r["origin"])
-            elif r["t"] == "cut":
-                inc.cuts[r["epoch"]] = max(inc.cuts.get(r["epoch"], 0), r["items"])
-            elif r["t"] == "filtered":
-                inc.filtered.append((r["epoch"], r["at"], r["index"]))
-        inc.ranks[s["rank"]] = rank
-    return {job: sorted(incs.values(), key=lambda i: i.ts) for job, incs in jobs.items()}
-
-
 def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]]:
     """What `inc` received up to (epoch, items) — everything when items is None — by epoch."""
     out: dict[int, list[int]] = collections.defaultdict(list)
@@ -155,7 +89,7 @@ def _cut(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]
 def _cut_filtered(inc: Incarnation, epoch: int, items: int | None) -> dict[int, list[int]]:
     """The indices `inc` filtered out, by epoch, up to (epoch, items) as :func:`_cut` counts what it received."""
     out: dict[int, list[int]] = collections.defaultdict(list)
-    for e, at, index in inc.filtered:
+    for e, at, index, _ in inc.filtered:
         limit = inc.cuts.get(e)
         if items is not None and e == epoch:
             limit = items if limit is None else min(limit, items)
@@ -168,16 +102,7 @@ def _cut_filtered(inc: Incarnation, epoch: int, items: int | None) -> dict[int, 
 
 def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     """Follows the checkpoint chain of one job and judges every epoch it covers."""
-    chain: list[tuple[Incarnation, int | None, int | None]] = []  # (incarnation, cut epoch, cut items)
-    cur: Incarnation | None = incs[-1]
-    cut_epoch: int | None = None
-    cut_items: int | None = None
-    while cur is not None:
-        if any(cur is c for c, _, _ in chain):
-            raise ValueError(f"job {job!r}: the checkpoints' chain comes back to incarnation {cur.name}")
-        chain.append((cur, cut_epoch, cut_items))
-        cur, cut_epoch, cut_items = _resumed_from(job, cur, incs)
-    chain.reverse()
+    chain = [(inc, *(until or (None, None))) for inc, until in checkpoint_chain(job, incs)]
     in_chain = {inc.name for inc, _, _ in chain}
     # NOTE: an incarnation that made checkpoints before the chain began, when no later one
     # resumed from any of them, means a restart that did not load the sampler's state (the model
@@ -258,6 +183,25 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             f"UNVERIFIED: {len(orphans)} earlier incarnation(s) trained, but the chain starts afresh at "
             f"{chain[0][0].name}: a restart that did not load the sampler's checkpoint state?"))
     return reports
+
+
+def checkpoint_chain(job: str, incs: list[Incarnation]) -> list[tuple[Incarnation, tuple[int, int] | None]]:
+    """The job's lineage in its logs (``croupier.core.history.lineage``): from its latest incarnation back along the
+    checkpoints each resumed from, oldest first, each with the (epoch, items) of the checkpoint its successor
+    resumed from (None for the latest).
+
+    Raises:
+        ValueError: the chain comes back to an incarnation, or names one that left no audit log here.
+    """
+    def parent(inc: Incarnation) -> tuple[Incarnation, tuple[int, int]] | None:
+        prev, epoch, items = _resumed_from(job, inc, incs)
+        return None if prev is None or epoch is None or items is None else (prev, (epoch, items))
+
+    try:
+        return lineage(incs[-1], parent)
+    except LineageCycle as e:
+        name = e.run.name if isinstance(e.run, Incarnation) else "?"
+        raise ValueError(f"job {job!r}: the checkpoints' chain comes back to incarnation {name}") from None
 
 
 def _resumed_from(job: str, inc: Incarnation,
@@ -415,11 +359,32 @@ def render_sources(rows: Iterable[SourceRow]) -> str:
 
 
 def audit(logdir: str | os.PathLike[str]) -> list[EpochReport]:
-    """Every job's epoch reports."""
+    """Every job's epoch reports: a job of generations judged by :func:`audit_job`, a job of torchft replica
+    groups (its runs logged attempted steps) by :func:`croupier.tools.audit_ft.audit_ft`, alike in the reports."""
     jobs = load(logdir)
     if not jobs:
         raise FileNotFoundError(f"no audit logs (*/*.audit) under {logdir}")
-    return [r for job, incs in sorted(jobs.items()) for r in audit_job(job, incs)]
+    return [r for job, incs in sorted(jobs.items())
+            for r in (ft_reports(audit_ft(job, incs)) if stepped(incs) else audit_job(job, incs))]
+
+
+def ft_reports(a: FtAudit) -> list[EpochReport]:
+    """A torchft job's audit as epoch reports: an epoch is finished when its kept steps trained ``n`` samples."""
+    out = []
+    epochs = a.epochs + [(e, 0, 0, 0) for e in sorted(set(a.epoch_of.values())) if e >= len(a.epochs)]
+    for e, samples, dups, missing in epochs:
+        finished, problems = samples == a.n, a.problems(e)
+        ok = dups == 0 and missing == 0 and not problems
+        if not ok:
+            why = "G12 VIOLATED: " + "; ".join([f"{dups} duplicates, {missing} missing in the kept committed steps",
+                                                 *problems])
+        elif finished:
+            why = "ok: every index exactly once in the kept committed steps"
+        else:
+            why = (f"UNFINISHED: the kept committed steps reach {samples} of its {a.n} samples (none twice), so G12 "
+                   "cannot be established for it")
+        out.append(EpochReport(a.job, e, a.n, samples, dups, missing, finished, ok, why))
+    return out
 
 
 def verdict(reports: list[EpochReport], allow_unfinished: bool = False, allow_cut: bool = False) -> tuple[bool, str]:

@@ -1,8 +1,9 @@
 """`croupier provenance`: what a job's training steps trained, where a sample was trained, and the run as an order file.
 
-The coordinator sends the job's step ledger (a few bytes per generation, ``GetLedger``); every
-question is answered here by :class:`croupier.core.ledger.Ledger`. The formatting is pure (a ledger's
-answers in, lines out); :func:`ledger` is the only part that calls the coordinator.
+The coordinator sends the job's history (a few bytes per run, ``GetLedger``); every question is
+answered here by it (``croupier.core.history``: a job of generations or of torchft replica groups
+answers alike, with the same answers). The formatting is pure (a history's answers in, lines out);
+:func:`ledger` is the only part that calls the coordinator.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import numpy as np
 
 from croupier.core import settings
 from croupier.core.errors import CroupierError, InvalidArgument, NotFound, Unavailable
-from croupier.core.ftsteps import Steps
-from croupier.core.ledger import Ledger, Occurrence, StepRecord, Version
-from croupier.core.registry import sized_batches
+from croupier.core.history import History
+from croupier.core.ledger import Occurrence, StepRecord, Version
 from croupier.core.shards import shard_of
 from croupier.core.spec import Spec
 from croupier.tools.status import table
@@ -43,13 +43,8 @@ class Refused(Exception):
 # --------------------------------------------------------------------------- asking
 
 
-def ledger(address: str | None, job: str) -> Ledger:
-    """The job's step ledger, fetched once from its coordinator (:func:`history`'s first half)."""
-    return history(address, job)[0]
-
-
-def history(address: str | None, job: str) -> tuple[Ledger, Steps]:
-    """The job's step ledger and a fault-tolerant job's record of committed steps, fetched once from its coordinator.
+def ledger(address: str | None, job: str) -> History:
+    """The job's history (its step ledger, for every kind of job), fetched once from its coordinator.
 
     Args:
         address: HOST:PORT of the coordinator; None for ``CROUPIER_ADDRESS``, else 127.0.0.1:50051.
@@ -64,7 +59,7 @@ def history(address: str | None, job: str) -> tuple[Ledger, Steps]:
     address = settings.coordinator_address(address)
     with CoordinatorClient(address, retry_for=RETRY_FOR_S, call_timeout=CALL_TIMEOUT_S) as client:
         try:
-            return client.history(job)
+            return client.history(job)[0]
         except NotFound:
             known = client.jobs()
             raise NotFound(f"no job {job!r} at {address} (jobs: {', '.join(known) or 'none'})") from None
@@ -112,7 +107,7 @@ def provenance(address: str | None, job: str, *, step: int | None = None, steps:
     return answer(ledger(address, job), step=step, steps=steps, index=index, source=source)
 
 
-def answer(led: Ledger, *, step: int | None = None, steps: tuple[int, int] | None = None, index: int | None = None,
+def answer(led: History, *, step: int | None = None, steps: tuple[int, int] | None = None, index: int | None = None,
            source: int | None = None) -> StepRecord | list[StepRecord] | list[Occurrence]:
     """:func:`provenance`'s question asked of a ledger at hand."""
     if step is not None:
@@ -144,7 +139,10 @@ def step_range(text: str) -> tuple[int, int | None]:
 def _version_lines(v: Version, mixture: bool, full: bool, spec: Spec | None = None) -> list[str]:
     mark = "kept" if v.kept else "ABANDONED (a later generation resumed from a checkpoint before it)"
     n = sum(b.indices.size for b in v.batches)
-    lines = [f"  generation {v.generation} ({v.incarnation}), world {v.world}, epoch {v.epoch}: {mark}; {n} samples"]
+    # NOTE: a torchft step's version names its quorum and stream span; its "ranks" are its participating groups
+    quorum = "" if v.quorum is None or v.span is None else f", quorum {v.quorum}, stream [{v.span[0]}, {v.span[1]})"
+    lines = [f"  generation {v.generation} ({v.incarnation}), world {v.world}, epoch {v.epoch}{quorum}: {mark}; "
+             f"{n} samples"]
     rows: list[list[str]] = []
     sharded = spec is not None and spec.shards is not None
     for b in v.batches:
@@ -208,7 +206,7 @@ def index_lines(job: str, index: int, source: int | None, occurrences: Sequence[
                     table(["EPOCH", "STEP", "RANK", "MICRO", "GENERATION", "SOURCE", "SOURCE EPOCH", ""], rows))]
 
 
-def timeline_lines(led: Ledger) -> list[str]:
+def timeline_lines(led: History) -> list[str]:
     """The job's generations: the steps each trained, up to which the timeline keeps them, its world and batch."""
     segs = led.timeline()
     if not segs:
@@ -242,24 +240,7 @@ class Exported:
     dtype: str
 
 
-def _why_not_constant(led: Ledger) -> str:
-    """Why the kept timeline's steps differ in size (for :class:`Refused`)."""
-    if not sized_batches(led.spec):
-        return "its batches are token budgets (max_tokens): a step holds as many samples as fit, so steps differ in size"
-    sizes = []
-    for s, seg in zip(led.timeline(), led.segments, strict=True):
-        if s["kept_to"] is None:
-            continue
-        if seg.schedule.rampup is not None:
-            start, inc, every = seg.schedule.rampup
-            return (f"generation {seg.generation} ramps its global batch up (from {start} by {inc} every {every} "
-                    f"steps to {seg.schedule.global_batch})")
-        sizes.append((seg.generation, seg.world, seg.schedule.global_batch or led.spec.batch_size * seg.world))
-    return "its global batch changed: " + ", ".join(f"generation {g} (world {w}) took {b} samples a step"
-                                                     for g, w, b in sizes)
-
-
-def export(led: Ledger, path: str | os.PathLike[str]) -> Exported:
+def export(led: History, path: str | os.PathLike[str]) -> Exported:
     """Writes the kept timeline's steps 1 .. last as an OLMo-style order file (``global_indices.npy``).
 
     Entry ``N * B + k`` is sample k of step N + 1 (B samples a step, in rank then micro-batch order);
@@ -276,7 +257,7 @@ def export(led: Ledger, path: str | os.PathLike[str]) -> Exported:
     batch = led.constant_batch()
     if batch is None:
         raise Refused(f"job {led.job!r} cannot be written as an order file of one global batch a step: "
-                      f"{_why_not_constant(led)}")
+                      f"{led.why_batch_varies()}")
     last = led.last_step
     if last < 1:
         raise Refused(f"job {led.job!r} has trained no step yet: there is nothing to write")
@@ -306,34 +287,6 @@ def export(led: Ledger, path: str | os.PathLike[str]) -> Exported:
 
 
 # --------------------------------------------------------------------------- the command
-
-
-def _main_ft(job: str, spec: Any, record: Steps, step: int | None, span: tuple[int, int | None] | None,
-             index: int | None, as_json: bool, full: bool, export_to: str | None, out: TextIO) -> int:
-    """`main`'s answers for a fault-tolerant job (``croupier.tools.provenance_ft``)."""
-    from croupier.tools import provenance_ft as ft
-
-    doc: Any
-    if export_to is not None:
-        raise Refused("a fault-tolerant job's steps are split by their quorums: ask --step or --steps")
-    if span is not None or step is not None:
-        first, last = (step, step) if step is not None else (span[0], span[1])  # type: ignore[index]
-        last = max(ft.last_step(record), first) if last is None else last
-        versions = [v for t in range(first, last + 1) for v in ft.ft_step(spec, record, t)]
-        doc = [v.to_dict() for v in versions]
-        lines = ft.ft_lines(job, versions, SHOWN, full)
-    elif index is not None:
-        doc = ft.ft_index(spec, record, index)
-        lines = [f"job {job!r} index {index}:"] + [
-            f"  epoch {o['epoch']}: step {o['step']} (run {o['run']!r}, quorum {o['quorum']}, group {o['group']})"
-            for o in doc] if doc else [f"job {job!r} index {index}: not trained in a kept step yet"]
-    else:
-        doc = ft.ft_summary(job, record)
-        lines = [f"job {job!r}: fault-tolerant, {doc['last_step']} committed steps kept"] + [
-            f"  run {r['run']!r}: from step {r['resumed']} of {r['parent'] or 'a fresh start'!r}, {r['mode']} batch "
-            f"{r['batch']}, {r['steps']} steps recorded, {r['superseded']} superseded" for r in doc["runs"]]
-    out.write(json.dumps(doc) + "\n" if as_json else "\n".join(lines) + "\n")
-    return 0
 
 
 def main(address: str | None, job: str, *, step: int | None = None, steps: str | None = None,
@@ -369,13 +322,8 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         print(f"croupier provenance: error: {e}", file=sys.stderr)
         return 2
     try:
-        led, record = history(address, job)
+        led = ledger(address, job)
         doc: Any
-        if record.runs and not led.segments:
-            if named:
-                raise Refused(f"--logdir: job {job!r} is fault-tolerant; its provenance does not read audit logs "
-                              "(croupier audit LOGDIR reads them)")
-            return _main_ft(job, led.spec, record, step, span, index, as_json, full, export_to, out)
         if export_to is not None:
             done = export(led, export_to)
             out.write(f"job {job!r}: wrote {done.path}: {done.steps} steps of {done.batch} samples "

@@ -2,7 +2,9 @@
 
 The step ledger places a step's samples by the sampler's batches and never sees the packer, so it
 cannot tell a trained sample from one a filter rejected after loading. The samplers' audit logs
-can: ``PackedLoader`` writes a ``filtered`` record (epoch, the rank's item, index) for each rejection.
+can: ``PackedLoader`` writes a ``filtered`` record (epoch, the rank's item, index) for each rejection,
+read by the one reader of audit logs (``croupier.tools.audit_log``) and kept or lost along the same
+checkpoints' chain as ``croupier audit`` follows.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from croupier.core.answers import Occurrence
 from croupier.core.errors import NotFound
-from croupier.tools.audit import Incarnation, _read, _resumed_from
+from croupier.tools.audit import Incarnation, checkpoint_chain, load
 from croupier.tools.status import table
 
 
@@ -44,31 +46,6 @@ class FilteredAt:
                 "source": self.source, "source_epoch": None}
 
 
-def _logs(logdir: str | os.PathLike[str], job: str) -> tuple[list[Incarnation], list[tuple[str, int, dict[str, Any]]]]:
-    """The job's incarnations (oldest first; their ranks' batches not read) and its ``filtered`` records as
-    (incarnation, rank, record)."""
-    incs: dict[str, Incarnation] = {}
-    records: list[tuple[str, int, dict[str, Any]]] = []
-    for path in sorted((pathlib.Path(logdir) / job).glob("*.audit")):
-        recs = _read(path)
-        if not recs or recs[0].get("t") != "start" or recs[0].get("job") != job:
-            continue
-        s = recs[0]
-        inc = incs.get(s["token"])
-        if inc is None:
-            inc = incs[s["token"]] = Incarnation(s["token"], s["generation"], s["world"], s["ts"], s.get("origin"),
-                                                 s["n"], s["tail"], s["partition"], {}, mixture=s.get("mixture"))
-        inc.ts = min(inc.ts, s["ts"])
-        inc.origin = inc.origin or s.get("origin")
-        inc.resumed = inc.resumed or s.get("resumed")
-        for r in recs[1:]:
-            if r["t"] == "ckpt":
-                inc.checkpoints.add(r["origin"])
-            elif r["t"] == "filtered":
-                records.append((s["token"], int(s["rank"]), r))
-    return sorted(incs.values(), key=lambda i: i.ts), records
-
-
 def _global(inc: Incarnation, index: int, source: int | None) -> int | None:
     """Sample `index` of `source` as `inc`'s sampler numbered it (None: past that source's size there)."""
     if source is None:
@@ -90,32 +67,21 @@ def filtered_at(logdir: str | os.PathLike[str], job: str, index: int, source: in
         NotFound: no audit log of `job` under `logdir` (the message names the jobs logged there).
         ValueError: the checkpoints' chain cannot be followed (as ``croupier audit`` says).
     """
-    incs, records = _logs(logdir, job)
+    incs = load(logdir, job).get(job, [])
     if not incs:
         logged = sorted(p.name for p in pathlib.Path(logdir).glob("*") if any(p.glob("*.audit")))
         raise NotFound(f"no audit logs of job {job!r} under {logdir} (jobs logged there: {', '.join(logged) or 'none'})")
     # NOTE: kept as croupier audit counts: along the checkpoints' chain from the latest incarnation, an
     # incarnation's records up to the checkpoint its successor resumed from; anything else was lost.
-    limits: dict[str, tuple[int | None, int | None]] = {}
-    cur: Incarnation | None = incs[-1]
-    epoch: int | None = None
-    items: int | None = None
-    while cur is not None and cur.name not in limits:
-        limits[cur.name] = (epoch, items)
-        cur, epoch, items = _resumed_from(job, cur, incs)
-    by_name = {inc.name: inc for inc in incs}
+    limits = {inc.name: until for inc, until in checkpoint_chain(job, incs)}
     out = []
-    for name, rank, r in records:
-        inc = by_name[name]
+    for inc in incs:
         want = _global(inc, index, source)
-        if want is None or int(r["index"]) != want:
-            continue
-        e, at = int(r["epoch"]), int(r["at"])
-        kept = name in limits
-        if kept:
-            ce, ci = limits[name]
-            kept = ci is None or ce is None or e < ce or (e == ce and at < ci)
-        out.append(FilteredAt(e, inc.generation, rank, at, name, kept, source or 0))
+        for e, at, got, rank in inc.filtered:
+            if want is None or got != want:
+                continue
+            until = limits.get(inc.name, (-1, -1))
+            out.append(FilteredAt(e, inc.generation, rank, at, inc.name, until is None or (e, at) < until, source or 0))
     return sorted(out)
 
 

@@ -90,7 +90,7 @@ def test_a_filtered_mixture_sample_is_skipped_from_the_next_generation(server: S
     assert sum(r.filtered for r in rows) == reports[0].filtered > 0, render_sources(rows)
     assert "filtered" in render_sources(rows).splitlines()[0]
     # a later generation: no rejected document that was filtered (and so recorded) is dealt again
-    seen = {i for incs in load(tmp_path).values() for inc in incs for _, _, i in inc.filtered}
+    seen = {i for incs in load(tmp_path).values() for inc in incs for _, _, i, _ in inc.filtered}
     assert seen and seen <= set(REJECTED)
     s = DistributedSampler(len(docs), num_replicas=1, rank=0, address=address, job=job, seed=3, tail="uneven",
                            incarnation=uuid.uuid4().hex, weights=[0.5, 0.5], sources=[30, 30])
@@ -106,7 +106,7 @@ def test_a_filtered_mixture_sample_is_skipped_from_the_next_generation(server: S
 def test_what_filtering_refuses(address: str) -> None:
     s = DistributedSampler(6, num_replicas=1, rank=0, address=address, job=uuid.uuid4().hex, tail="uneven")
     dl = DataLoader(Indexed(Docs([3] * 6)), batch_size=None, sampler=s)
-    with pytest.raises(ValueError, match=r"on_filtered must be 'record' or 'skip' \(got on_filtered='drop'\)"):
+    with pytest.raises(ValueError, match=r"on_filtered must be one of \['record', 'skip'\] \(got on_filtered='drop'\)"):
         PackedLoader(dl, s, SEQ_LEN, on_filtered="drop")
     with pytest.raises(ValueError, match=r"on_filtered='skip' records filtered samples as skipped, a change of a "
                                          r"mixture: the sampler deals one dataset"):

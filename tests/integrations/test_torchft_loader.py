@@ -127,7 +127,7 @@ def test_committed_steps_are_recorded_once_per_step_with_their_quorum(server: Se
     assert spec.n == N and [r.run for r in record.runs] == ["fresh"]
     committed = {a.step: a for a in sim.attempts if any(a.commits.values())}
     for step, samples in enumerate(steps):
-        kept = record.kept(step)
+        kept = record.kept(step + 1)  # steps count from 1: the one after `step` committed
         assert kept is not None, f"step {step} was not recorded"
         _, c = kept
         assert (c.start, c.stop, c.quorum, c.participants) == (step * 12, step * 12 + 12, committed[step].quorum,
@@ -162,10 +162,10 @@ def test_a_restart_from_a_checkpoint_opens_a_run_and_abandons_the_steps_after_it
         lo.flush()
     assert again[5][0].run == "fresh>3"
     _, record = client.steps("ft")
-    kept = record.kept(3)
+    kept = record.kept(4)  # the step after the checkpoint of step 3
     assert kept is not None and kept[0].run == "fresh>3" and kept[1].participants == 1
-    assert [r.run for r, _ in record.abandoned(3)] == ["fresh"] and record.kept(4) is None
-    assert record.kept(2) is not None and record.kept(2)[0].run == "fresh"  # type: ignore[index]
+    assert [r.run for r, _ in record.abandoned(4)] == ["fresh"] and record.kept(5) is None
+    assert record.kept(3) is not None and record.kept(3)[0].run == "fresh"  # type: ignore[index]
     assert sorted(got[5]) == sorted(again[5][0]._indices(36, 48).tolist())
 
 
@@ -204,17 +204,18 @@ def test_the_coordinator_refuses_a_report_that_contradicts_the_record(client: Co
     from croupier.core.spec import Spec
 
     spec = Spec(n=N, seed=0, permutation="feistel", batch_size=12)
-    assert client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 2))
-    assert not client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 2))
-    with pytest.raises(E.FailedPrecondition, match=r"step 0 of run 'r' was recorded as \[0, 0, 12, 1, 2\]"):
-        client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 3))
+    assert client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 2))
+    assert not client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 2))
+    with pytest.raises(E.FailedPrecondition,
+                       match=r"step 1 of run 'r' was recorded as stream \[0, 12\) of quorum 1 with 2 participants"):
+        client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 3))
     with pytest.raises(E.FailedPrecondition, match="starts at 12, not 0"):
-        client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 2))
+        client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(2, 0, 12, 1, 2))
     with pytest.raises(E.FailedPrecondition, match="different spec"):
         client.commit_step("j", Spec(n=N + 1, seed=0, permutation="feistel", batch_size=12), "r", "", 0, "global", 12,
-                           CommittedStep(1, 12, 24, 1, 2))
+                           CommittedStep(2, 12, 24, 1, 2))
     with pytest.raises(E.InvalidArgument, match="mode must be one of"):
-        client.commit_step("j", spec, "r", "", 0, "both", 12, CommittedStep(1, 12, 24, 1, 2))
+        client.commit_step("j", spec, "r", "", 0, "both", 12, CommittedStep(2, 12, 24, 1, 2))
     _, record = client.steps("j")
     assert [c.to_list() for c in record.runs[0].steps] == [[0, 0, 12, 1, 2]]  # refused reports changed nothing
 
@@ -230,15 +231,15 @@ def test_a_step_committed_again_by_a_later_quorum_supersedes_the_lost_updates(cl
     from croupier.core.spec import Spec
 
     spec = Spec(n=N, seed=0, permutation="feistel", batch_size=12)
-    for c in (CommittedStep(0, 0, 12, 1, 2), CommittedStep(1, 12, 24, 1, 2), CommittedStep(2, 24, 36, 2, 1)):
+    for c in (CommittedStep(1, 0, 12, 1, 2), CommittedStep(2, 12, 24, 1, 2), CommittedStep(3, 24, 36, 2, 1)):
         assert client.commit_step("j", spec, "r", "", 0, "global", 12, c)
     # the group alone at steps 1-2 died; the survivor, behind at step 1, trains it again in quorum 3
-    assert client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(1, 12, 24, 3, 1))
-    assert not client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(2, 24, 36, 2, 1))  # stale
+    assert client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(2, 12, 24, 3, 1))
+    assert not client.commit_step("j", spec, "r", "", 0, "global", 12, CommittedStep(3, 24, 36, 2, 1))  # stale
     _, record = client.steps("j")
     assert [c.to_list() for c in record.runs[0].steps] == [[0, 0, 12, 1, 2], [1, 12, 24, 3, 1]]
-    assert record.kept(2) is None
-    assert [c.to_list() for _, c in record.abandoned(1)] == [[1, 12, 24, 1, 2]]
+    assert record.kept(3) is None
+    assert [c.to_list() for _, c in record.abandoned(2)] == [[1, 12, 24, 1, 2]]
 
 
 def test_the_plain_sampler_is_refused_under_torchft(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,7 +257,7 @@ def test_a_fault_tolerant_job_and_a_job_of_generations_do_not_share_a_name(serve
     from croupier.core.spec import Spec
 
     spec = Spec(n=N, seed=0, permutation="feistel", batch_size=12)
-    client.commit_step("ft-job", spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 1))
+    client.commit_step("ft-job", spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 1))
     sampler = DistributedSampler(N, num_replicas=1, rank=0, address=server.address, job="ft-job")
     with pytest.raises(E.FailedPrecondition, match="'ft-job' is a fault-tolerant job"):
         next(iter(sampler))
@@ -264,5 +265,5 @@ def test_a_fault_tolerant_job_and_a_job_of_generations_do_not_share_a_name(serve
     other = DistributedSampler(N, num_replicas=1, rank=0, address=server.address, job="gen-job")
     next(iter(other))
     with pytest.raises(E.FailedPrecondition, match="'gen-job' is dealt to ranks by generations"):
-        client.commit_step("gen-job", other.spec, "r", "", 0, "global", 12, CommittedStep(0, 0, 12, 1, 1))
+        client.commit_step("gen-job", other.spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 1))
     other.close()

@@ -272,7 +272,7 @@ class FtSteps(RuleBasedStateMachine):
         parent, resumed = self.runs[self.run]
         sent = self.pending[before:]
         want_sent = [Report(g, JOB, self.groups[g].loaders[0].spec, self.run, parent, resumed, self.mode, self.batch,
-                            CommittedStep(*rec.key[1])) for g in members if commits[g]]
+                            CommittedStep.from_list(rec.key[1])) for g in members if commits[g]]
         assert sent == want_sent, f"step {top}: the loaders reported {sent}, not {want_sent}"
         for g in members:
             if commits[g]:
@@ -418,7 +418,7 @@ class FtSteps(RuleBasedStateMachine):
         known = self.opened[-1] == self.run and chain <= set(self.opened)
         for t in range(1 + max([len(timeline) - 1, *(x[1][0] for x in self.arrived)])):
             want = self._kept(t)
-            got = record.kept(t)
+            got = record.kept(t + 1)  # the model counts the steps committed before a step; the record numbers from 1
             assert (got and (got[0].run, tuple(got[1].to_list()))) == (want or None), (
                 f"step {t}: the coordinator keeps {got and (got[0].run, got[1].to_list())}, the model {want}")
             if t < len(timeline) and timeline[t].key in self.arrived and known:
@@ -434,9 +434,24 @@ class FtSteps(RuleBasedStateMachine):
                     assert want == mine, f"step {t}: the model trained {mine}, the record keeps {want}"
                     self.stats["steps_kept_checked"] += 1
             versions = [x for x, when in self.arrived.items() if x[1][0] == t and x != want and not self._stale(x, when)]
-            abandoned = [(r.run, tuple(c.to_list())) for r, c in record.abandoned(t)]
+            abandoned = [(r.run, tuple(c.to_list())) for r, c in record.abandoned(t + 1)]
             assert sorted(abandoned) == sorted(versions), f"step {t}: abandoned {abandoned}, the model {versions}"
             self.stats["steps_abandoned_checked"] += bool(versions)
+        self._history_is_the_records(record, timeline)
+
+    def _history_is_the_records(self, record: Any, timeline: list[Rec]) -> None:
+        """The job's history (what croupier provenance answers, croupier.core.history) keeps the record's versions,
+        each with the samples the model's groups trained in it."""
+        led, _ = self.client.history(JOB)
+        trained = {rec.key: rec.samples for rec in timeline}
+        for t in range(1, led.last_step + 1):
+            kept, v = record.kept(t), led.step(t).kept
+            assert (kept and (kept[0].run, kept[1].quorum, (kept[1].start, kept[1].stop))) == (
+                v and (v.incarnation, v.quorum, v.span)), f"step {t}: the history keeps {v}, the record {kept}"
+            key = kept and (kept[0].run, tuple(kept[1].to_list()))
+            if v is not None and key in trained:
+                assert sorted(v.indices.tolist()) == sorted(trained[key]), f"step {t}: the history's samples"
+                self.stats["history_steps_checked"] += 1
 
     @invariant()
     def exactly_once_on_the_timeline(self) -> None:

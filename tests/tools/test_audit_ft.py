@@ -1,4 +1,5 @@
-"""`croupier audit` of a fault-tolerant (torchft) job from its ranks' logs (tools/audit_ft.py)."""
+"""`croupier audit` of a fault-tolerant (torchft) job from its ranks' logs (tools/audit_ft.py), read by the one reader of
+audit logs (tools/audit_log.py), the earlier format (``*.ftaudit``) included."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import random
 import pytest
 
 from croupier.integrations.torchft import StepLoader
-from croupier.tools.audit_ft import audit_ft, load_ft
+from croupier.tools.audit import ft_reports, verdict
+from croupier.tools.audit_ft import audit_ft
+from croupier.tools.audit_log import load
 from croupier.tools.cli import main as cli
 from tests._ft_sim import FakeManager, FtSim
 
@@ -57,8 +60,8 @@ def _run(logdir: pathlib.Path, seed: int, steps: int = 30) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_a_run_with_faults_is_audited_exactly_once(tmp_path: pathlib.Path, seed: int) -> None:
     _run(tmp_path, seed)
-    (records,) = load_ft(tmp_path).values()
-    a = audit_ft("ft", records)
+    (incs,) = load(tmp_path).values()
+    a = audit_ft("ft", incs)
     assert a.ok, a
     assert [s for _, s, _, _ in a.epochs[:-1]] == [N] * (len(a.epochs) - 1)
 
@@ -73,15 +76,15 @@ def test_dealing_by_attempts_instead_of_commits_fails_the_audit(tmp_path: pathli
 
     monkeypatch.setattr(FakeManager, "current_step", attempts)
     _run(tmp_path, 1)
-    (records,) = load_ft(tmp_path).values()
-    assert not audit_ft("ft", records).ok
+    (incs,) = load(tmp_path).values()
+    assert not audit_ft("ft", incs).ok
 
 
 def test_a_lost_log_is_named_not_guessed(tmp_path: pathlib.Path) -> None:
     _run(tmp_path, 2)
-    next(iter(sorted(tmp_path.glob("ft/*-r1-*.ftaudit")))).unlink()
-    (records,) = load_ft(tmp_path).values()
-    a = audit_ft("ft", records)
+    next(iter(sorted(tmp_path.glob("ft/*-r1-*.audit")))).unlink()
+    (incs,) = load(tmp_path).values()
+    a = audit_ft("ft", incs)
     assert not a.ok and a.incomplete
 
 
@@ -89,4 +92,23 @@ def test_the_command_audits_the_logs(tmp_path: pathlib.Path, capsys: pytest.Capt
     _run(tmp_path, 3)
     assert cli(["audit", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "job 'ft' (fault-tolerant)" in out and "OK: every sample once per epoch" in out
+    assert "ok: every index exactly once in the kept committed steps" in out and "G1 holds" in out
+
+
+FIXTURE = pathlib.Path(__file__).parent.parent / "fixtures" / "ftaudit-v1"
+
+
+def test_the_earlier_format_reads_into_the_same_model_and_audits_as_it_did() -> None:
+    """tests/fixtures/ftaudit-v1: the logs of the release before (``*.ftaudit``, steps numbered by the steps committed
+    before them) of run "fresh" (steps 1-6, an aborted attempt) and run "fresh>3" resumed at step 3 (steps 4-10)."""
+    (incs,) = load(FIXTURE).values()
+    assert [(i.name, i.resumed and (i.resumed["incarnation"], i.resumed["step"])) for i in incs] == [
+        ("fresh", None), ("fresh>3", ("fresh", 3))]
+    assert sorted({r["step"] for r in incs[0].steps}) == [1, 2, 3, 4, 5, 6]  # numbered from 1 as read
+    assert sorted({r["step"] for r in incs[1].steps}) == list(range(4, 11))
+    a = audit_ft("ft", incs)
+    # what the release before said of these logs: 10 steps kept, 3 abandoned, two epochs exactly once
+    assert (a.steps, a.abandoned, a.epochs, a.ok) == (10, 3, [(0, 20, 0, 0), (1, 20, 0, 0)], True)
+    assert verdict(ft_reports(a)) == (True, "2 finished epochs audited, 40 indices; G1 holds")
+    assert cli(["audit", str(FIXTURE)]) == 0
+
