@@ -81,15 +81,15 @@ def _setup() -> tuple[Coordinator, dict[str, Any]]:
         get_job = serving.servicer.GetJob
         planted_jobs = [0]
 
-        def planted(m: Any, who: Any) -> Any:
+        def planted(m: Any, who: Any, budget: Any) -> Any:
             planted_jobs[0] += 1
-            core.join(_join_request(f"planted-{planted_jobs[0]}", Spec(n=10), 0, world=1), 0.0)
-            return get_job(m, who)
+            core.join(_join_request(f"planted-{planted_jobs[0]}", Spec(n=10), 0, world=1))
+            return get_job(m, who, budget)
 
         serving.servicer.GetJob = planted  # type: ignore[method-assign]
     spec = Spec(n=1000, batch_size=10)
     for rank in range(2):  # a started job of two ranks, which most seeds below name
-        core.join(_join_request("fuzz", spec, rank), 0.0)
+        core.join(_join_request("fuzz", spec, rank))
     return core, handlers
 
 

@@ -61,7 +61,8 @@ class RankJoined:
 class GenerationStarted:
     """Every rank joined: the generation deals from `start` (its resume point, bound to its world), its
     trainer at `step` (None: not known), resumed from a checkpoint of generation `parent` (None: a fresh
-    start, or not named), with the step schedule `schedule` (None: the default)."""
+    start, or not named), with the step schedule `schedule` (None: the default), at `at_ms` (the
+    coordinator's clock, decided once; None in a record of format 7 or older: not known)."""
 
     job: str
     generation: int
@@ -69,6 +70,7 @@ class GenerationStarted:
     step: int | None = None
     parent: int | None = None
     schedule: tuple[int, ...] | None = None
+    at_ms: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,10 +190,11 @@ Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | Pro
 #: RankJoined and GenerationStarted, the items of CheckpointRecorded (records of older versions
 #: have none: the fields read as None), and each job's ``ledger`` and its generation's ``steps``
 #: in snapshots. Version 7 added the StepCommitted event (a fault-tolerant job's committed steps) and
-#: each job's ``steps`` in snapshots.
-FORMAT_VERSION = 7
+#: each job's ``steps`` in snapshots. Version 8 added the time of GenerationStarted (``at_ms``; an older
+#: record has none: it reads as None, and its segment's time as 0, not known).
+FORMAT_VERSION = 8
 #: Every format version this croupier reads.
-READS = (2, 3, 4, 5, 6, 7)
+READS = (2, 3, 4, 5, 6, 7, 8)
 
 
 class FormatError(ValueError):
@@ -375,8 +378,8 @@ SCHEMA: tuple[EventSchema, ...] = (
                                            ("step", OPT_INT), ("parent", OPT_INT), ("schedule", OPT_INTS)),
                 since={"step": 6, "parent": 6, "schedule": 6}),
     EventSchema("GenerationStarted", GenerationStarted, (_JOB, _GEN, ("start", CURSOR), ("step", OPT_INT),
-                                                         ("parent", OPT_INT), ("schedule", OPT_INTS)),
-                since={"step": 6, "parent": 6, "schedule": 6}),
+                                                         ("parent", OPT_INT), ("schedule", OPT_INTS), ("at_ms", OPT_INT)),
+                since={"step": 6, "parent": 6, "schedule": 6, "at_ms": 8}),
     EventSchema("ProgressReported", ProgressReported,
                 (_JOB, _GEN, _RANK, ("epoch", INT), ("batches", INT), ("at_ms", INT))),
     EventSchema("CheckpointRecorded", CheckpointRecorded,

@@ -59,7 +59,7 @@ class MemoryStore:
             self._check_open()
             return self._append(payloads)
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         """See :meth:`Store.append_at`."""
         expected_last = check_seq(expected_last, "expected_last")
         payloads = check_records(records)
@@ -68,7 +68,7 @@ class MemoryStore:
             check_expected_last(expected_last, self._last_seq, self.url)
             return self._append(payloads)
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         """See :meth:`Store.last_seq`."""
         with self._lock:
             self._check_open()
@@ -90,7 +90,7 @@ class MemoryStore:
             self._check_open()
             return Recovered(self._snapshot, self._snapshot_seq, list(self._records))
 
-    def read_since(self, seq: int) -> Recovered:
+    def read_since(self, seq: int, *, deadline: float | None = None) -> Recovered:
         """See :meth:`Store.read_since`: the records after ``seq``, or the whole store if the snapshot is past it."""
         seq = check_seq(seq)
         with self._lock:

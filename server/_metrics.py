@@ -88,7 +88,7 @@ class Metrics:
         self.refused.labels(bound).inc()
 
     def watch_admission(self, admission: Any) -> None:
-        """Reports `admission`'s calls in progress and waiting joins at each scrape (``croupier.server._aio.Admission``)."""
+        """Reports `admission`'s calls in progress and waiting joins at each scrape (``croupier.server._admission.Admission``)."""
         self.registry.register(_AdmissionCollector(admission))
 
     def start(self) -> None:

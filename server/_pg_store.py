@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -14,7 +15,6 @@ import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from croupier.core.checks import check_int, check_seconds, is_int
-from croupier.server import _deadline as deadline
 from croupier.server._pg_watch import JournalWatch
 from croupier.server._store import (
     Recovered,
@@ -280,16 +280,16 @@ class PostgresStore:
         return self._unavailable(doing, exc)
 
     @contextlib.contextmanager
-    def _connection(self, doing: str, hint: str = "") -> Iterator[Connection]:
+    def _connection(self, doing: str, hint: str = "", deadline: float | None = None) -> Iterator[Connection]:
         """A pooled connection; psycopg errors leave as :class:`StoreUnavailable` (or corrupt).
 
-        NOTE: the checkout waits at most ``timeout``, and no longer than what is left to the deadline
-        of the call this thread serves (``croupier.server._deadline``); a call past its deadline gets
-        no connection at all: its caller is gone.
+        NOTE: the checkout waits at most ``timeout``, and no longer than what is left to `deadline`, the
+        deadline of the call that asks (``time.monotonic()``; see ``croupier.server._store.Store``); a
+        call past its deadline gets no connection at all: its caller is gone.
         """
         if self._closed:
             raise StoreUnavailable(f"postgresql store {self.url} is closed")
-        left = deadline.remaining()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if left is not None and left <= 0:
             raise StoreUnavailable(f"postgresql store {self.url}: {doing}: the call's deadline passed: not asked")
         wait = self.timeout if left is None else min(self.timeout, left)
@@ -390,19 +390,19 @@ class PostgresStore:
         with self._connection("cannot read") as conn:
             return self._load(conn)
 
-    def read_since(self, seq: int) -> Recovered:
+    def read_since(self, seq: int, *, deadline: float | None = None) -> Recovered:
         """See :meth:`Store.read_since`: the records after ``seq`` while the journal still holds them."""
         seq = check_seq(seq)
-        with self._connection("cannot read") as conn:
+        with self._connection("cannot read", deadline=deadline) as conn:
             rows = conn.execute(_READ_SINCE, {"x": seq}, binary=True).fetchall()
         rec, last = self._recovered(rows, seq)
         if seq > last:
             raise ValueError(f"postgresql store {self.url}: seq must be in [0, {last}], the journal's last record (got {seq=})")
         return rec
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         """See :meth:`Store.last_seq`: one query."""
-        with self._connection("cannot read") as conn:
+        with self._connection("cannot read", deadline=deadline) as conn:
             row = conn.execute(f"SELECT {_LAST}").fetchone()
         return int(row[0]) if row is not None else 0
 
@@ -413,7 +413,7 @@ class PostgresStore:
         payloads = check_records(records)
         return self.append_at(self.last_seq(), payloads)
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         """See :meth:`Store.append_at`: one statement, one transaction, one commit."""
         expected_last = check_seq(expected_last, "expected_last")
         payloads = check_records(records)
@@ -425,7 +425,7 @@ class PostgresStore:
             "expected": expected_last,
         }
         unknown = " (the connection was lost with the commit in flight: the records may be durable; re-read the journal)"
-        with self._connection("cannot append", hint=unknown) as conn:
+        with self._connection("cannot append", hint=unknown, deadline=deadline) as conn:
             try:
                 row = conn.execute(_APPEND_AT, params).fetchone()
             except psycopg.errors.UniqueViolation:

@@ -299,7 +299,7 @@ class SqliteStore:
             self._check_open()
             return self._read()
 
-    def read_since(self, seq: int) -> Recovered:
+    def read_since(self, seq: int, *, deadline: float | None = None) -> Recovered:
         """See :meth:`Store.read_since`: the records after ``seq``, or the whole store if the snapshot is past it."""
         seq = check_seq(seq)
         with self._db:
@@ -331,7 +331,7 @@ class SqliteStore:
             self._check_writable()
             return self._append(payloads)
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         """See :meth:`Store.append_at`. The file has one writer, so the check is against what it wrote."""
         expected_last = check_seq(expected_last, "expected_last")
         payloads = check_records(records)
@@ -340,7 +340,7 @@ class SqliteStore:
             check_expected_last(expected_last, self._last_seq, self.url)
             return self._append(payloads)
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         """See :meth:`Store.last_seq`."""
         with self._db:
             self._check_open()

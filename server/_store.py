@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from croupier.core.checks import check_int
+from croupier.core.checks import check_int, check_type
 
 __all__ = [
     "SCHEMES",
@@ -153,6 +153,11 @@ class Store(Protocol):
       ``append_at`` with the last seq it has applied (``append`` numbers records after whatever
       the journal holds, which is only right for a caller that does not care what it follows).
 
+    The ``deadline`` of :meth:`append_at`, :meth:`last_seq` and :meth:`read_since` (``time.monotonic()``;
+    None: none) is the deadline of the call that asks (``croupier.server._deadline.Budget``), passed as a
+    value: a store that waits for a connection MUST wait no longer, and past it MUST ask nothing
+    (StoreUnavailable); a store with nothing to wait for (a single writer's) ignores it.
+
     Attributes:
         url: The URL the store was opened with, with any password replaced by ``***``: safe
             to log.
@@ -182,7 +187,7 @@ class Store(Protocol):
         """
         ...
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         """Durably appends records as ``expected_last + 1, ...``, only if the journal ends at ``expected_last``.
 
         One transaction: all of ``records`` or none. On a shared store the check and the
@@ -193,6 +198,7 @@ class Store(Protocol):
             expected_last: The seq the caller has applied up to: the journal's last seq as it
                 knows it (0 for an empty store).
             records: One or more opaque payloads, in the order they get sequence numbers.
+            deadline: When the call that asks stops waiting (see :class:`Store`).
 
         Returns:
             ``expected_last + len(records)``, the sequence number of the last of ``records``.
@@ -208,10 +214,11 @@ class Store(Protocol):
         """
         ...
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         """The last durable record's seq (the snapshot's, if it pruned them all); 0 for an empty store.
 
-        One cheap query on a shared store: what a replica compares with its own position.
+        One cheap query on a shared store: what a replica compares with its own position. `deadline`:
+        when the call that asks stops waiting (see :class:`Store`).
 
         Raises:
             StoreUnavailable: If the store could not be read, or is closed.
@@ -247,7 +254,7 @@ class Store(Protocol):
         """
         ...
 
-    def read_since(self, seq: int) -> Recovered:
+    def read_since(self, seq: int, *, deadline: float | None = None) -> Recovered:
         """What a reader that has applied every record up to ``seq`` needs to catch up, verified.
 
         If the records after ``seq`` are all still held, that is ``Recovered(None, seq,
@@ -257,6 +264,7 @@ class Store(Protocol):
 
         Args:
             seq: The last record the reader has applied (0 for none).
+            deadline: When the call that asks stops waiting (see :class:`Store`).
 
         Returns:
             The snapshot to start from (or ``None`` to keep the reader's state) and the records
@@ -451,8 +459,7 @@ def parse_url(url: str) -> tuple[str, str]:
         ValueError: If the URL has another scheme, or lacks a part its scheme needs; the message
             shows the URL without its password.
     """
-    if not isinstance(url, str):
-        raise TypeError(f"store URL must be a str (got {type(url).__name__})")
+    check_type("store URL", url, str)
     shown = repr(redact_url(url))
     scheme, sep, rest = url.partition("://")
     if sep and scheme == "memory":

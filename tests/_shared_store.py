@@ -33,12 +33,12 @@ class SharedStore:
         if self.j.down:
             raise StoreUnavailable(f"{self.url}: the database is down")
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         with self.j.lock:
             self._up()
             return len(self.j.records)
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         with self.j.lock:
             self._up()
             if expected_last != len(self.j.records):
@@ -53,7 +53,7 @@ class SharedStore:
             self.j.records.extend(records)
             return len(self.j.records)
 
-    def read_since(self, seq: int) -> Recovered:
+    def read_since(self, seq: int, *, deadline: float | None = None) -> Recovered:
         with self.j.lock:
             self._up()
             return Recovered(None, seq, [(i + 1, r) for i, r in enumerate(self.j.records) if i + 1 > seq])

@@ -15,6 +15,7 @@ from croupier.core.checkpoint import from_state, to_state
 from croupier.core.order import FixedPlan
 from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
+from croupier.server._decide import decide_join
 from croupier.server._state import State
 
 JOB = "job"
@@ -169,10 +170,10 @@ class Job:
         result = None
         for r in range(world):
             req = JoinRequest(JOB, self.spec, incarnation, world, r, resume=cursor, epoch=epoch_hint)
-            for ev in self.state.decide_join(req):
+            for ev in decide_join(self.state, req, 0):
                 self.state.apply(ev)
             # A repeated join changes nothing (idempotent).
-            assert self.state.decide_join(req) == []
+            assert decide_join(self.state, req, 0) == []
             result = self.state.join_result(JOB, r)
         assert result is not None and result.start is not None
         self.generation, self.world = result.generation, world

@@ -17,6 +17,7 @@ from croupier.core.cursor import Cursor
 from croupier.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from croupier.core.mixture import PARTS, parts_of
 from croupier.core.spec import Spec
+from croupier.server._decide import decide_amend, decide_join, decide_report
 from croupier.server._service import Server
 from croupier.server._state import State
 from croupier.tools.audit import audit, by_source, render_sources, verdict
@@ -156,14 +157,14 @@ def _started(spec: Spec = MIX, resume: Cursor | None = None, incarnation: str = 
              state: State | None = None, amendments: tuple[Amendment, ...] = ()) -> State:
     st = state or State()
     for r in range(world):
-        for ev in st.decide_join(JoinRequest("j", spec, incarnation, world, r, resume, amendments=amendments)):
+        for ev in decide_join(st, JoinRequest("j", spec, incarnation, world, r, resume, amendments=amendments), 0):
             st.apply(ev)
     return st
 
 
 def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_position() -> None:
     st = _started()
-    a, events = st.decide_amend("j", "skip", [3, 40])
+    a, events = decide_amend(st, "j", "skip", [3, 40])
     assert a.pairs == [(0, 3), (1, 10)] and a.at is None
     for ev in events:
         st.apply(ev)
@@ -172,7 +173,7 @@ def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_pos
     assert [x.at for x in st.jobs["j"].held] == [2 * 100 + 37]
     assert st.jobs["j"].dealing_spec.amendments == (Amendment("skip", (0, 3, 1, 10), 237),)
     # Resumed from an older checkpoint that holds none, every change holds from where it resumes.
-    _, events = st.decide_amend("j", "weights", parts_of([1, 3]))
+    _, events = decide_amend(st, "j", "weights", parts_of([1, 3]))
     for ev in events:
         st.apply(ev)
     _started(resume=Cursor(1, ((5, 100),)), incarnation="t3", state=st)
@@ -198,64 +199,64 @@ def test_an_amendment_waits_for_the_next_generation_and_holds_from_its_first_pos
 def test_a_bad_amendment_is_refused_by_name_and_changes_nothing(job: str, kind: str, values: list[int],
                                                                  error: type, words: str) -> None:
     st = _started()
-    for ev in st.decide_join(JoinRequest("plain", Spec(n=10), "p", 1, 0)):
+    for ev in decide_join(st, JoinRequest("plain", Spec(n=10), "p", 1, 0), 0):
         st.apply(ev)
     before = st.snapshot()
     with pytest.raises(error, match=words):
-        st.decide_amend(job, kind, values)
+        decide_amend(st, job, kind, values)
     assert st.snapshot() == before
 
 
 def test_a_lost_store_takes_a_checkpoints_amendments_back_and_ranks_must_agree_on_them() -> None:
     st = _started()
-    for ev in st.decide_amend("j", "skip", [2])[1]:  # recorded since the store was lost
+    for ev in decide_amend(st, "j", "skip", [2])[1]:  # recorded since the store was lost
         st.apply(ev)
     mine = (Amendment("skip", (0, 1), 50),)
     _started(resume=Cursor(0, ((60, 100),)), incarnation="t2", state=st, amendments=mine)
     assert st.jobs["j"].held == (*mine, Amendment("skip", (0, 2), 60))
     assert [a.values for a in st.jobs["j"].amendments] == [(0, 2), (0, 1)]
     other = (Amendment("skip", (0, 3), 50),)
-    for ev in st.decide_join(JoinRequest("j", MIX, "t3", 2, 0, Cursor(0, ((60, 100),)), amendments=mine)):
+    for ev in decide_join(st, JoinRequest("j", MIX, "t3", 2, 0, Cursor(0, ((60, 100),)), amendments=mine), 0):
         st.apply(ev)
     with pytest.raises(FailedPrecondition, match="every rank must load the same checkpoint"):
-        st.decide_join(JoinRequest("j", MIX, "t3", 2, 1, Cursor(0, ((60, 100),)), amendments=other))
+        decide_join(st, JoinRequest("j", MIX, "t3", 2, 1, Cursor(0, ((60, 100),)), amendments=other), 0)
 
 
 def test_a_grown_rank_spec_is_the_job_spec_and_other_sizes_are_refused() -> None:
     st = _started()
-    for ev in st.decide_amend("j", "grow", [1, 80])[1]:
+    for ev in decide_amend(st, "j", "grow", [1, 80])[1]:
         st.apply(ev)
     grown = Spec(n=110, sources=(30, 80), weights=MIX.weights)  # a ConcatDataset of the grown sources
-    for ev in st.decide_join(JoinRequest("j", grown, "t2", 1, 0)):
+    for ev in decide_join(st, JoinRequest("j", grown, "t2", 1, 0), 0):
         st.apply(ev)
     assert st.join_result("j", 0).spec == MIX and st.jobs["j"].spec == MIX
     with pytest.raises(FailedPrecondition, match="different spec"):
-        st.decide_join(JoinRequest("j", Spec(n=110, sources=(30, 81), weights=MIX.weights), "t3", 1, 0))
+        decide_join(st, JoinRequest("j", Spec(n=110, sources=(30, 81), weights=MIX.weights), "t3", 1, 0), 0)
 
 
 def test_a_skip_reads_indices_as_the_ranks_hand_them_out_whatever_grows_are_pending() -> None:
     st = _started()
-    for ev in st.decide_amend("j", "grow", [0, 40])[1]:  # pending: the ranks still deal sources of (30, 70)
+    for ev in decide_amend(st, "j", "grow", [0, 40])[1]:  # pending: the ranks still deal sources of (30, 70)
         st.apply(ev)
-    a, events = st.decide_amend("j", "skip", [35])
+    a, events = decide_amend(st, "j", "skip", [35])
     assert a.pairs == [(1, 5)]  # not (0, 35), which index 35 names once the grow holds
     for ev in events:
         st.apply(ev)
     _started(incarnation="t2", state=st)  # the next generation holds the grow: sources of (40, 70) now
-    assert st.decide_amend("j", "skip", [35])[0].pairs == [(0, 35)]
-    for ev in st.decide_join(JoinRequest("j", MIX, "t3", 2, 0)):  # a generation waiting for rank 1
+    assert decide_amend(st, "j", "skip", [35])[0].pairs == [(0, 35)]
+    for ev in decide_join(st, JoinRequest("j", MIX, "t3", 2, 0), 0):  # a generation waiting for rank 1
         st.apply(ev)
-    for ev in st.decide_amend("j", "grow", [1, 75])[1]:
+    for ev in decide_amend(st, "j", "grow", [1, 75])[1]:
         st.apply(ev)
     # It will hold every grow recorded from its start: its ranks hand out sources of (40, 75).
-    assert st.decide_amend("j", "skip", [114])[0].pairs == [(1, 74)]
+    assert decide_amend(st, "j", "skip", [114])[0].pairs == [(1, 74)]
 
 
 def test_a_join_settles_its_amendments_in_one_step_after_the_rank_is_in() -> None:
     """A lost store: the checkpoint's amendments are taken back, loaded and held, in that order, after the
     rank joined and the generation started."""
     ck = (Amendment("skip", (0, 1), 50),)
-    events = State().decide_join(JoinRequest("j", MIX, "t1", 1, 0, Cursor(0, ((60, 100),)), amendments=ck))
+    events = decide_join(State(), JoinRequest("j", MIX, "t1", 1, 0, Cursor(0, ((60, 100),)), amendments=ck), 0)
     kinds = [type(e).__name__ for e in events]
     assert kinds == ["JobRegistered", "GenerationOpened", "RankJoined", "GenerationStarted", "AmendmentRecorded",
                      "AmendmentsLoaded", "GenerationAmended"]
@@ -265,7 +266,7 @@ def test_the_hold_position_follows_the_resume_point() -> None:
     for start, at in [(None, 0), (Cursor(3, ((0, 100),)), 300), (Cursor(3, ((40, 100),)), 340),
                       (Cursor(3, ((10, 20), (40, 90))), 400)]:
         st = _started()
-        for ev in st.decide_amend("j", "weights", [PARTS // 2, PARTS // 2])[1]:
+        for ev in decide_amend(st, "j", "weights", [PARTS // 2, PARTS // 2])[1]:
             st.apply(ev)
         _started(resume=start, incarnation="t2", state=st)
         assert st.jobs["j"].held[0].at == at, start
@@ -314,12 +315,12 @@ def test_a_checkpoint_record_carries_the_amendments_its_generation_dealt_with() 
     from croupier.core.checkpoint import amendments_of, state_of_record
 
     st = _started()
-    for ev in st.decide_amend("j", "skip", [24])[1]:
+    for ev in decide_amend(st, "j", "skip", [24])[1]:
         st.apply(ev)
     _started(resume=Cursor(0, ((20, 100),)), incarnation="t2", state=st)  # holds the skip from position 20
     gen = st.jobs["j"].generation
     assert gen is not None
-    _, events = st.decide_report("j", gen.number, 0, 0, 4, 1, (7, Cursor(0, ((60, 100),)), "t2/0/40"))
+    _, events = decide_report(st, "j", gen.number, 0, 0, 4, 1, (7, Cursor(0, ((60, 100),)), "t2/0/40"))
     for ev in events:
         st.apply(ev)
     record = st.checkpoint("j", 7)
@@ -336,7 +337,7 @@ def test_the_same_weights_recorded_twice_are_two_changes() -> None:
     st = _started()
     for w, incarnation, start in [(a, "t2", Cursor(1, ((0, 100),))), (b, "t3", Cursor(2, ((0, 100),))),
                             (a, "t4", Cursor(3, ((0, 100),)))]:
-        for ev in st.decide_amend("j", "weights", w)[1]:
+        for ev in decide_amend(st, "j", "weights", w)[1]:
             st.apply(ev)
         assert [x.values for x in st.jobs["j"].pending] == [w]
         _started(resume=start, incarnation=incarnation, state=st, amendments=st.jobs["j"].held)  # a checkpoint of the last
@@ -348,10 +349,10 @@ def test_ranks_resuming_with_other_amendments_are_refused_whichever_joins_first(
     x = (Amendment("skip", (0, 3), 40),)
     for first, second in [(x, ()), ((), x)]:
         st = _started()
-        for ev in st.decide_join(JoinRequest("j", MIX, "t2", 2, 0, Cursor(0, ((60, 100),)), amendments=first)):
+        for ev in decide_join(st, JoinRequest("j", MIX, "t2", 2, 0, Cursor(0, ((60, 100),)), amendments=first), 0):
             st.apply(ev)
         with pytest.raises(FailedPrecondition, match="every rank must load the same checkpoint"):
-            st.decide_join(JoinRequest("j", MIX, "t2", 2, 1, Cursor(0, ((60, 100),)), amendments=second))
+            decide_join(st, JoinRequest("j", MIX, "t2", 2, 1, Cursor(0, ((60, 100),)), amendments=second), 0)
 
 
 def test_weights_for_another_number_of_sources_are_counted_before_they_become_parts() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from croupier.core.errors import FailedPrecondition
 from croupier.core.ledger import Ledger, Version
 
@@ -70,16 +72,12 @@ def _per_rank(v: Version) -> dict[int, tuple[int, ...]]:
 def check_step(ledger: Ledger, steps: Steps, t: int) -> str:
     """Checks the ledger's step `t` against the model; returns what was checked (for the statistics)."""
     if t <= steps.missing_to:
-        # NOTE: a known limit (docs/provenance.md): a checkpoint of a lost store names its generation by
-        # the lost store's number; when the new store reused that number for a generation that began at
-        # or before the step and recorded a checkpoint there, the ledger takes it as the parent and
-        # answers these steps from it. Only the refusal's message is checked here.
-        try:
+        # NOTE: a checkpoint of a lost store names its generation by the lost store's number; the new store
+        # numbers its generations apart from every earlier store's (croupier.server._decide.next_number), so
+        # no generation it holds is taken as that checkpoint's parent: these steps are answered "missing".
+        with pytest.raises(FailedPrecondition, match="missing|named no step"):
             ledger.step(t)
-        except FailedPrecondition as e:
-            assert "missing" in str(e) or "named no step" in str(e), str(e)
-            return "provenance_missing"
-        return "provenance_missing_answered"
+        return "provenance_missing"
     rec = ledger.step(t)
     name, batches = steps.timeline[t]
     assert rec.kept is not None, f"step {t}: the ledger keeps no version; the loop trained {name}'s"

@@ -18,7 +18,7 @@ from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
 from croupier.core.wire import SERVICE, spec_to_proto
 from croupier.server import Server, ServerOptions
-from croupier.server._aio import RETRY_AFTER_KEY
+from croupier.server._admission import RETRY_AFTER_KEY
 from croupier.v1 import coordinator_pb2 as pb
 
 SPEC = Spec(n=100, batch_size=4)
@@ -41,10 +41,10 @@ class _Blocked:
         servicer = server.service.servicer
         real = servicer.GetJob
 
-        def blocked(m: Any, who: Any) -> Any:
+        def blocked(m: Any, who: Any, budget: Any) -> Any:
             self.inside.release()
             assert self.go.wait(30)
-            return real(m, who)
+            return real(m, who, budget)
 
         servicer.GetJob = blocked  # type: ignore[method-assign]
 

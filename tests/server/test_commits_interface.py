@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODULES = ("server/_commits.py", "server/_coordinator.py")
+MODULES = ("server/_commits.py", "server/_shared_commits.py", "server/_coordinator.py")
 
 
 def reaches_in(source: str, name: str) -> list[str]:
@@ -45,3 +46,29 @@ def test_the_check_can_fail() -> None:
         "server/_commits.py:5: self.c._cond",
         "server/_commits.py:5: getattr(c, '_failed')",
     ]
+
+
+def lock_parameters(cls: type) -> list[str]:
+    """The parameters of `cls`'s constructor that take a lock (a Condition, Lock or RLock)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return [p.name for p in params if any(w in str(p.annotation) for w in ("Condition", "Lock"))]
+
+
+def test_the_protocols_share_no_lock_with_the_coordinator() -> None:
+    """Each protocol makes the lock that guards its state; the coordinator hands it none and makes none to share."""
+    from croupier.server._commits import WriterCommits
+    from croupier.server._shared_commits import SharedCommits
+
+    assert [(c.__name__, lock_parameters(c)) for c in (WriterCommits, SharedCommits)] == [
+        ("WriterCommits", []), ("SharedCommits", [])]
+    coordinator = (ROOT / "server/_coordinator.py").read_text()
+    assert "threading.Condition(" not in coordinator and "threading.RLock(" not in coordinator
+
+
+def test_the_lock_check_can_fail() -> None:
+    import threading
+
+    class Given:
+        def __init__(self, store: object, cond: threading.Condition) -> None: ...
+
+    assert lock_parameters(Given) == ["cond"]

@@ -65,8 +65,9 @@ def test_joins_queued_during_a_commit_share_the_next_append() -> None:
         for t in others:
             t.start()
         # Every other join is decided, applied and queued while the first commit is in flight.
-        with core._cond:
-            queued = core._cond.wait_for(lambda: len(core._commits._pending) == joins * EVENTS_PER_JOB, timeout=60)
+        lock = core._commits._cond  # type: ignore[attr-defined]  # the protocol's own lock, as its writer waits on it
+        with lock:
+            queued = lock.wait_for(lambda: len(core._commits._pending) == joins * EVENTS_PER_JOB, timeout=60)
         assert queued, f"only {len(core._commits._pending)} events queued"
     finally:
         store.release.set()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _joins import join_started
 from _ranks import Ranks, on_ranks
 
 from croupier.client import DistributedBatchSampler, DistributedSampler
@@ -13,6 +14,7 @@ from croupier.core.api import CHECKPOINT_HISTORY
 from croupier.core.errors import FailedPrecondition
 from croupier.core.order import Cursor
 from croupier.server._coordinator import Coordinator
+from croupier.server._decide import decide_join, decide_report
 from croupier.server._service import Server
 from croupier.server._state import State
 from croupier.server._stores import open_store
@@ -125,7 +127,7 @@ def _started(core: Coordinator, world: int = 2) -> int:
     from croupier.core.spec import Spec
 
     spec = Spec(n=N)
-    out = on_ranks(world, lambda r: core.join(JoinRequest("j", spec, "t", world, r), wait_s=10.0))
+    out = on_ranks(world, lambda r: join_started(core, JoinRequest("j", spec, "t", world, r), 10.0))
     return int(out[0].generation)
 
 
@@ -158,13 +160,13 @@ def test_a_new_generation_forgets_the_old_worlds_cursors() -> None:
 
     state, spec = State(), Spec(n=N)
     for r in range(2):
-        for ev in state.decide_join(JoinRequest("j", spec, "t1", 2, r)):
+        for ev in decide_join(state, JoinRequest("j", spec, "t1", 2, r), 0):
             state.apply(ev)
-    for ev in state.decide_report("j", 1, 0, 0, 3, 1, (3, Cursor(0, ((3, N),), 0), "t1/0/3"))[1]:
+    for ev in decide_report(state, "j", 1, 0, 0, 3, 1, (3, Cursor(0, ((3, N),), 0), "t1/0/3"))[1]:
         state.apply(ev)
     assert state.jobs["j"].progress == {0: (0, 3, 1)}
     restored = State.restore(state.snapshot())
     assert restored.snapshot() == state.snapshot() and restored.jobs["j"].checkpoints == state.jobs["j"].checkpoints
-    for ev in state.decide_join(JoinRequest("j", spec, "t2", 3, 0)):
+    for ev in decide_join(state, JoinRequest("j", spec, "t2", 3, 0), 0):
         state.apply(ev)
     assert state.jobs["j"].progress == {} and len(state.jobs["j"].checkpoints) == 1

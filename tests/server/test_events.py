@@ -64,9 +64,9 @@ GOLDEN: list[tuple[Event, dict[str, Any]]] = [
     (RankJoined("j", 1, 1, None, None),
      {"type": "RankJoined", **HEAD, "job": "j", "generation": 1, "rank": 1, "resume": None, "epoch": None,
       "step": None, "parent": None, "schedule": None}),
-    (GenerationStarted("j", 1, CURSOR, 40, 1, (64, 0, 0, 0)),
+    (GenerationStarted("j", 1, CURSOR, 40, 1, (64, 0, 0, 0), 1650),
      {"type": "GenerationStarted", **HEAD, "job": "j", "generation": 1, "start": C, "step": 40, "parent": 1,
-      "schedule": [64, 0, 0, 0]}),
+      "schedule": [64, 0, 0, 0], "at_ms": 1650}),
     (ProgressReported("j", 1, 0, 2, 3, 1700),
      {"type": "ProgressReported", **HEAD, "job": "j", "generation": 1, "rank": 0, "epoch": 2, "batches": 3,
       "at_ms": 1700}),
@@ -244,4 +244,13 @@ def test_a_schema_that_drifts_from_its_events_is_refused(schema: tuple[EventSche
 def test_a_version_5_record_reads_without_the_ledger_fields(record: dict[str, Any], ev: Event) -> None:
     assert decode_event({**record, "version": 5, "order": ORDER_VERSION}) == ev
     with pytest.raises(FormatError, match="missing"):  # the current version must have them
+        decode_event({**record, "version": FORMAT_VERSION, "order": ORDER_VERSION})
+
+
+def test_a_version_7_generation_start_reads_without_its_time() -> None:
+    """Format 8 added GenerationStarted's time: a record of format 7 reads with none (its segment's time is 0)."""
+    record = {"type": "GenerationStarted", "job": "j", "generation": 1, "start": C, "step": 40, "parent": 1,
+              "schedule": None}
+    assert decode_event({**record, "version": 7, "order": ORDER_VERSION}) == GenerationStarted("j", 1, CURSOR, 40, 1)
+    with pytest.raises(FormatError, match="missing"):
         decode_event({**record, "version": FORMAT_VERSION, "order": ORDER_VERSION})

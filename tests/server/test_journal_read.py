@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+from _joins import join_started
 from _ranks import on_ranks
 
 from croupier.core.api import JoinRequest
@@ -25,7 +26,7 @@ def _two_generations(url: str) -> None:
     try:
         spec = Spec(n=40)
         for incarnation, world in (("t1", 2), ("t2", 3)):
-            on_ranks(world, lambda r, t=incarnation, w=world: core.join(JoinRequest("j", spec, t, w, r), wait_s=10.0))
+            on_ranks(world, lambda r, t=incarnation, w=world: join_started(core, JoinRequest("j", spec, t, w, r), 10.0))
     finally:
         core.close()
 

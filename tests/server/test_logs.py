@@ -11,12 +11,13 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from _joins import join_started
 
 from croupier.client import CoordinatorClient
 from croupier.core.api import JoinRequest
 from croupier.core.spec import Spec
 from croupier.server import JsonFormatter, TextFormatter, configure_logging
-from croupier.tools._serve import ServeProcess
+from croupier.tools.serve import ServeProcess
 
 
 @pytest.fixture
@@ -96,7 +97,7 @@ def test_configure_logging_installs_the_format_on_the_root_logger() -> None:
         logging.getLogger("croupier.server").info("x", extra={"job": "j"})
         logging.getLogger("croupier.server").debug("below the level")
         assert [json.loads(line)["job"] for line in out.getvalue().splitlines()] == ["j"]
-        with pytest.raises(ValueError, match="got fmt='xml'"):
+        with pytest.raises(ValueError, match=r"log format must be one of \[.*\] \(got log format='xml'\)"):
             configure_logging("xml")
     finally:
         root.handlers[:], root.level = saved  # type: ignore[misc]
@@ -138,9 +139,9 @@ def test_a_join_is_logged_once_durable_and_the_wait_still_ends(caplog: pytest.Lo
         with caplog.at_level(logging.INFO, logger="croupier.server"):
             assert core.join(JoinRequest("w", spec, "t", 2, 0)).start is None
             out: list[object] = []  # rank 0 again (a retried call): waits for the generation to start
-            t = threading.Thread(target=lambda: out.append(core.join(JoinRequest("w", spec, "t", 2, 0), wait_s=10)))
+            t = threading.Thread(target=lambda: out.append(join_started(core, JoinRequest("w", spec, "t", 2, 0), 10)))
             t.start()
-            assert core.join(JoinRequest("w", spec, "t", 2, 1), wait_s=10).start is not None
+            assert join_started(core, JoinRequest("w", spec, "t", 2, 1), 10).start is not None
             t.join(timeout=20)
         assert out and out[0].start is not None  # type: ignore[attr-defined]
         got = [(r.getMessage().split(":")[0], getattr(r, "generation", None), getattr(r, "rank", None))

@@ -243,7 +243,7 @@ def test_a_large_world_has_job_level_series_only(tmp_path: pathlib.Path) -> None
     world = PER_RANK_MAX_WORLD + 1
     with Server("memory://", options=ServerOptions(metrics_port=0)) as server:
         for r in range(world):
-            server.core.join(JoinRequest("big", SPEC, "t1", world, r), 0.0)
+            server.core.join(JoinRequest("big", SPEC, "t1", world, r))
         (gen,) = {server.core.job("big").result.generation}
         for r in range(world):
             server.core.report("big", gen, r, 0, r % 3)

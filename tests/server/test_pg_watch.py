@@ -15,7 +15,7 @@ from croupier.core.api import JoinRequest
 from croupier.core.errors import Aborted
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
-from croupier.server._deadline import WouldWait
+from croupier.server._deadline import Budget, WouldWait
 from croupier.server._pg_store import PostgresStore
 from croupier.server._pg_watch import APPLICATION, JournalWatch
 
@@ -24,15 +24,18 @@ pytest_plugins = ["_postgres"]
 
 SPEC = Spec(n=4096, batch_size=4)
 
+#: The budget of a grant answered on the event loop.
+AT_ONCE = Budget(at_once=True)
+
 
 class Counting(PostgresStore):
     """A PostgreSQL store that counts the journal-end queries its replica makes."""
 
     asked = 0
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         self.asked += 1
-        return super().last_seq()
+        return super().last_seq(deadline=deadline)
 
 
 def _replica(url: str, staleness_s: float) -> tuple[Coordinator, Counting]:
@@ -100,11 +103,11 @@ def test_a_grant_answered_at_once_asks_the_database_nothing_or_waits_for_a_threa
         a.grant("j", gen, 0, 0, 0, 1)  # starts the watch
         _until(lambda: store.known_last(0.5) is not None, 10.0)
         before = store.asked
-        g = a.grant("j", gen, 1, 0, 0, 2, progress=(0, 1), at_once=True)
+        g = a.grant("j", gen, 1, 0, 0, 2, progress=(0, 1), budget=AT_ONCE)
         assert g.batches == 2 and store.asked == before
         before0, state = store0.asked, unwatched.snapshot_state()
         with pytest.raises(WouldWait):
-            unwatched.grant("j", gen, 0, 0, 1, 1, progress=(0, 1), at_once=True)
+            unwatched.grant("j", gen, 0, 0, 1, 1, progress=(0, 1), budget=AT_ONCE)
         assert store0.asked == before0 and unwatched.snapshot_state() == state
         assert unwatched.grant("j", gen, 0, 0, 1, 1, progress=(0, 1)).batches == 1  # on a thread: it reads the journal
         assert store0.asked > before0

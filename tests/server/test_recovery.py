@@ -20,6 +20,7 @@ from croupier.core.errors import Aborted
 from croupier.core.order import Cursor, fixed_plan, fresh
 from croupier.core.spec import Spec
 from croupier.server._coordinator import Coordinator
+from croupier.server._decide import decide_join
 from croupier.server._events import (
     FORMAT_VERSION,
     FormatError,
@@ -41,7 +42,7 @@ SPEC = Spec(n=50, seed=2, batch_size=5)
 
 def _events() -> list[dict[str, Any]]:
     """The encoded events of a first join to a world of 2: JobRegistered, GenerationOpened, RankJoined."""
-    return [encode_event(ev) for ev in State().decide_join(JoinRequest("j", SPEC, "t", 2, 0))]
+    return [encode_event(ev) for ev in decide_join(State(), JoinRequest("j", SPEC, "t", 2, 0), 0)]
 
 
 def _rank_1() -> dict[str, Any]:
@@ -130,7 +131,7 @@ BAD_RECORDS: dict[str, tuple[bytes, str]] = {
     ),
     "newer format version": (
         _packed({**_rank_1(), "version": FORMAT_VERSION + 1}),
-        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\); a newer croupier wrote it",
+        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\); a newer croupier wrote it",
     ),
     "no format version": (_packed(_without(_rank_1(), "version")), r"the event has no format version"),
     "missing field": (_packed(_without(_rank_1(), "rank")), r"missing \['rank'\], unknown \[\]"),
@@ -163,7 +164,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     "not msgpack": (b"\xc1\xc1\xc1", r"its 3 bytes are not msgpack"),
     "newer format version": (
         _packed({"version": FORMAT_VERSION + 1, "order": 2, "jobs": [], "quotas": {}}),
-        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\)",
+        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\)",
     ),
     "no format version": (_packed({"jobs": []}), r"the snapshot has no format version"),
     "unknown field": (_packed({"version": 2, "order": 2, "jobs": [], "quotas": {}}), r"unknown \['quotas'\]"),
@@ -173,7 +174,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     ),
     "croupier 0.1's snapshot": (
         _packed({"version": 1, "jobs": []}),
-        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\)",
+        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\)",
     ),
     "mistyped job": (
         _packed({"version": 2, "order": 2, "jobs": [{"name": 7, "spec": {}, "generation": None, "tokens": []}]}),
@@ -201,7 +202,7 @@ def test_a_good_snapshot_and_the_records_after_it_are_recovered(tmp_path: Path) 
     """The stores above differ from a readable one only in the bad payload."""
     path = tmp_path / "journal.db"
     state = State()
-    for ev in State().decide_join(JoinRequest("j", SPEC, "t", 2, 0)):
+    for ev in decide_join(State(), JoinRequest("j", SPEC, "t", 2, 0), 0):
         state.apply(ev)
     store = open_store(f"sqlite:///{path}")
     store.append([_packed(e) for e in _events()])
@@ -217,7 +218,7 @@ def test_a_good_snapshot_and_the_records_after_it_are_recovered(tmp_path: Path) 
 
 def test_an_unreadable_record_in_a_memory_store_names_it(tmp_path: Path) -> None:
     store = open_store("memory://")
-    store.append([pack_event(State().decide_join(JoinRequest("j", SPEC, "t", 1, 0))[0]), b"\xc1"])
+    store.append([pack_event(decide_join(State(), JoinRequest("j", SPEC, "t", 1, 0), 0)[0]), b"\xc1"])
     with pytest.raises(StoreCorrupt, match=r"store memory:// is corrupt: journal record 2 cannot be read"):
         Coordinator(store)
 
@@ -249,7 +250,7 @@ def _mutated(ev: Any, **changes: Any) -> dict[str, Any]:
     ("d", "why"),
     [
         (_mutated(EVENTS[1], version=True), r"event format version must be an int \(got event format version=True\)"),
-        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7\)$"),
+        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\)$"),
         (_without(encode_event(EVENTS[1]), "type"), r"unknown event type None"),
         (_mutated(EVENTS[1], type=["RankJoined"]), r"unknown event type \['RankJoined'\]"),
         (_mutated(EVENTS[1], job=7), r"GenerationOpened.job must be a str \(got GenerationOpened.job=7\)"),

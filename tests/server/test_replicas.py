@@ -8,6 +8,7 @@ ones run ``croupier serve`` processes on a real PostgreSQL server.
 from __future__ import annotations
 
 import pytest
+from _joins import join_started
 from _ranks import on_ranks
 from _shared_store import Journal, SharedStore
 
@@ -28,7 +29,7 @@ def _replicas(journal: Journal, k: int) -> list[Coordinator]:
 def test_ranks_joining_through_different_replicas_start_one_generation() -> None:
     journal = Journal()
     reps = _replicas(journal, 3)
-    out = on_ranks(3, lambda r: reps[r].join(JoinRequest("j", SPEC, "t1", 3, r), wait_s=10.0))
+    out = on_ranks(3, lambda r: join_started(reps[r], JoinRequest("j", SPEC, "t1", 3, r), 10.0))
     assert {(x.generation, x.start) for x in out} == {(1, out[0].start)} and out[0].start is not None
     for c in reps:
         c.close()
@@ -37,9 +38,9 @@ def test_ranks_joining_through_different_replicas_start_one_generation() -> None
 def test_a_generation_replaced_through_one_replica_is_fenced_by_every_other() -> None:
     journal = Journal()
     a, b, c = _replicas(journal, 3)
-    on_ranks(2, lambda r: a.join(JoinRequest("j", SPEC, "t1", 2, r), wait_s=10.0))
+    on_ranks(2, lambda r: join_started(a, JoinRequest("j", SPEC, "t1", 2, r), 10.0))
     assert c.grant("j", 1, 0, 0, 0, 4).batches == 4
-    b.join(JoinRequest("j", SPEC, "t2", 1, 0), wait_s=10.0)  # a new incarnation, through b
+    join_started(b, JoinRequest("j", SPEC, "t2", 1, 0), 10.0)  # a new incarnation, through b
     for replica in (a, c):
         with pytest.raises(Aborted, match="replaced by generation 2"):
             replica.grant("j", 1, 0, 0, 0, 4)
@@ -51,7 +52,7 @@ def test_concurrent_joins_of_new_generations_never_accept_two_at_once() -> None:
     """Every replica races to open its own generation: each journaled generation follows the last."""
     journal = Journal()
     reps = _replicas(journal, 4)
-    out = on_ranks(4, lambda r: reps[r].join(JoinRequest("j", SPEC, f"t{r}", 1, 0), wait_s=0.0))
+    out = on_ranks(4, lambda r: reps[r].join(JoinRequest("j", SPEC, f"t{r}", 1, 0)))
     assert sorted(x.generation for x in out) == [1, 2, 3, 4]
     fresh = Coordinator(SharedStore(journal, "reader"))  # type: ignore[arg-type]
     assert fresh.job("j").result.generation == 4
@@ -66,15 +67,15 @@ def test_a_replica_that_loses_the_database_stops_acknowledging_and_recovers() ->
 
     journal = Journal()
     a, b = _replicas(journal, 2)
-    a.join(JoinRequest("j", SPEC, "t1", 1, 0), wait_s=1.0)
+    join_started(a, JoinRequest("j", SPEC, "t1", 1, 0), 1.0)
     journal.down = True
     with pytest.raises(Unavailable, match="unavailable"):
-        b.join(JoinRequest("j", SPEC, "t2", 1, 0), wait_s=0.0)
+        b.join(JoinRequest("j", SPEC, "t2", 1, 0))
     with pytest.raises(Unavailable):
         a.grant("j", 1, 0, 0, 0, 4)
     journal.down = False
     assert a.grant("j", 1, 0, 0, 0, 4).batches == 4
-    assert b.join(JoinRequest("j", SPEC, "t2", 1, 0), wait_s=1.0).generation == 2
+    assert join_started(b, JoinRequest("j", SPEC, "t2", 1, 0), 1.0).generation == 2
     a.close()
     b.close()
 
@@ -102,7 +103,7 @@ def test_progress_reported_to_one_replica_reaches_the_others() -> None:
     grant); a replica that closes writes what it holds first."""
     journal = Journal()
     a, b = _replicas(journal, 2)
-    on_ranks(2, lambda r: a.join(JoinRequest("j", SPEC, "t1", 2, r), wait_s=10.0))
+    on_ranks(2, lambda r: join_started(a, JoinRequest("j", SPEC, "t1", 2, r), 10.0))
     appends = a.store.appends  # type: ignore[attr-defined]
     for first in range(0, 40, 4):
         a.grant("j", 1, 0, 0, first, 4, progress=(0, first))

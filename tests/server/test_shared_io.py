@@ -15,8 +15,8 @@ from _shared_store import Journal, SharedStore
 from croupier.core.api import JoinRequest
 from croupier.core.errors import Unavailable
 from croupier.core.spec import Spec
-from croupier.server import _deadline as deadline
 from croupier.server._coordinator import Coordinator
+from croupier.server._deadline import Budget
 from croupier.server._pg_store import PostgresStore
 from croupier.server._store import Recovered, StoreUnavailable
 
@@ -44,19 +44,19 @@ class HeldStore(SharedStore):
         with self.j.lock:
             return len(self.j.records)
 
-    def last_seq(self) -> int:
+    def last_seq(self, *, deadline: float | None = None) -> int:
         self._trip()
-        return super().last_seq()
+        return super().last_seq(deadline=deadline)
 
-    def read_since(self, seq: int) -> Recovered:
+    def read_since(self, seq: int, *, deadline: float | None = None) -> Recovered:
         self._trip()
-        return super().read_since(seq)
+        return super().read_since(seq, deadline=deadline)
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         self._trip()
         self.appending.set()
         assert self.go.wait(60.0), "the append was never let go"
-        return super().append_at(expected_last, records)
+        return super().append_at(expected_last, records, deadline=deadline)
 
 
 @contextlib.contextmanager
@@ -118,15 +118,14 @@ def test_a_call_whose_deadline_passes_while_another_appends_never_reaches_the_st
     Fails with the coordinator's lock held across the append: they wait for it whatever their deadline.
     """
 
-    def late(call: Callable[[], Any]) -> Callable[[], Any]:
-        def within() -> Any:
-            with deadline.until(time.monotonic() + 0.3):
-                return call()
-        return within
+    def late(call: Callable[[Budget], Any]) -> Callable[[], Any]:
+        return lambda: call(Budget(time.monotonic() + 0.3))
 
     with _append_held(staleness_s=0.0) as (core, store, gen):
-        for name, call in [("late-join", lambda: core.join(JoinRequest("third", SPEC, "t1", 1, 0))),
-                           ("late-grant", lambda: core.grant("j", gen, 0, 0, 0, 4))]:
+        calls: list[tuple[str, Callable[[Budget], Any]]] = [
+            ("late-join", lambda b: core.join(JoinRequest("third", SPEC, "t1", 1, 0), b)),
+            ("late-grant", lambda b: core.grant("j", gen, 0, 0, 0, 4, budget=b))]
+        for name, call in calls:
             t0 = time.monotonic()
             out = _in_thread(name, late(call), 5.0)
             assert isinstance(out, Unavailable) and "deadline passed" in str(out), out
@@ -142,17 +141,17 @@ def test_a_call_whose_caller_is_gone_never_reaches_the_store() -> None:
     try:
         gen = core.join(JoinRequest("j", SPEC, "t1", 1, 0)).generation
         before, state = len(store.callers), core.snapshot_state()
+        gone = Budget(time.monotonic() - 1.0)
         calls: list[Callable[[], Any]] = [
-            lambda: core.join(JoinRequest("j", SPEC, "t2", 1, 0)),
-            lambda: core.grant("j", gen, 0, 0, 0, 4),
-            lambda: core.report("j", gen, 0, 0, 3),
-            lambda: core.job("j"),
-            core.poll,
+            lambda: core.join(JoinRequest("j", SPEC, "t2", 1, 0), gone),
+            lambda: core.grant("j", gen, 0, 0, 0, 4, budget=gone),
+            lambda: core.report("j", gen, 0, 0, 3, budget=gone),
+            lambda: core.job("j", gone),
+            lambda: core.poll(gone),
         ]
-        with deadline.until(time.monotonic() - 1.0):
-            for call in calls:
-                with pytest.raises(Unavailable, match="deadline passed"):
-                    call()
+        for call in calls:
+            with pytest.raises(Unavailable, match="deadline passed"):
+                call()
         assert len(store.callers) == before and core.snapshot_state() == state
         assert core.job("j").result.generation == gen
     finally:
@@ -166,11 +165,11 @@ def test_a_postgres_checkout_waits_no_longer_than_the_calls_deadline(postgres_ur
     busy = [store._pool.getconn() for _ in range(store._pool.max_size)]
     try:
         t0 = time.monotonic()
-        with deadline.until(t0 + 0.3), pytest.raises(StoreUnavailable, match="left to the call's deadline"):
-            store.last_seq()
+        with pytest.raises(StoreUnavailable, match="left to the call's deadline"):
+            store.last_seq(deadline=t0 + 0.3)
         assert time.monotonic() - t0 < 1.5
-        with deadline.until(time.monotonic() - 1.0), pytest.raises(StoreUnavailable, match="deadline passed"):
-            store.last_seq()
+        with pytest.raises(StoreUnavailable, match="deadline passed"):
+            store.last_seq(deadline=time.monotonic() - 1.0)
     finally:
         for conn in busy:
             store._pool.putconn(conn)
@@ -183,10 +182,10 @@ class HeldPostgres(PostgresStore):
     go = threading.Event()
     appending = threading.Event()
 
-    def append_at(self, expected_last: int, records: Sequence[bytes]) -> int:
+    def append_at(self, expected_last: int, records: Sequence[bytes], *, deadline: float | None = None) -> int:
         self.appending.set()
         assert self.go.wait(60.0), "the append was never let go"
-        return super().append_at(expected_last, records)
+        return super().append_at(expected_last, records, deadline=deadline)
 
 
 def test_a_replica_on_postgres_grants_while_its_append_is_held(postgres_url: str) -> None:

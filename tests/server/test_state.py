@@ -17,6 +17,7 @@ from croupier.core.errors import (
 )
 from croupier.core.order import Cursor, fresh
 from croupier.core.spec import ORDER_VERSION, Spec
+from croupier.server._decide import decide_join
 from croupier.server._events import decode_event, encode_event
 from croupier.server._state import State
 
@@ -24,7 +25,7 @@ SPEC = Spec(n=100, seed=1, batch_size=4)
 
 
 def commit(s: State, req: JoinRequest) -> list:
-    evs = s.decide_join(req)
+    evs = decide_join(s, req, 0)
     for ev in evs:
         s.apply(decode_event(msgpack.unpackb(msgpack.packb(encode_event(ev)))))
     return evs
@@ -61,7 +62,7 @@ def test_bad_join_is_refused_and_changes_nothing(kwargs: dict, words: str) -> No
     base = dict(job="j", spec=SPEC, incarnation="b", world=2, rank=0)
     base.update(kwargs)
     with pytest.raises(InvalidArgument, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-        s.decide_join(JoinRequest(**base))
+        decide_join(s, JoinRequest(**base), 0)
     assert frozen(s) == before
 
 
@@ -69,7 +70,7 @@ def test_other_spec_is_refused_showing_both() -> None:
     s = started()
     other = Spec(n=100, seed=2, batch_size=4)
     with pytest.raises(FailedPrecondition) as e:
-        s.decide_join(JoinRequest("j", other, "a", 2, 0))
+        decide_join(s, JoinRequest("j", other, "a", 2, 0), 0)
     assert "seed=1" in str(e.value) and "seed=2" in str(e.value)
 
 
@@ -77,7 +78,7 @@ def test_world_mismatch_in_a_generation() -> None:
     s = State()
     commit(s, JoinRequest("j", SPEC, "a", 2, 0))
     with pytest.raises(FailedPrecondition, match="world size 2"):
-        s.decide_join(JoinRequest("j", SPEC, "a", 3, 1))
+        decide_join(s, JoinRequest("j", SPEC, "a", 3, 1), 0)
 
 
 def test_generation_waits_for_every_rank() -> None:
@@ -94,7 +95,7 @@ def test_generation_waits_for_every_rank() -> None:
 
 def test_join_is_idempotent_and_serving_is_deterministic() -> None:
     s = started()
-    assert s.decide_join(JoinRequest("j", SPEC, "a", 2, 1)) == []
+    assert decide_join(s, JoinRequest("j", SPEC, "a", 2, 1), 0) == []
     a = serve(s, 1, 1, 0, 3, job="j")
     b = serve(s, 1, 1, 0, 3, job="j")
     assert a is not None and b is not None and a.tolist() == b.tolist()
@@ -107,7 +108,7 @@ def test_fencing_old_generation() -> None:
     with pytest.raises(Aborted, match="replaced by generation 2"):
         serve(s, 1, 0, 0, 0, job="j")
     with pytest.raises(Aborted, match="older generation"):
-        s.decide_join(JoinRequest("j", SPEC, "a", 2, 1))
+        decide_join(s, JoinRequest("j", SPEC, "a", 2, 1), 0)
     with pytest.raises(NotFound):
         serve(s, 7, 0, 0, 0, job="j")
     with pytest.raises(NotFound, match="not known"):
@@ -121,7 +122,7 @@ def test_ranks_must_resume_from_the_same_checkpoint() -> None:
     commit(s, JoinRequest("j", SPEC, "a", 3, 2, None))  # a scale-up rank: no state
     before = frozen(s)
     with pytest.raises(FailedPrecondition, match="same checkpoint"):
-        s.decide_join(JoinRequest("j", SPEC, "a", 3, 1, Cursor(0, ((44, 100),))))
+        decide_join(s, JoinRequest("j", SPEC, "a", 3, 1, Cursor(0, ((44, 100),))), 0)
     assert frozen(s) == before
     commit(s, JoinRequest("j", SPEC, "a", 3, 1, Cursor(0, ((40, 100),))))
     assert s.join_result("j", 2).start == Cursor(0, ((40, 100),))
@@ -150,7 +151,7 @@ def test_set_epoch_must_agree_with_the_checkpoint() -> None:
     s = State()
     commit(s, JoinRequest("j", SPEC, "a", 2, 0, mid, 3))
     with pytest.raises(FailedPrecondition, match=r"set_epoch\(7\)"):
-        s.decide_join(JoinRequest("j", SPEC, "a", 2, 1, None, 7))
+        decide_join(s, JoinRequest("j", SPEC, "a", 2, 1, None, 7), 0)
     commit(s, JoinRequest("j", SPEC, "a", 2, 1, None, 3))
     # A finished epoch: the checkpoint is epoch 4's fresh start; set_epoch(3) gets no batches.
     s2 = started(resume=fresh(SPEC, 4), epoch=3)
@@ -169,7 +170,7 @@ def test_a_rank_whose_own_resume_point_contradicts_its_own_set_epoch_is_refused(
     for s in (State(), started(incarnation="old")):
         before = frozen(s)
         with pytest.raises(FailedPrecondition, match=rf"contradicts its own set_epoch\({epoch}\)"):
-            s.decide_join(JoinRequest("j", SPEC, "new", 2, 0, resume, epoch))
+            decide_join(s, JoinRequest("j", SPEC, "new", 2, 0, resume, epoch), 0)
         assert frozen(s) == before
 
 
@@ -178,7 +179,7 @@ def test_snapshot_and_journal_rebuild_the_same_state() -> None:
     journal = []
     for tok, world in (("a", 2), ("b", 3), ("c", 1)):
         for r in range(world):
-            for ev in s.decide_join(JoinRequest("j", SPEC, tok, world, r, Cursor(1, ((10, 100),)) if tok == "c" else None)):
+            for ev in decide_join(s, JoinRequest("j", SPEC, tok, world, r, Cursor(1, ((10, 100),)) if tok == "c" else None), 0):
                 journal.append(msgpack.packb(encode_event(ev)))
                 s.apply(ev)
         if tok == "a":
