@@ -362,6 +362,4 @@ def local_world_size() -> int:
     got = _env_int("LOCAL_WORLD_SIZE")
     if got is None:
         return 1
-    if got[1] < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE must be at least 1 (got LOCAL_WORLD_SIZE={got[1]})")
-    return got[1]
+    return check_int("LOCAL_WORLD_SIZE", got[1], 1)

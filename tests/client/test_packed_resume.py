@@ -207,7 +207,7 @@ def test_the_packed_loader_checks_what_it_is_given(address: str) -> None:
     other = DistributedSampler(10, num_replicas=1, rank=0, address=address, job=uuid.uuid4().hex)
     with pytest.raises(ValueError, match=r"the loader's sampler \(DistributedSampler\) is not the sampler given"):
         PackedLoader(dl, other, 8)
-    with pytest.raises(ValueError, match=r"long must be one of \('split', 'truncate'\) \(got long='drop'\)"):
+    with pytest.raises(ValueError, match=r"long must be one of \['split', 'truncate'\] \(got long='drop'\)"):
         PackedLoader(dl, s, 8, long="drop")
     with pytest.raises(ValueError, match=r"rows must be >= 1"):
         PackedLoader(dl, s, 8, rows=0)

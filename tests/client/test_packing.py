@@ -126,9 +126,9 @@ def test_a_new_world_shares_the_waiting_pieces_out_once() -> None:
     ([1], TypeError, r"must be a dict \(got list\)"),
     ({"version": 1}, ValueError, r"has the keys \['epoch', 'sampler', 'skip', 'version', 'waiting'\] \(got \['version'\]\)"),
     ({"version": 9, "epoch": 0, "sampler": {}, "waiting": [], "skip": []}, ValueError, r"version 9 is not one this release reads"),
-    ({"version": 1, "epoch": -1, "sampler": {}, "waiting": [], "skip": []}, ValueError, r"epoch must be an int >= 0 \(got -1\)"),
+    ({"version": 1, "epoch": -1, "sampler": {}, "waiting": [], "skip": []}, ValueError, r"epoch must be >= 0 \(got the packed state's epoch=-1\)"),
     ({"version": 1, "epoch": 0, "sampler": 3, "waiting": [], "skip": []}, ValueError, r"sampler must be a sampler's state dict \(got 3\)"),
-    ({"version": 1, "epoch": 0, "sampler": {}, "waiting": [[1, 0, 0]], "skip": []}, ValueError, r"length >= 1\] \(got \[1, 0, 0\]\)"),
+    ({"version": 1, "epoch": 0, "sampler": {}, "waiting": [[1, 0, 0]], "skip": []}, ValueError, r"a waiting piece's length must be >= 1 \(got a waiting piece's length=0\)"),
     ({"version": 1, "epoch": 0, "sampler": {}, "waiting": [], "skip": [-1]}, ValueError, r"indices >= 0 \(got \[-1\]\)"),
 ])
 def test_malformed_packed_states_are_refused(state: object, error: type[Exception], match: str) -> None:

@@ -215,7 +215,7 @@ def test_mixtures_yield_the_golden_orders_and_seeds() -> None:
 def test_a_changed_mixture_key_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     from croupier.core import mixture, stream
 
-    monkeypatch.setattr(mixture, "_SOURCE_TAG", mixture._SOURCE_TAG + 1)  # one source permutation key derivation
+    monkeypatch.setattr(mixture, "SOURCE_TAG", mixture.SOURCE_TAG + 1)  # one source permutation key derivation
     stream.stream.cache_clear()
     try:
         assert any("index" in line for line in mixture_mismatches(MIXTURES))
