@@ -125,7 +125,10 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
             then a shard-local order (docs/orders.md): the shards in a keyed order, cut into
             windows of `shard_window` shards whose samples are shuffled together, and each
             reader group of `reader_group` ranks reads its own windows, `lanes` at a time, so a
-            shard is fetched by one node an epoch. Needs ``shuffle=True``.
+            shard is fetched by one node an epoch. With the batch sampler's ``dealing="dynamic"``
+            the coordinator hands each reader group whole windows, then rows; with `max_tokens`
+            the batches are token budgets over that order, and every node reads every shard once
+            an epoch (docs/orders.md states the trade). Needs ``shuffle=True``.
         shard_window: Shards per window (default 32): more mixes more shards into a batch.
         lanes: Windows a reader group reads at once (default 16): about ``lanes x
             shard_window`` shards live in a node's cache.

@@ -91,7 +91,7 @@ def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | N
         raise ValueError("shard_sizes= asks for a shard order, which shuffles: leave shuffle=True, or drop shard_sizes= "
                          "to read in the stored order")
     if permutation is None:
-        permutation = kind_for(dealing, max_tokens, bool(sharded)).permutation(shuffle, lengths is not None)
+        permutation = kind_for(dealing, max_tokens, bool(sharded)).permutation(shuffle, lengths is not None, bool(sharded))
     # NOTE: a seed beside shuffle=False does nothing but is not warned about: torch's sampler takes
     # both quietly, and loaders built as DistributedSampler(ds, shuffle=is_train, seed=seed) are common.
     if buffer_size is not None and permutation not in ("window", "bucket"):

@@ -17,6 +17,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 #: Runs of global batches (first, count) that the coordinator dealt to a rank, in the rank's order.
@@ -29,13 +30,19 @@ KEEP_EPOCHS = 2
 
 @dataclasses.dataclass
 class EpochDeals:
-    """What one epoch of one generation dealt: the next global batch, and each rank's sequence."""
+    """What one epoch of one generation dealt: how many global batches, and each rank's sequence."""
 
+    #: how many global batches were dealt; for a dealer that deals them in order (``answer``), the next one
     next: int = 0
     #: rank -> its sequence as runs (first global batch, count), in dealt order
     runs: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     #: rank -> batches of its sequence it committed (``own`` checkpoints)
     committed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # NOTE: derived from `runs`, not state of its own (not journaled, not in snapshots): made at the first
+    # :meth:`dealt_runs` and kept by :meth:`deal`, so a dealer that deals out of order finds what is dealt
+    # in O(log) rather than reading every run of every rank at each deal.
+    _firsts: list[int] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _dealt: list[tuple[int, int]] = dataclasses.field(default_factory=list, init=False, repr=False, compare=False)
 
     def dealt(self, rank: int) -> int:
         """How many batches `rank` was dealt in this epoch."""
@@ -68,26 +75,66 @@ class EpochDeals:
         Raises:
             ValueError: `first` is past the end of the rank's sequence (it skips batches).
         """
-        have = self.dealt(rank)
-        if first < have:
-            return tuple(self.sequence(rank, first, count)), False
-        if first > have:
-            raise ValueError(f"rank {rank} asks from batch {first} of its sequence, but was dealt {have} batches")
+        again = self.repeated(rank, first, count)
+        if again is not None:
+            return again, False
         n = min(count, batches - self.next)
         return ((self.next, n),) if n > 0 else (), n > 0
 
+    def repeated(self, rank: int, first: int, count: int) -> Runs | None:
+        """What a rank asking again for batches of its sequence it was dealt gets (the same ones), or None
+        for an ask from the end of its sequence (a new deal).
+
+        Raises:
+            ValueError: `first` is past the end of the rank's sequence (it skips batches).
+        """
+        have = self.dealt(rank)
+        if first > have:
+            raise ValueError(f"rank {rank} asks from batch {first} of its sequence, but was dealt {have} batches")
+        return tuple(self.sequence(rank, first, count)) if first < have else None
+
     def ended(self, batches: int, runs: Runs, new: bool) -> bool:
-        """Whether a rank answered `runs` (`new`: just dealt) has nothing after them, in an epoch of `batches`."""
-        return not runs or (new and runs[-1][0] + runs[-1][1] >= batches)
+        """Whether a rank answered `runs` (`new`: just dealt, not recorded yet) has nothing after them, in an
+        epoch of `batches`: every batch is dealt once they are."""
+        return not runs or (new and self.next + sum(c for _, c in runs) >= batches)
 
     def deal(self, rank: int, first: int, count: int) -> None:
         """Records a deal of global batches first .. first + count - 1 to `rank` (a ``BatchesDealt`` event)."""
+        if self._firsts is not None:
+            self._join(first, first + count)
         runs = self.runs.setdefault(rank, [])
         if runs and runs[-1][0] + runs[-1][1] == first:
             runs[-1] = (runs[-1][0], runs[-1][1] + count)
         else:
             runs.append((first, count))
-        self.next = max(self.next, first + count)
+        # NOTE: a count, not the end of the latest run: a dealer may deal out of order (a shard order's
+        # dealer hands each reader group whole windows), and "every batch dealt" is next == batches.
+        self.next += count
+
+    def dealt_runs(self) -> list[tuple[int, int]]:
+        """Every global batch dealt, to any rank, as sorted disjoint runs [first, end), adjacent ones joined
+        (as many as the stretches not dealt between them). Read-only: :meth:`deal` keeps it."""
+        if self._firsts is None:
+            self._firsts, self._dealt = [], []
+            for a, e in sorted((g, g + c) for runs in self.runs.values() for g, c in runs):
+                self._join(a, e)
+        return self._dealt
+
+    def _join(self, a: int, e: int) -> None:
+        """Adds [a, e) to the dealt runs, joined to the neighbours it touches."""
+        assert self._firsts is not None
+        firsts, runs = self._firsts, self._dealt
+        i = bisect.bisect_right(firsts, a)
+        if i > 0 and runs[i - 1][1] >= a:
+            i -= 1
+            a = runs[i][0]
+            e = max(e, runs[i][1])
+            del firsts[i], runs[i]
+        while i < len(runs) and runs[i][0] <= e:
+            e = max(e, runs[i][1])
+            del firsts[i], runs[i]
+        firsts.insert(i, a)
+        runs.insert(i, (a, e))
 
     def commit(self, rank: int, batches: int) -> None:
         """Records that `rank` committed the first `batches` batches of its sequence (a ``BatchesCommitted`` event)."""

@@ -156,7 +156,7 @@ class FixedPlan(ComputedPlan):
     cum: np.ndarray  # (k + 1,) cumulative lengths of cursor.remaining
     starts: np.ndarray  # (k,) interval starts
     #: Lays the virtual positions out over the ranks in place of the spec's partition (a shard order's
-    #: reader groups, ``croupier.core.shards.ShardLayout``); None: the partition's stripes or blocks.
+    #: reader groups, ``croupier.core.shard_layout.ShardLayout``); None: the partition's stripes or blocks.
     layout: Layout | None = None
 
     def virtual(self, rank: int, local: np.ndarray) -> np.ndarray:

@@ -24,7 +24,8 @@ from croupier.core.dynamic import dynamic_plan
 from croupier.core.errors import FailedPrecondition
 from croupier.core.order import fixed_plan
 from croupier.core.plan import Dealer, EpochPlan
-from croupier.core.shards import shard_layout
+from croupier.core.shard_deals import shard_deals
+from croupier.core.shard_layout import shard_layout
 from croupier.core.spec import Spec
 from croupier.core.tokens import token_plan
 
@@ -37,7 +38,8 @@ class PlanKind:
 
     Attributes:
         name: The kind's name (in docs, logs and the audit log); a spec's ``dealing`` names it,
-            except ``"static"``, which is ``"fixed"``, or ``"tokens"`` with ``max_tokens``.
+            except ``"static"``, which is ``"fixed"``, ``"tokens"`` with ``max_tokens`` or ``"shards"`` with
+            ``shards``, and ``"dynamic"`` with ``shards``, which is ``"shards-dynamic"``.
         make: Builds the plan of a cursor's remainder for a world; MUST be pure (and may cache).
         coordinator_deals: The plans' ``coordinator_deals`` (the coordinator decides each batch,
             asking the plan's ``dealer``).
@@ -60,10 +62,13 @@ class PlanKind:
         # A sampler keeps its kind and is pickled into DataLoader workers: a kind travels by name.
         return kind_named, (self.name,)
 
-    def permutation(self, shuffle: bool, lengths: bool) -> str:
-        """The default permutation of a sampler that names none (``lengths``: it was given lengths)."""
+    def permutation(self, shuffle: bool, lengths: bool, shards: bool = False) -> str:
+        """The default permutation of a sampler that names none (``lengths``: it was given lengths;
+        ``shards``: shard sizes, whose order every kind takes)."""
         if not shuffle:
             return "none"
+        if shards:
+            return "shards"
         if self.shuffled_by is not None:
             return self.shuffled_by
         # NOTE: a fixed or dynamic plan given lengths buckets by them (d9d's length bucketing);
@@ -123,8 +128,10 @@ TOKENS = PlanKind("tokens", functools.lru_cache(maxsize=64)(token_plan), False, 
 DYNAMIC = PlanKind("dynamic", functools.lru_cache(maxsize=256)(dynamic_plan), True, True, 1024, 2)
 SHARDS = PlanKind("shards", functools.lru_cache(maxsize=256)(functools.partial(fixed_plan, layout=shard_layout)),
                   False, True, 65536, 256, shuffled_by="shards")
+SHARD_DEALS = PlanKind("shards-dynamic", functools.lru_cache(maxsize=256)(shard_deals), True, True, 1024, 2,
+                       shuffled_by="shards")
 #: Every way of dealing, by name.
-KINDS: dict[str, PlanKind] = {k.name: k for k in (FIXED, TOKENS, DYNAMIC, SHARDS)}
+KINDS: dict[str, PlanKind] = {k.name: k for k in (FIXED, TOKENS, DYNAMIC, SHARDS, SHARD_DEALS)}
 
 
 def kind_named(name: str) -> PlanKind:
@@ -143,8 +150,9 @@ def kind_for(dealing: str, max_tokens: int | None = None, shards: bool = False) 
     """
     check_choice("dealing", dealing, _spec.DEALINGS)
     if dealing == "static":
+        # NOTE: token budgets over a shard order are the token plan's, over the shard order's positions
         return TOKENS if max_tokens is not None else SHARDS if shards else FIXED
-    return KINDS[dealing]
+    return SHARD_DEALS if dealing == "dynamic" and shards else KINDS[dealing]
 
 
 def kind_of(spec: Spec) -> PlanKind:

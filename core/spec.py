@@ -359,13 +359,12 @@ def _validate_shards(s: Spec) -> None:
                              "does not grow")
     if s.permutation != "shards":
         raise ValueError(f"shards= is read by permutation='shards' (got permutation={s.permutation!r})")
-    if (s.max_tokens is not None or s.lengths is not None or s.dealing != "static"
-            or s.scope != "global" or s.partition != "strided"):
+    if (s.lengths is not None and s.max_tokens is None) or s.scope != "global" or s.partition != "strided":
         raise ValueError(
-            "a shard order deals fixed batches statically over the whole epoch: it takes no max_tokens, lengths or "
-            "dynamic dealing, and needs scope='global', partition='strided' (its reader groups are its partition) "
+            "a shard order shuffles the whole epoch over its reader groups: it takes lengths only as token counts "
+            "(with max_tokens=), and needs scope='global', partition='strided' (its reader groups are its partition) "
             f"(got max_tokens={s.max_tokens}, lengths={'set' if s.lengths is not None else None}, "
-            f"dealing={s.dealing!r}, scope={s.scope!r}, partition={s.partition!r})")
+            f"scope={s.scope!r}, partition={s.partition!r})")
 
 
 def _validate_mixture(s: Spec) -> None:

@@ -26,7 +26,7 @@ from tests._budget import examples
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: Every way of dealing the contract runs on: the registered ones and the toy kind defined in a test
 #: (tests/_reverse_kind.py), registered for this module's tests.
-NAMES = ["dynamic", "fixed", "reverse", "shards", "tokens"]
+NAMES = ["dynamic", "fixed", "reverse", "shards", "shards-dynamic", "tokens"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -41,11 +41,12 @@ def _spec(kind: str, n: int, batch: int, seed: int) -> Spec:
         return Spec(n=n, seed=seed, batch_size=batch, tail="uneven")
     if kind == "tokens":
         return Spec.with_lengths(lengths, seed=seed, max_tokens=120, tail="uneven", token_window=64)
-    if kind == "shards":  # shards of 1 to 13 samples, windows of 3, reader groups of 2
+    if kind.startswith("shards"):  # shards of 1 to 13 samples, windows of 3, reader groups of 2
         sizes = [1 + (i * 7 + seed) % 13 for i in range(n)]
         cut = np.searchsorted(np.cumsum(sizes), n)
         sizes = sizes[:cut] + [n - sum(sizes[:cut])] if n - sum(sizes[:cut]) else sizes[:cut]
-        return Spec.with_shards(sizes, seed=seed, batch_size=batch, tail="uneven", shard_window=3, lanes=4, reader_group=2)
+        return Spec.with_shards(sizes, seed=seed, batch_size=batch, tail="uneven", shard_window=3, lanes=4, reader_group=2,
+                                dealing="dynamic" if kind == "shards-dynamic" else "static")
     return Spec(n=n, seed=seed, batch_size=batch, tail="uneven", dealing=kind)
 
 
@@ -55,10 +56,11 @@ def _grant(p: EpochPlan, rank: int, first: int, count: int, book: EpochDeals) ->
     if d is None:
         return p.grant(rank, first, count)
     runs, new = d.deal(book, rank, first, count)
+    end = book.ended(d.batches, runs, new)  # decided before the deal is recorded, as the coordinator does
     if new:
         for g, c in runs:
             book.deal(rank, g, c)
-    return p.grant(rank, first, count, (runs, book.ended(d.batches, runs, new)))
+    return p.grant(rank, first, count, (runs, end))
 
 
 def _lease_all(p: EpochPlan, rank: int, count: int, book: EpochDeals) -> list[int]:

@@ -20,7 +20,7 @@ SOURCES = ("core", "server", "client", "tools", "integrations")
 #: order engine, the deal book and the plan interface), the spec that validates its settings, the wire
 #: that carries them.
 WAYS_OF_DEALING = {"core/registry.py", "core/plan.py", "core/deals.py", "core/order.py", "core/tokens.py",
-                   "core/dynamic.py", "core/spec.py", "core/wire.py"}
+                   "core/dynamic.py", "core/shard_deals.py", "core/spec.py", "core/wire.py"}
 #: The settings and plan attributes that tell the ways of dealing apart.
 KIND_ATTRIBUTES = {"dealing", "max_tokens", "coordinator_deals", "fixed_batches", "dealer"}
 #: The plan and kind attributes that say which way a plan is dealt: read (tested, or passed on to be tested
@@ -32,7 +32,7 @@ KIND_PREDICATES = {"is_fixed", "fixed_plan_epoch"}
 KIND_NAMES = {"FIXED", "TOKENS", "DYNAMIC"}
 KIND_STRINGS = {"static", "dynamic", "fixed", "tokens"}
 #: The plan modules of particular kinds.
-PLAN_MODULES = {"croupier.core.dynamic", "croupier.core.tokens"}
+PLAN_MODULES = {"croupier.core.dynamic", "croupier.core.shard_deals", "croupier.core.tokens"}
 #: What a probe of a plan would ask for.
 PLAN_MEMBERS = {"known_steps", "steps", "advance", "lease", "lease_positions", "grant", "nb_r", "share", "dealer",
                 "coordinator_deals", "fixed_batches", "global_plan", "batches", "deal", "checkpoint", "samples",
@@ -229,4 +229,4 @@ def test_a_name_taken_is_refused() -> None:
         with pytest.raises(ValueError, match="registered already"):
             with registered(PlanKind(name, REVERSE.make, True, True, 1, 1)):
                 pass
-    assert sorted(KINDS) == ["dynamic", "fixed", "shards", "tokens"]
+    assert sorted(KINDS) == ["dynamic", "fixed", "shards", "shards-dynamic", "tokens"]

@@ -10,7 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from croupier.core.cursor import Cursor, fresh
+from croupier.core.deals import EpochDeals
+from croupier.core.dynamic import DynamicPlan
 from croupier.core.registry import kind_of, plan_epoch
+from croupier.core.shard_deals import ShardDeals, units
 from croupier.core.shards import order_positions, shard_of
 from croupier.core.spec import Spec
 
@@ -210,6 +213,8 @@ def test_a_mixture_of_sharded_sources_deals_each_source_epoch_once(shards: list[
     for epoch in range(3):
         cursor = fresh(spec, epoch)
         for k, world in enumerate(worlds):
+            if cursor.epoch > epoch:  # an earlier generation took the epoch's last step
+                break
             plan = plan_epoch(spec, cursor, world, epoch)
             assert plan is not None
             last = k == len(worlds) - 1
@@ -259,3 +264,234 @@ def test_each_sharded_source_is_read_shard_by_shard_in_a_shuffled_order() -> Non
         runs = 1 + int(np.count_nonzero(np.diff(shard)))
         assert runs == len(shards[s]), "each shard read whole before the next"
         assert not np.array_equal(mine, np.sort(mine)), "the stored order: the source's order was not used"
+
+
+# ---------------------------------------------------------------------- token budgets over a shard order
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(sizes=st.lists(st.integers(1, 25), min_size=1, max_size=20), window=st.integers(1, 4), budget=st.integers(3, 20),
+       token_window=st.integers(1, 40), tail=st.sampled_from(["uneven", "drop", "pad"]), seed=st.integers(0, 2**20),
+       history=st.lists(st.tuples(st.integers(1, 7), st.floats(0, 1), st.integers(-1, 2)), min_size=1, max_size=4),
+       data=st.data())
+def test_token_budgets_over_a_shard_order_are_exact_across_resizes_and_rollbacks(
+        sizes: list[int], window: int, budget: int, token_window: int, tail: str, seed: int,
+        history: list[tuple[int, float, int]], data: st.DataObject) -> None:
+    """Token-budget batches over a shard order: generations of any world take any number of steps, each
+    checkpointing; a rollback resumes an older checkpoint. What is kept is each index once (``uneven``), at
+    most once (``drop``), at least once (``pad``). Fails with the token plan's advance one round ahead (tried)."""
+    n = sum(sizes)
+    lengths = np.array(data.draw(st.lists(st.integers(1, budget), min_size=n, max_size=n)), dtype=np.int64)
+    spec = Spec.with_lengths(lengths, shards=np.array(sizes, dtype="<i8").tobytes(), permutation="shards",
+                             shard_window=window, max_tokens=budget, token_window=token_window, tail=tail, seed=seed)
+    assert kind_of(spec).name == "tokens"
+    checkpoints: list[tuple[Cursor, int]] = [(fresh(spec, 0), 0)]
+    kept: list[np.ndarray] = []
+    for world, frac, back in history:
+        if back >= 0 and len(checkpoints) > 1:  # a rollback to an older checkpoint of this timeline
+            del checkpoints[max(1, len(checkpoints) - back):]
+            del kept[checkpoints[-1][1]:]
+        plan = plan_epoch(spec, checkpoints[-1][0], world, 0)
+        assert plan is not None
+        j = int(frac * max(plan.steps(r) for r in range(world)))
+        for r in range(world):
+            idx, got = plan.lease(r, 0, j)
+            assert all(int(lengths[b].sum()) <= budget for b in np.split(idx, np.cumsum(got)[:-1])), "over budget"
+            kept.append(idx)
+        nxt = plan.advance(j)
+        checkpoints.append((nxt, len(kept)))
+        if nxt.epoch == 1:
+            break
+    else:  # the last generation trains the epoch out
+        plan = plan_epoch(spec, checkpoints[-1][0], history[-1][0], 0)
+        assert plan is not None
+        kept += [plan.lease(r, 0, plan.steps(r))[0] for r in range(history[-1][0])]
+    counts = np.bincount(np.concatenate(kept), minlength=n)
+    if tail == "uneven":
+        assert (counts == 1).all()
+    elif tail == "drop":
+        assert counts.max(initial=0) <= 1
+    else:
+        assert counts.min() >= 1
+
+
+def _lru_fetches(reads: list[list[np.ndarray]], size: int, cache: int) -> int:
+    """Shards fetched by groups each reading its ranks' batches step by step (`reads[g][step]`: the group's
+    indices at that step) through an LRU cache of `cache` shards of `size` samples a group."""
+    fetched = 0
+    for steps in reads:
+        held: dict[int, None] = {}
+        for idx in steps:
+            for s in (idx // size).tolist():
+                if s in held:
+                    held.pop(s)
+                else:
+                    fetched += 1
+                    if len(held) >= cache:
+                        held.pop(next(iter(held)))
+                held[s] = None
+    return fetched
+
+
+def test_token_budgets_read_each_shard_once_a_group_window_by_window() -> None:
+    """The trade of token budgets over a shard order (docs/orders.md): every rank draws from the token
+    window being dealt, so each of the G groups reads every shard, but window after window: with a cache
+    of two windows of shards a group, G x S fetches and no more. A global permutation with the same token
+    budgets fetches many times that (the same assertion fails on it)."""
+    groups, group, window, size = 4, 2, 4, 20
+    lengths = (np.arange(S * size) * 7919) % 30 + 1
+    fetch = {}
+    for permutation in ("shards", "feistel"):
+        extra = dict(shards=np.full(S, size, dtype="<i8").tobytes(), shard_window=window,
+                     reader_group=group) if permutation == "shards" else {}
+        spec = Spec.with_lengths(lengths, permutation=permutation, max_tokens=200, token_window=window * size,
+                                 tail="uneven", seed=7, **extra)  # type: ignore[arg-type]
+        plan = plan_epoch(spec, fresh(spec, 0), groups * group, 0)
+        assert plan is not None
+        steps = max(plan.steps(r) for r in range(groups * group))
+        batches = []  # (ranks, steps): each rank's batches
+        for r in range(groups * group):
+            idx, got = plan.lease(r, 0, steps)
+            batches.append(np.split(idx, np.cumsum(got)[:-1]) + [idx[:0]] * (steps - len(got)))
+        reads = [[np.concatenate([batches[r][j] for r in range(g * group, (g + 1) * group)]) for j in range(steps)]
+                 for g in range(groups)]
+        fetch[permutation] = _lru_fetches(reads, size, 2 * window)
+    assert fetch["shards"] <= groups * S, fetch
+    assert fetch["feistel"] > 4 * groups * S, fetch
+
+
+# ---------------------------------------------------------------------- dynamic dealing of a shard order
+
+
+def _ask(plan: object, book: EpochDeals, rank: int, count: int) -> np.ndarray:
+    """What `rank` gets asking the coordinator for `count` more batches (the deal recorded in `book`)."""
+    runs, new = plan.deal(book, rank, book.dealt(rank), count)  # type: ignore[attr-defined]
+    if new:
+        for g, c in runs:
+            book.deal(rank, g, c)
+    return plan.lease(rank, 0, 0, plan.grant(rank, 0, 0, (runs, False)))[0]  # type: ignore[attr-defined,no-any-return]
+
+
+@settings(max_examples=examples(80), deadline=None)
+@given(sizes=st.lists(st.integers(1, 25), min_size=1, max_size=25), batch=st.integers(1, 4), group=st.integers(1, 4),
+       window=st.integers(1, 4), seed=st.integers(0, 2**20),
+       history=st.lists(st.tuples(st.integers(1, 9), st.lists(st.tuples(st.integers(0, 8), st.integers(0, 4)),
+                                                               max_size=30), st.integers(0, 12), st.integers(-1, 2)),
+                        min_size=1, max_size=4))
+def test_dynamic_dealing_of_a_shard_order_is_exact_across_resizes_and_rollbacks(
+        sizes: list[int], batch: int, group: int, window: int, seed: int,
+        history: list[tuple[int, list[tuple[int, int]], int, int]]) -> None:
+    """Generations of any world whose ranks ask in any order for any count; a lockstep checkpoint credits
+    each rank up to a step; a rollback resumes an older checkpoint; the last generation deals the epoch out.
+    What is kept is each index once, and no global batch is dealt twice. Fails when a deal takes a unit's
+    front without checking it is undealt (tried: batches dealt twice)."""
+    spec = _spec(sizes, batch_size=batch, reader_group=group, shard_window=window, dealing="dynamic", tail="uneven",
+                 seed=seed)
+    assert kind_of(spec).name == "shards-dynamic"
+    checkpoints: list[tuple[Cursor, int]] = [(fresh(spec, 0), 0)]
+    kept: list[np.ndarray] = []
+    for k, (world, asks, step, back) in enumerate(history):
+        if back >= 0 and len(checkpoints) > 1:
+            del checkpoints[max(1, len(checkpoints) - back):]
+            del kept[checkpoints[-1][1]:]
+        plan = plan_epoch(spec, checkpoints[-1][0], world, 0)
+        assert plan is not None and plan.dealer is not None
+        book = EpochDeals()
+        last = k == len(history) - 1
+        for rank, count in asks + ([(r, 3) for r in range(world)] * plan.dealer.batches if last else []):
+            if rank < world:
+                _ask(plan, book, rank, count)
+        dealt = [x for runs in book.runs.values() for g, c in runs for x in range(g, g + c)]
+        assert len(dealt) == len(set(dealt)) == book.next, "a global batch dealt twice"
+        credited = {r: book.dealt(r) for r in book.runs} if last else book.credits(0, step, True)
+        for r, c in credited.items():
+            kept.append(plan.lease(r, 0, 0, plan.grant(r, 0, 0, (tuple(book.sequence(r, 0, c)), False)))[0])
+        cursor = plan.dealer.checkpoint(book, credited)
+        checkpoints.append((cursor, len(kept)))
+        if cursor.epoch == 1:
+            break
+    counts = np.bincount(np.concatenate(kept), minlength=spec.n) if kept else np.zeros(spec.n, dtype=np.int64)
+    assert counts.max(initial=0) <= 1, "an index twice"
+    if checkpoints[-1][0].epoch == 1:
+        assert (counts == 1).all(), "an index missing"
+
+
+def _dealt_reads(spec: Spec, cursor: Cursor, world: int, upto: float | None, speeds: list[int],
+                 plain: bool = False) -> tuple[dict[int, set[int]], Cursor, list[int], int, int]:
+    """Ranks of `speeds[r]` asks a round each (a fast rank asks more) deal until `upto` of the global batches
+    are dealt (None: all). Returns the shards (of SIZE samples) each group read, the checkpoint of everything
+    dealt, the batches each rank got, the bound on the fetches beyond one a shard that G14 states for this
+    generation, and the windows taken from another group's range in it (both of the shard dealer's deals:
+    `plain` deals with the dynamic plan of every order)."""
+    plan = ShardDeals(spec, cursor, world)
+    dealer = DynamicPlan(spec, cursor, world) if plain else plan
+    book, reads = EpochDeals(), {}
+    stop = plan.batches if upto is None else int(upto * plan.batches)
+    while book.next < stop:
+        for r in range(world):
+            for _ in range(speeds[r % len(speeds)]):
+                if book.next < stop:
+                    reads.setdefault(r // spec.reader_group, set()).update((_ask(dealer, book, r, 2) // SIZE).tolist())
+    cuts, holder = units(spec, cursor), {}
+    for r, runs in book.runs.items():
+        holder.update({x: r for g, c in runs for x in range(g, g + c)})
+    groups = -(-world // spec.reader_group)
+    edges = np.searchsorted(cuts, [plan.batches * min(g * spec.reader_group, world) // world for g in range(groups + 1)],
+                            side="right") - 1
+    away = 0  # windows a group took from another's range
+    for u in range(cuts.size - 1):
+        if int(cuts[u]) in holder:
+            g = holder[int(cuts[u])] // spec.reader_group
+            away += not edges[g] <= u < edges[g + 1]
+    bound = (groups + 2 * away) * min(spec.batch_size, spec.shard_window) + groups * (groups - 1) * spec.shard_window
+    got = [book.dealt(r) for r in range(world)]
+    return reads, plan.checkpoint(book, {r: book.dealt(r) for r in book.runs}), got, bound, away
+
+
+def test_dynamic_dealing_reads_each_shard_in_one_group_and_fast_ranks_take_more() -> None:
+    """8 groups of 4 ranks, one rank in four asking three times as often: each group reads its own range of
+    windows, whole, so shards read by two groups are only those of a batch straddling two ranges or a window
+    taken from another's range, and of the rows taken at the epoch's end (G14's bound); a fast rank gets about
+    three times the batches. The plain dynamic plan (the next batches to whoever asks) fails the same bound
+    (tried: it reads each shard in about two groups); a dealer whose groups have no ranges of their own takes
+    most windows from "another's range" (tried)."""
+    for batch in (8, 7):
+        spec = _spec([SIZE] * S, batch_size=batch, shard_window=WINDOW, reader_group=GROUP, dealing="dynamic",
+                     tail="uneven", seed=3)
+        reads, after, got, bound, away = _dealt_reads(spec, fresh(spec, 0), 8 * GROUP, None, [3, 1, 1, 1])
+        assert after.epoch == 1
+        assert away <= 8, "groups that keep pace take windows from another's range only at the end"
+        assert _fetches(reads) <= S + bound, (_fetches(reads), S + bound)
+        assert min(got[0::4]) > 2 * max(got[1::4] + got[2::4] + got[3::4])
+        plain = _dealt_reads(spec, fresh(spec, 0), 8 * GROUP, None, [3, 1, 1, 1], plain=True)[0]
+        assert _fetches(plain) > S + bound
+
+
+@pytest.mark.parametrize("worlds", [(8, 6), (8, 3), (8, 4, 8), (6, 8)])
+def test_a_resize_of_dynamic_dealing_rereads_at_most_the_open_windows(worlds: tuple[int, ...]) -> None:
+    """Resizes at 40% (and back at 70%) of a dynamically dealt shard order: beyond each generation's bound (a
+    steady epoch's), a resize re-reads at most the windows the old groups had open (one a group), counting one
+    cache a group that keeps its place across generations; groups that keep pace take another's windows only at
+    the end. Fails with the plain dynamic plan's deals (tried: 2,271 fetches of 1,000 shards, 55 to 130 windows
+    taken from another's range a generation) and with a dealer that gives the groups no ranges (tried)."""
+    spec = _spec([SIZE] * S, batch_size=7, shard_window=WINDOW, reader_group=GROUP, dealing="dynamic", tail="uneven",
+                 seed=5)
+    cursor, parts, bound, done = fresh(spec, 0), [], S, 0.0
+    for k, nodes in enumerate(worlds):
+        last = k == len(worlds) - 1
+        upto = None if last else ([0.4, 0.7][k] - done) / (1 - done)
+        part, cursor, _, extra, away = _dealt_reads(spec, cursor, nodes * GROUP, upto, [1])
+        assert away <= nodes, f"{away} windows of {nodes} groups' ranges taken by another group"
+        parts.append(part)
+        done = 0.0 if last else [0.4, 0.7][k]
+        bound += extra + (0 if last else nodes * WINDOW)
+    assert cursor.epoch == 1
+    assert _fetches(*parts) <= bound, (_fetches(*parts), bound)
+
+
+def test_a_shard_order_takes_lengths_only_as_token_counts() -> None:
+    shards = np.array([2, 1], dtype="<i8").tobytes()
+    with pytest.raises(ValueError, match="takes lengths only as token counts"):
+        Spec.with_lengths([1, 2, 3], shards=shards, permutation="shards")
+    with pytest.raises(ValueError, match="dealing='dynamic' with token-budget batches"):
+        Spec.with_lengths([1, 2, 3], shards=shards, permutation="shards", max_tokens=4, dealing="dynamic", tail="uneven")

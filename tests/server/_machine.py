@@ -379,7 +379,7 @@ class Elastic(RuleBasedStateMachine):
         sizes = sizes_after(self.setup.sources, recorded)
         # The numbering the running generation hands indices out in: its held amendments' (those with a position).
         numbering = sizes_after(self.setup.sources, [a for a in recorded if a.at is not None])
-        kinds = ["weights", "skip", "skip"] + (["grow"] if self.setup.kind not in ("tokens", "shards") else [])
+        kinds = ["weights", "skip", "skip"] + (["grow"] if self.setup.grows else [])
         kind = data.draw(st.sampled_from(kinds), label="amendment")
         try:
             if kind == "weights":

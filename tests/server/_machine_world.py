@@ -124,25 +124,31 @@ class Setup:
             buffer_size=self.buffer_size, incarnation=incarnation, lease_ahead=self.lease_ahead, prefetch=self.prefetch,
             **self._mixture(),
         )
+        if self.shard_sizes:
+            common.update(shard_sizes=list(self.shard_sizes), shard_window=self.shard_window, lanes=self.lanes,
+                          reader_group=self.reader_group)
         if self.kind == "index":  # a step takes `batch` indices of every rank: the trainer's global batch
             return DistributedSampler(self.n, global_batch=self.batch * world, **common)
         if self.kind in DEALT:
-            return DistributedBatchSampler(self.n, self.batch, dealing=self.kind, **common)
-        if self.kind == "tokens":
+            return DistributedBatchSampler(self.n, self.batch, dealing=DEALINGS.get(self.kind, self.kind), **common)
+        if self.kind in TOKENS:
             return DistributedBatchSampler(self.n, lengths=list(self.lengths), max_tokens=self.max_tokens,
                                            token_window=self.token_window, **common)
         if self.kind == "shards":
-            return DistributedBatchSampler(self.n, self.batch, shard_sizes=list(self.shard_sizes),
-                                           shard_window=self.shard_window, lanes=self.lanes,
-                                           reader_group=self.reader_group, **common)
+            return DistributedBatchSampler(self.n, self.batch, **common)
         return DistributedBatchSampler(self.n, self.batch, drop_last=self.drop_last, even_batches=self.even_batches,
                                        **common)
 
     def allowance(self, final: int, worlds: list[int]) -> tuple[int, int]:
         """(missing, repeats) G1 allows an epoch completed by `final` ranks, `worlds` having trained in it."""
-        if self.kind in ("index", "tokens"):  # spec batch_size 1: nothing dropped by batching
+        if self.kind in ("index", *TOKENS):  # spec batch_size 1: nothing dropped by batching
             return allowance(self.tail, self.partition, final, worlds)
         return allowance(self.tail, self.partition, final, worlds, self.batch, self.drop_last, self.even_batches)
+
+    @property
+    def grows(self) -> bool:
+        """Whether a source of its mixture may grow (not with token budgets' lengths or a shard order's sizes)."""
+        return self.kind not in (*TOKENS, *SHARDED)
 
     @property
     def spec(self) -> Spec:
@@ -163,23 +169,29 @@ class Setup:
 #: that a test registers (tests/_reverse_kind.py: the coordinator deals full batches from the back), and with
 #: token-budget batches (a step takes one batch of varying size); "mixture" makes a third of them (all, alone)
 #: deal a weighted mixture of sources whose weights change and whose sources may be capped.
-KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,reverse,tokens,shards,mixture").split(",")
+KINDS = os.environ.get("CROUPIER_SM_KINDS",
+                       "index,batch,dynamic,reverse,tokens,shards,shards-tokens,shards-dynamic,mixture").split(",")
 #: The kinds the coordinator deals, each its own spec's ``dealing`` ("reverse" while tests/_reverse_kind.py
-#: registers it).
-DEALT = ("dynamic", "reverse")
+#: registers it) unless DEALINGS names it ("shards-dynamic": a shard order dealt dynamically).
+DEALT = ("dynamic", "reverse", "shards-dynamic")
+DEALINGS = {"shards-dynamic": "dynamic"}
+#: The kinds with token-budget batches (a shard order's with "shards-tokens").
+TOKENS = ("tokens", "shards-tokens")
+#: The kinds with a shard order (of each source, in a mixture).
+SHARDED = ("shards", "shards-tokens", "shards-dynamic")
 
 
 @st.composite
 def setups(draw: st.DrawFn) -> Setup:
     """A job: either sampler class, any spec of up to 60 samples, and a few small leases kept ahead."""
     # "mixture" in KINDS: a third of the jobs (all of them when it is alone) deal a mixture of sources
-    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", *DEALT, "tokens", "shards"]))
+    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", *DEALT, *TOKENS, *SHARDED]))
     partition = draw(st.sampled_from(["strided", "chunked", "contiguous"]))
     tail = draw(st.sampled_from(["pad", "drop", "uneven", "pad_last"]))
     if kind in DEALT:  # no stripes, no padding: whoever asks gets the next batch
         partition, tail = "strided", "uneven"
     token: dict[str, Any] = {}
-    if kind == "tokens":  # whole batches dealt round-robin; a tail re-cuts the last round
+    if kind in TOKENS:  # whole batches dealt round-robin; a tail re-cuts the last round
         partition, tail = "strided", draw(st.sampled_from(["pad", "drop", "uneven"]))
         budget = draw(st.integers(1, 12))
         token = dict(max_tokens=budget, token_window=draw(st.integers(1, 16)))
@@ -195,7 +207,7 @@ def setups(draw: st.DrawFn) -> Setup:
     mixture = draw(mixtures()) if mixed else {}
     space = sum(mixture["sources"]) if mixture else n
     sharded: dict[str, Any] = {}
-    if kind == "shards":  # a shard order (of each source, in a mixture): reader groups of any size, a few windows and heads
+    if kind in SHARDED:  # a shard order (of each source, in a mixture): reader groups of any size, a few windows and heads
         partition = "strided"
         sizes: list[int] = []
         for size in mixture["sources"] if mixture else [n]:

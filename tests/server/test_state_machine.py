@@ -31,6 +31,7 @@ from croupier.core.errors import FailedPrecondition, InvalidArgument
 from croupier.core.ledger import Ledger
 from croupier.core.order import FixedPlan
 from croupier.core.schedule import Schedule
+from croupier.core.shard_deals import _Taking
 from croupier.core.tokens import TokenPlan
 
 
@@ -128,11 +129,27 @@ def test_a_toy_checkpoint_one_batch_ahead_is_caught(monkeypatch: pytest.MonkeyPa
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
 
-def test_a_token_checkpoint_one_round_ahead_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state machine can fail: token-budget batches whose checkpoint skips the round after it."""
+@pytest.mark.parametrize("kind", ["tokens", "shards-tokens"])
+def test_a_token_checkpoint_one_round_ahead_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The state machine can fail: token-budget batches (over a shard order too) whose checkpoint skips the
+    round after it."""
     real = TokenPlan.advance
     monkeypatch.setattr(TokenPlan, "advance", lambda self, j: real(self, j + 1 if j else j))
-    monkeypatch.setattr(_machine_world, "KINDS", ["tokens"])
+    monkeypatch.setattr(_machine_world, "KINDS", [kind])
+    with pytest.raises(CAUGHT):
+        run_state_machine_as_test(Elastic, settings=PLANTED)
+
+
+@pytest.mark.exhaustive  # in make test, not in make check
+def test_a_shard_deal_reading_past_a_dealt_batch_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state machine can fail on a dynamically dealt shard order: a deal that reads a front on past the
+    batches dealt already (to another group, or taken from the back) deals them twice."""
+    def front(self: _Taking, a: int, end: int) -> None:  # reads on to `end`, whatever lies dealt before it
+        if self.need > 0 and not self.is_dealt(a):
+            self._take(a, min(end, a + self.need))
+
+    monkeypatch.setattr(_Taking, "front", front)
+    monkeypatch.setattr(_machine_world, "KINDS", ["shards-dynamic"])
     with pytest.raises(CAUGHT):
         run_state_machine_as_test(Elastic, settings=PLANTED)
 
