@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from torch.utils.data import Sampler
 
 from croupier.client._amender import Amender, Amending
@@ -18,11 +19,11 @@ from croupier.client._link import Link
 from croupier.client._prefetch import _Prefetcher
 from croupier.client._resolve import JobSlot, check_holds, release, resolve_job, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Security
-from croupier.client._world import World, _data_parallel_group, _first_of_its_rank
+from croupier.client._world import World, data_parallel_group, first_of_its_rank
 from croupier.core import settings
 from croupier.core.amend import Amendment
 from croupier.core.api import MAX_COUNT, MAX_LEASE_BATCHES, MAX_LEASE_INDICES, JoinRequest
-from croupier.core.checks import check_int
+from croupier.core.checks import check_int, check_seconds
 from croupier.core.cursor import Cursor, bind, epoch_agrees, fresh, is_fresh
 from croupier.core.errors import Aborted, NotFound
 from croupier.core.plan import EpochPlan
@@ -69,6 +70,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
     _unit: int  # positions per item this sampler yields: 1 for indices, batch_size for batches
     _per_batch: bool  # yields batches (lists) rather than indices
     _job_slot: JobSlot | None = None  # the derived job name this sampler holds (None: its job was given)
+    read_ahead: Callable[[np.ndarray], object] | None = None  # told each lease's indices as prepared (_prefetch)
 
     def __init__(self, spec: Spec, empty: bool, num_replicas: int | None, rank: int | None, address: str | None,
                  job: str | None, incarnation: str | None, lease_ahead: int, prefetch: int, audit_dir: str | None,
@@ -80,19 +82,15 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._schedule = schedule  # the trainer's step schedule, sent with the join
         self._kind: PlanKind = kind_of(spec)
         self._empty = empty  # N = 0: nothing to deal, no coordinator needed
-        self._world = World(num_replicas, rank, _data_parallel_group(process_group, device_mesh, mesh_dim))
+        self._world = World(num_replicas, rank, data_parallel_group(process_group, device_mesh, mesh_dim))
         self._start: Cursor | None = None  # the generation's resume point, once joined
-        check_int("lease_ahead", lease_ahead, 1)
         check_int("prefetch", prefetch, 1)
-        if lease_ahead > MAX_LEASE_BATCHES or lease_ahead * spec.batch_size > MAX_LEASE_INDICES:
-            raise ValueError(
-                f"lease_ahead={lease_ahead} batches of {spec.batch_size} is more than one lease serves "
-                f"(at most {MAX_LEASE_BATCHES} batches and {MAX_LEASE_INDICES} indices)"
-            )
+        check_int("lease_ahead", lease_ahead, 1, min(MAX_LEASE_BATCHES, MAX_LEASE_INDICES // spec.batch_size) + 1,
+                  why=f"one lease serves at most {MAX_LEASE_BATCHES} batches and {MAX_LEASE_INDICES} indices "
+                      f"(batches of {spec.batch_size} here)")
         if join_timeout is None:
             join_timeout = settings.get_float("CROUPIER_JOIN_TIMEOUT")
-        if not join_timeout > 0:
-            raise ValueError(f"join_timeout must be > 0 seconds (got {join_timeout!r})")
+        join_timeout = check_seconds("join_timeout", join_timeout)
         self._join_timeout = join_timeout
         self._lease_ahead = lease_ahead
         self._prefetch = prefetch
@@ -186,7 +184,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._generation, self._start = r.generation, r.start
         # the epoch just before the start, if set_epoch named it, is complete: its iteration yields nothing
         self._progress = p = p.join(self.spec, r.start, self._taken_before(r.start))
-        if self._audit_dir and _first_of_its_rank(self._world.group, rank):
+        if self._audit_dir and first_of_its_rank(self._world.group, rank):
             self._audit_path = (self._audit_dir, self.job, incarnation, rank)
             self._audit = AuditLog(*self._audit_path)
             # NOTE: the audit record's key stays "token" (the log's format; croupier audit reads it)
@@ -426,7 +424,8 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         # sampler's unit is its batch_size.
         first_batch = self._progress.yielded * self._unit // self.spec.batch_size
         pf = _Prefetcher(self._link.client, self.job, self._generation, self.rank, epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p, self._tag)
+                         self._lease_ahead, self._prefetch, p, self._tag, self.read_ahead,
+                         ramp=first_batch == 0 and self._start is not None and epoch == self._start.epoch)
         self._prefetcher = pf
         try:
             while True:

@@ -57,6 +57,9 @@ _OK, _ERROR = 0, 1
 #: parent's table of keys always names plans the helper still holds.
 _PLANS = 8
 _PIPE_BYTES = 1 << 20
+#: Leases of fewer indices are computed in this process: a round trip to the helper costs more
+#: than they do (a generation's first lease, ``_prefetch.FIRST_LEASE_INDICES``, is one).
+LOCAL_BELOW = 4096
 
 PlanKey = tuple[Spec, Cursor, int]
 #: Where this process imports the order engine from; the helper must import the same file.
@@ -252,8 +255,9 @@ def lease(plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | Non
     """``plan.lease(rank, first, count, grant)``, computed by the helper process when it can.
 
     Thread-safe. The first eligible call starts the helper and computes here, as does every call
-    until the helper is ready, every call of a plan that is not eligible, and every call once the
-    helper has failed (one warning, logger ``croupier``).
+    until the helper is ready, every call of a plan that is not eligible, every lease of fewer
+    than ``LOCAL_BELOW`` indices, and every call once the helper has failed (one warning, logger
+    ``croupier``).
 
     Args:
         plan: The epoch's plan.
@@ -268,13 +272,13 @@ def lease(plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | Non
         bit-identical to ``plan.lease``.
     """
     if eligible(plan):
-        h = _get()
-        if h.usable:
-            sizes = plan.grant(rank, first, count).sizes(plan.spec.batch_size)  # O(1): what the lease holds
-            if sizes:
-                idx = h.lease(plan, rank, first, count, sum(sizes))
-                if idx is not None:
-                    return idx, sizes
+        h = _get()  # started at the first eligible lease, whatever its size, to be ready for the next ones
+        own = plan.grant(rank, first, count)  # O(1): what the lease holds
+        total = (own.batches - 1) * plan.spec.batch_size + own.last_size if own.batches else 0
+        if h.usable and total >= LOCAL_BELOW:
+            idx = h.lease(plan, rank, first, count, total)
+            if idx is not None:
+                return idx, own.sizes(plan.spec.batch_size)
     return plan.lease(rank, first, count, grant)
 
 

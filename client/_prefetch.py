@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,9 @@ _DONE = object()
 #: How long a lease waits for the coordinator's answer before the rank computes it itself; and
 #: that wait while the coordinator is not answering.
 _ASK_S, _PROBE_S = 1.0, 0.25
+#: Indices of a generation's first lease (whole batches, at least one): its first batch waits for
+#: this many, not for a whole lease (65,536 by default), and its next lease is made meanwhile.
+FIRST_LEASE_INDICES = 1024
 
 
 class _Prefetcher:
@@ -35,18 +39,24 @@ class _Prefetcher:
     does not answer within 1 s (0.25 s while it keeps not answering),
     the rank computes the lease from its plan, the same code the coordinator runs (its data
     cannot have changed: only a join changes it, and a join needs the coordinator), and asks
-    again at the next lease; a lease refused as fenced stops it.
+    again at the next lease; a lease refused as fenced stops it. With `ramp` (the generation's first
+    lease) the first lease holds about ``FIRST_LEASE_INDICES`` indices, so the first batch does not
+    wait for a whole lease to be computed.
     """
 
     def __init__(self, client: CoordinatorClient, job: str, generation: int, rank: int, epoch: int, first: int,
-                 lease_size: int, depth: int, plan: EpochPlan, tag: bool = False) -> None:
+                 lease_size: int, depth: int, plan: EpochPlan, tag: bool = False,
+                 read_ahead: Callable[[np.ndarray], object] | None = None, ramp: bool = False) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._args = (client, job, generation, rank, epoch)
-        self._next = first
+        self._next = self._first = first
         self._lease_size = lease_size
+        # `ramp`: the generation's first lease is small (FIRST_LEASE_INDICES), the next ones lease_size
+        self._first_size = min(lease_size, max(1, FIRST_LEASE_INDICES // plan.spec.batch_size)) if ramp else lease_size
         self._plan = plan
         self._tag = tag  # each lease also carries its samples' sources, source epochs and seeds
+        self._read_ahead = read_ahead  # told each lease's indices as they are computed (the sampler's read_ahead)
         self.ungranted = 0  # leases computed while the coordinator did not answer
         #: (epoch, batches) the consumer's loop had taken when it last took a lease: reported with
         #: the next request (the consumer sets it; a tuple is replaced whole)
@@ -64,9 +74,11 @@ class _Prefetcher:
     def _lease_all(self) -> None:
         """Asks for grants and computes their leases until the rank's epoch ends (or it is stopped)."""
         client, job, gen, rank, epoch = self._args
-        plan, count = self._plan, self._lease_size
+        plan, count = self._plan, self._first_size
         missed = False  # the last ask went unanswered
         while not self._stop.is_set():
+            if self._next > self._first:  # past the first lease: full ones
+                count = self._lease_size
             got: Grant | None
             asked = time.monotonic()
             # NOTE: while the coordinator does not answer, each lease still asks, but waits
@@ -103,6 +115,8 @@ class _Prefetcher:
             end = plan.ends(rank, self._next, count, len(sizes), got)
             tags = self._tags(idx, self._next, count, got) if self._tag and sizes else None
             self._next += len(sizes)
+            if sizes and self._read_ahead is not None:
+                self._tell(idx)
             if sizes:
                 self._put(LeaseReply(idx, sizes, end, plan.known_samples(rank), checked=True, tags=tags))
             if end:
@@ -117,6 +131,15 @@ class _Prefetcher:
             raise RuntimeError(f"the plan names {pos.size} positions for a lease of {idx.size} indices")
         source, source_epoch = tags(plan.spec, epoch, pos)
         return source, source_epoch, sample_seeds(plan.spec.seed, source, source_epoch, idx)
+
+    def _tell(self, idx: np.ndarray) -> None:
+        """Hands a lease's indices to the sampler's ``read_ahead``; a failure there is logged, never the loop's."""
+        assert self._read_ahead is not None
+        try:
+            self._read_ahead(idx)
+        except Exception:
+            log.exception("croupier: read_ahead failed on a lease of %d indices (rank %d); training goes on",
+                          idx.size, self._args[3])
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -15,7 +14,6 @@ import numpy as np
 from croupier.core.amend import Amendment
 from croupier.core.api import (
     MAX_COUNT,
-    MAX_JOIN_WAIT_S,
     MAX_LEASE_BATCHES,
     MAX_LEASE_INDICES,
     CheckpointRecord,
@@ -35,12 +33,15 @@ from croupier.core.ledger import Ledger, pack, unpack
 from croupier.core.plan import EpochPlan
 from croupier.core.registry import plan_epoch
 from croupier.core.spec import Spec
-from croupier.server import _deadline
-from croupier.server._commits import commits_for
+from croupier.server._commits import Changed, Commits, WriterCommits
+from croupier.server._deadline import UNBOUNDED, Budget, WouldWait
+from croupier.server._decide import decide_amend, decide_deal, decide_join, decide_report, decide_step
 from croupier.server._events import Event, GenerationOpened, GenerationStarted, JobRegistered
 from croupier.server._journal import pack_snapshot, recover
+from croupier.server._lease_ahead import LeaseAhead
+from croupier.server._shared_commits import SharedCommits
 from croupier.server._state import State
-from croupier.server._store import Store
+from croupier.server._store import Recovered, Store
 
 log = logging.getLogger("croupier.server")
 
@@ -100,28 +101,29 @@ class Coordinator:
         except BaseException:
             store.close()
             raise
-        self._cond = threading.Condition()
         #: Calls waiting for a generation to start or be replaced: job -> generation -> callbacks (see on_start).
+        #: NOTE: changed only where no event can be applied meanwhile: in ``Commits.read`` or the protocol's
+        #: ``changed`` callback, both under the protocol's lock (the coordinator has no lock of its own for it).
         self._listeners: dict[str, dict[int, list[Callable[[], None]]]] = {}
         # NOTE: leases are numpy work that holds the GIL in short bursts; run one at a time, the
         # server's threads stop trading the GIL back and forth (measured: 260 -> 1,039 leases/s
         # with 64 threads) and each lease finishes sooner.
         self._compute = threading.Lock()
+        self._leases = LeaseAhead(self._compute)  # the Lease RPC's: each rank's next lease computed ahead
         #: Called by a single writer's journal thread after each group commit, with (seconds the
         #: append took, records); a shared store's appends are not timed. It MUST be quick and
         #: MUST NOT raise (the metrics set it).
         self.on_commit: Callable[[float, int], None] | None = None
         #: How decisions reach the store (one writer with group commit, or replicas on a shared store);
-        #: it holds the state, the journal position and why calls are refused.
-        self._commits = commits_for(store, self._cond, state, rec, snapshot_every, max_staleness_s,
-                                    self._timed, self._changed)
+        #: it holds the state, the lock that guards it, the journal position and why calls are refused.
+        self._commits = _commits_for(store, state, rec, snapshot_every, max_staleness_s, self._timed, self._changed)
         self._commits.start()
         log.info("recovered %d jobs from %s (snapshot at %d, %d journal records)",
                  len(state.jobs), store.url, rec.snapshot_seq, len(rec.records))
 
     @property
     def _state(self) -> State:
-        """The state (read it under the lock): the commit protocol holds it."""
+        """The state, as a decision handed to the commit protocol reads it (the protocol holds it)."""
         return self._commits.state
 
     def _timed(self, took: float, records: int) -> None:
@@ -130,73 +132,50 @@ class Coordinator:
 
     # ---------------------------------------------------------------- writes
 
-    def join(self, req: JoinRequest, wait_s: float = 0.0) -> JoinResult:
-        """Decides, journals and applies a join; answers once durable and the generation started or `wait_s` passed."""
-        if not 0 <= wait_s <= MAX_JOIN_WAIT_S:
-            raise InvalidArgument(f"join wait must be in [0, {MAX_JOIN_WAIT_S}] s (got {wait_s})")
+    def join(self, req: JoinRequest, budget: Budget = UNBOUNDED) -> JoinResult:
+        """Decides, journals and applies a join; answers once it is durable, without waiting for the other ranks.
+
+        A rank that waits for its generation to start waits outside the core: it listens for the start
+        (:meth:`on_start`) and then asks :meth:`join_answer` (``croupier.server._join_wait``).
+        """
         def decide() -> tuple[list[Event], list[Event]]:
             if self.max_jobs is not None and req.job not in self._state.jobs and len(self._state.jobs) >= self.max_jobs:
                 raise ResourceExhausted(f"this coordinator holds {len(self._state.jobs)} jobs, its limit (croupier serve "
                                         f"--max-jobs {self.max_jobs}); job {req.job!r} is not one of them")
-            events = self._state.decide_join(req)
+            events = decide_join(self._state, req, now_ms())
             return events, events
 
-        events = self._commits.commit(decide, durable=True)
-        _log_join(req, events)  # durable now; written outside the lock, as a wait would release it
-        deadline = time.monotonic() + wait_s
-        number = None
-        force = False
-        while True:
-            self._commits.refresh(force)  # before the lock: it may be a round trip to a shared store
-            with self._cond:
-                state = self._commits.state
-                # NOTE: each commit wakes every waiting join; a wake-up looks at the generation's start
-                # alone (O(1)): the answer, which names the ranks still missing, is made once, at the end.
-                gen = state.current(req.job)
-                number = gen.number if number is None else number
-                left = deadline - time.monotonic()
-                if gen.start is not None or gen.number != number or left <= 0:
-                    result = state.join_result(req.job, req.rank)
-                    if result.start is not None:
-                        # The start we saw may be another rank's event still on its way to disk.
-                        self._commits.wait_durable()
-                    return result
-                # NOTE: on a shared store the other ranks may join through other replicas, whose
-                # events this one reads from the database: it looks every 50 ms while it waits.
-                poll = self._commits.join_poll_s
-                self._cond.wait(left if poll is None else min(left, poll))
-            force = True
+        events = self._commits.commit(decide, durable=True, budget=budget)
+        _log_join(req, events)  # durable now; written outside the lock
+        return self.join_answer(req.job, req.rank, budget)
 
-    def join_answer(self, job: str, rank: int) -> JoinResult:
+    def join_answer(self, job: str, rank: int, budget: Budget = UNBOUNDED) -> JoinResult:
         """Where `rank` of `job`'s current generation stands, after its join: a waiting join's answer.
 
         A start it names is durable first (it may be another rank's event still on its way to disk).
         """
-        self._commits.refresh()
-        with self._cond:
-            state = self._commits.state
-            result = state.join_result(job, rank)
-            if result.start is not None:
-                self._commits.wait_durable()
-            return result
+        self._commits.refresh(budget)
+        return self._commits.read(lambda state: state.join_result(job, rank), durable=lambda r: r.start is not None)
 
     def on_start(self, job: str, number: int, fn: Callable[[], None]) -> bool:
         """Calls `fn` once generation `number` of `job` has started, has been replaced, or the
         coordinator stops (failed, closing); False, and nothing registered, when that is so already.
 
-        `fn` is called with the coordinator's lock held, from whichever thread applied the change:
+        `fn` is called with the commit protocol's lock held, from whichever thread applied the change:
         it MUST be quick and MUST NOT raise (an event loop's ``call_soon_threadsafe``). A waiting
         join holds no thread this way: it awaits what `fn` sets.
         """
-        with self._cond:
-            if self._settled(job, number):
+        def listen(state: State) -> bool:  # under the protocol's lock: no start can slip in between
+            if self._settled(state, job, number):
                 return False
             self._listeners.setdefault(job, {}).setdefault(number, []).append(fn)
             return True
 
+        return self._commits.read(listen)
+
     def off_start(self, job: str, number: int, fn: Callable[[], None]) -> None:
         """Forgets `fn` (a waiting join that gave up); nothing if it was called or never registered."""
-        with self._cond:
+        def forget(state: State) -> None:
             fns = self._listeners.get(job, {}).get(number)
             if fns is not None and fn in fns:
                 fns.remove(fn)
@@ -205,24 +184,26 @@ class Coordinator:
                     if not self._listeners[job]:
                         del self._listeners[job]
 
-    def poll(self) -> None:
+        self._commits.read(forget)
+
+    def poll(self, budget: Budget = UNBOUNDED) -> None:
         """Reads what other replicas journaled (a shared store; nothing for a single writer), waking the
         joins whose generation started meanwhile; Unavailable when the store cannot be read."""
-        self._commits.refresh(force=True)
+        self._commits.refresh(budget, force=True)
 
-    def _settled(self, job: str, number: int) -> bool:
-        j = self._state.jobs.get(job)
+    def _settled(self, state: State, job: str, number: int) -> bool:
+        j = state.jobs.get(job)
         gen = None if j is None else j.generation
         return gen is None or gen.number != number or gen.start is not None or self._commits.stopped()
 
     def _changed(self, jobs: set[str] | None) -> None:
-        """Under the lock, after events of `jobs` (None: any job) were applied: calls the listeners of
-        the generations that started or were replaced (O(1) per job while a generation still waits)."""
+        """Under the protocol's lock, after events of `jobs` (None: any job) were applied: calls the listeners
+        of the generations that started or were replaced (O(1) per job while a generation still waits)."""
         if not self._listeners:
             return
         for job in list(self._listeners) if jobs is None else [j for j in jobs if j in self._listeners]:
             waiting = self._listeners[job]
-            for number in [n for n in waiting if self._settled(job, n)]:
+            for number in [n for n in waiting if self._settled(self._state, job, n)]:
                 for fn in waiting.pop(number):
                     fn()
             if not waiting:
@@ -230,7 +211,7 @@ class Coordinator:
 
     def report(self, job: str, generation: int, rank: int, epoch: int, batches: int,
                checkpoint: tuple[int | None, Cursor | None, str] | None = None, lockstep: bool = True,
-               items: int | None = None) -> Cursor | None:
+               items: int | None = None, budget: Budget = UNBOUNDED) -> Cursor | None:
         """Records how far a rank's loop got and, with `checkpoint` (step, cursor, origin), a
         checkpoint state it took; returns once the checkpoint is durable.
 
@@ -242,28 +223,26 @@ class Coordinator:
         Returns:
             The checkpoint's cursor (for dynamic dealing, computed here), or None without one.
         """
-        if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches):
+        if checkpoint is None and self._commits.report(job, generation, rank, epoch, batches, budget):
             return None
         return self._commits.commit(
-            lambda: self._state.decide_report(job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep,
-                                              items),
-            durable=checkpoint is not None)
+            lambda: decide_report(self._state, job, generation, rank, epoch, batches, now_ms(), checkpoint, lockstep,
+                                  items),
+            durable=checkpoint is not None, budget=budget)
 
-    def amend(self, job: str, kind: str, values: Sequence[int]) -> Amendment:
+    def amend(self, job: str, kind: str, values: Sequence[int], budget: Budget = UNBOUNDED) -> Amendment:
         """Records a change of a running mixture (``croupier.core.amend``); answers once it is durable.
 
         It holds from the first stream position the job's next generation deals (a restart, a
         resize or a rollback starts one), so that no rank of the running generation, which computes
         its own batches, deals by other rules than its peers.
         """
-        return self._commits.commit(lambda: self._state.decide_amend(job, kind, values), durable=True)
+        return self._commits.commit(lambda: decide_amend(self._state, job, kind, values), durable=True, budget=budget)
 
-    def ledger(self, job: str) -> tuple[Spec, bytes, bytes]:
+    def ledger(self, job: str, budget: Budget = UNBOUNDED) -> tuple[Spec, bytes, bytes]:
         """The job's spec, its step ledger's segments, packed (``croupier.server._ledger``), and a
         fault-tolerant job's committed steps, packed (``croupier.core.ftsteps``); NotFound for an unknown job."""
-        self._commits.refresh()
-        with self._cond:
-            state = self._commits.state
+        def packed(state: State) -> tuple[Spec, bytes, bytes]:
             j = state.jobs.get(job)
             if j is None or (j.generation is None and not j.steps.runs):
                 state.current(job)  # NotFound, as for any call naming an unknown job
@@ -271,49 +250,52 @@ class Coordinator:
             steps = msgpack.packb([r.to_dict() for r in j.steps.runs]) if j.steps.runs else b""
             return j.spec, pack(j.ledger), steps
 
+        self._commits.refresh(budget)
+        return self._commits.read(packed)
+
     def commit_step(self, job: str, spec: Spec, run: str, parent: str, resumed: int, mode: str, batch: int,
-                    step: CommittedStep) -> bool:
+                    step: CommittedStep, budget: Budget = UNBOUNDED) -> bool:
         """Records a fault-tolerant job's committed step (``croupier.core.ftsteps``); answers once it is
         durable, False when it was recorded already."""
-        return self._commits.commit(lambda: self._state.decide_step(job, spec, run, parent, resumed, mode, batch, step),
-                                    durable=True)
+        return self._commits.commit(lambda: decide_step(self._state, job, spec, run, parent, resumed, mode, batch, step),
+                                    durable=True, budget=budget)
 
-    def step_ledger(self, job: str) -> Ledger:
+    def step_ledger(self, job: str, budget: Budget = UNBOUNDED) -> Ledger:
         """The job's step ledger (``croupier.core.ledger.Ledger``) as it stands now; NotFound for an unknown job.
 
         NOTE: the segments are copied (packed) under the lock and the ledger is built outside it: a
         question asked of it (the status page's timeline, a step's samples) computes without
         holding the coordinator's other calls.
         """
-        spec, blob, _ = self.ledger(job)
+        spec, blob, _ = self.ledger(job, budget)
         return Ledger(job, spec, unpack(blob))
 
-    def checkpoint(self, job: str, step: int | None) -> tuple[Spec, CheckpointRecord]:
+    def checkpoint(self, job: str, step: int | None, budget: Budget = UNBOUNDED) -> tuple[Spec, CheckpointRecord]:
         """The job's spec and its record of the checkpoint at training step `step`, or its latest
         record for None (NotFound if none)."""
-        self._commits.refresh()
-        with self._cond:
-            state = self._commits.state
+        def recorded(state: State) -> tuple[Spec, CheckpointRecord]:
             record = state.checkpoint(job, step)
-            # NOTE: a record still on its way to disk must not be answered: a relaunch resuming from
-            # it, then a crash that loses it, would skip what it names.
-            self._commits.wait_durable()
             return state.jobs[job].spec, record
+
+        self._commits.refresh(budget)
+        # NOTE: a record still on its way to disk must not be answered: a relaunch resuming from
+        # it, then a crash that loses it, would skip what it names.
+        return self._commits.read(recorded, durable=lambda _: True)
 
     # ---------------------------------------------------------------- reads
 
     def _request_plan(self, what: str, job: str, generation: int, rank: int, epoch: int, first: int,
-                      count: int) -> tuple[Spec, EpochPlan | None]:
+                      count: int, budget: Budget) -> tuple[Spec, EpochPlan | None]:
         """Checks a lease or grant request (fencing first) and returns the plan of its epoch."""
         check_int(f"{what} count", count, 1, None, InvalidArgument)
         if count > MAX_LEASE_BATCHES:
             raise ResourceExhausted(f"{what} count {count} is more than the {MAX_LEASE_BATCHES} batches one call serves")
-        self._commits.refresh()
-        with self._cond:
-            state = self._commits.state
+        def standing(state: State) -> tuple[Spec, Cursor | None, int]:
             gen = state.generation(job, generation)
-            spec = state.jobs[job].dealing_spec
-            start, world = gen.start, gen.world
+            return state.jobs[job].dealing_spec, gen.start, gen.world
+
+        self._commits.refresh(budget)
+        spec, start, world = self._commits.read(standing)
         assert start is not None
         check_int("rank", rank, 0, world, InvalidArgument)
         check_int("epoch", epoch, 0, MAX_COUNT, InvalidArgument)
@@ -324,87 +306,86 @@ class Coordinator:
             )
         return spec, plan_epoch(spec, start, world, epoch)
 
-    def _grant(self, p: EpochPlan, job: str, generation: int, rank: int, epoch: int, first: int, count: int) -> Grant:
+    def _grant(self, p: EpochPlan, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
+               budget: Budget) -> Grant:
         """The plan's grant; for a plan the coordinator deals, after the deal is durable."""
-        return p.coordinator_grant(rank, first, count, lambda: self.deal(job, generation, rank, epoch, first, count))
+        return p.coordinator_grant(rank, first, count,
+                                   lambda: self.deal(job, generation, rank, epoch, first, count, budget))
 
     def lease(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
-              progress: tuple[int, int] | None = None) -> Lease:
+              progress: tuple[int, int] | None = None, budget: Budget = UNBOUNDED) -> Lease:
         """Up to `count` batches of `rank` from batch `first` of `epoch` (fewer at the epoch's end),
         with their indices computed here (the Lease RPC; samplers ask for grants instead).
 
         `progress` (epoch, batches) is the rank's report of how far its loop got (see :meth:`report`).
         """
-        spec, p = self._request_plan("lease", job, generation, rank, epoch, first, count)
+        spec, p = self._request_plan("lease", job, generation, rank, epoch, first, count, budget)
         if progress is not None:
-            self.report(job, generation, rank, *progress)
+            self.report(job, generation, rank, *progress, budget=budget)
         if p is None:
             return Lease(np.zeros(0, dtype=np.int64), [], True, 0, spec.space)
-        g = self._grant(p, job, generation, rank, epoch, first, count)
-        with self._compute:
-            idx, sizes = p.lease(rank, first, count, g)
+        g = self._grant(p, job, generation, rank, epoch, first, count, budget)
+        idx, sizes = self._leases.lease(p, rank, first, count, g)
         return Lease(idx, sizes, p.ends(rank, first, count, len(sizes), g), p.known_samples(rank), spec.space)
 
     def deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
-             count: int) -> tuple[tuple[tuple[int, int], ...], bool]:
+             count: int, budget: Budget = UNBOUNDED) -> tuple[tuple[tuple[int, int], ...], bool]:
         """Dynamic dealing: batches first .. first + count - 1 of `rank`'s sequence in `epoch`, as
         runs of global batches (new ones are durable before this returns), and whether the epoch
         has nothing left to deal."""
-        return self._commits.commit(lambda: self._state.decide_deal(job, generation, rank, epoch, first, count),
-                                    durable=True)
+        return self._commits.commit(lambda: decide_deal(self._state, job, generation, rank, epoch, first, count),
+                                    durable=True, budget=budget)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
-              progress: tuple[int, int] | None = None, at_once: bool = False) -> Grant:
+              progress: tuple[int, int] | None = None, budget: Budget = UNBOUNDED) -> Grant:
         """The same batches as :meth:`lease`, as positions of the plan: the client computes their indices.
 
         With dynamic dealing, `first` counts batches of the rank's own sequence, and the grant
         names the global batches dealt to it (see :meth:`deal`).
 
-        With `at_once`, raises :class:`~croupier.server._deadline.WouldWait` (having changed nothing) where answering would wait
-        for the store or ask it -- a plan the coordinator deals, a shared store whose watch has not
-        confirmed the journal's end within the staleness bound -- so that an event loop may answer
+        With a `budget` answered at once (``Budget.at_once``), raises :class:`~croupier.server._deadline.WouldWait`
+        (having changed nothing) where answering would wait for the store or ask it -- a plan the
+        coordinator deals, a shared store whose watch has not confirmed the journal's end within the
+        staleness bound -- so that an event loop may answer
         the rest itself and hand only those to a thread.
         """
-        with _deadline.at_once() if at_once else contextlib.nullcontext():
-            spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count)
-            # NOTE: answering at once, the grant is asked first: a plan the coordinator deals raises WouldWait
-            # here, before anything changed (its deal waits for the store); any other plan's grant is its own,
-            # the same before the report as after it.
-            ready = p.coordinator_grant(rank, first, count, _deal_waits) if at_once and p is not None else None
-            if progress is not None:
-                self.report(job, generation, rank, *progress)
+        spec, p = self._request_plan("grant", job, generation, rank, epoch, first, count, budget)
+        # NOTE: answering at once, the grant is asked first: a plan the coordinator deals raises WouldWait
+        # here, before anything changed (its deal waits for the store); any other plan's grant is its own,
+        # the same before the report as after it.
+        ready = p.coordinator_grant(rank, first, count, _deal_waits) if budget.at_once and p is not None else None
+        if progress is not None:
+            self.report(job, generation, rank, *progress, budget=budget)
         if p is None:
             return Grant(0, 0, True, 0)
-        return ready if ready is not None else self._grant(p, job, generation, rank, epoch, first, count)
+        return ready if ready is not None else self._grant(p, job, generation, rank, epoch, first, count, budget)
 
-    def job(self, job: str) -> JobStatus:
+    def job(self, job: str, budget: Budget = UNBOUNDED) -> JobStatus:
         """The job's spec, its current generation's standing, its ranks' cursors and its checkpoints."""
-        self._commits.refresh()
-        with self._cond:
-            state = self._commits.state
+        def status(state: State) -> tuple[JobStatus, Spec, dict[tuple[int, int], int]]:
             gen = state.current(job)
             j = state.jobs[job]
             result = JoinResult(gen.number, gen.world, gen.start, gen.waiting_for(), j.held, None, gen.waiting())
-            amendments = (*j.held, *j.pending)
-            progress = sorted(j.progress.items())
-            checkpoints = tuple(j.checkpoints)
+            ranks = tuple(RankCursor(rank, epoch, batches, 0, at) for rank, (epoch, batches, at) in sorted(j.progress.items()))
             dealt = {(e, r): b.dealt(r) for e, b in j.deals.items() for r in b.runs}
-        ranks = []
-        for rank, (epoch, batches, at) in progress:
-            ranks.append(RankCursor(rank, epoch, batches, _share(j.dealing_spec, gen.start, gen.world, rank, epoch, dealt), at))
-        return JobStatus(j.spec, result, tuple(ranks), checkpoints, amendments)
+            return JobStatus(j.spec, result, ranks, tuple(j.checkpoints), (*j.held, *j.pending)), j.dealing_spec, dealt
 
-    def jobs(self) -> list[str]:
+        self._commits.refresh(budget)
+        st, spec, dealt = self._commits.read(status)
+        # each rank's share of its epoch, computed outside the lock
+        g = st.result
+        ranks = tuple(dataclasses.replace(c, batches_in_epoch=_share(spec, g.start, g.world, c.rank, c.epoch, dealt))
+                      for c in st.ranks)
+        return dataclasses.replace(st, ranks=ranks)
+
+    def jobs(self, budget: Budget = UNBOUNDED) -> list[str]:
         """The names of the jobs the coordinator holds, sorted."""
-        self._commits.refresh()
-        with self._cond:
-            state = self._commits.state
-            return sorted(state.jobs)
+        self._commits.refresh(budget)
+        return self._commits.read(lambda state: sorted(state.jobs))
 
     def snapshot_state(self) -> bytes:
         """The whole state, msgpack-encoded (for tests that check a call changed nothing)."""
-        with self._cond:
-            return pack_snapshot(self._state)
+        return self._commits.read(pack_snapshot)
 
     @property
     def failed(self) -> str | None:
@@ -413,13 +394,25 @@ class Coordinator:
 
     def close(self) -> None:
         """Flushes what is queued, stops the writer and closes the store."""
+        self._leases.close()
         self._commits.close()
         self.store.close()
 
 
+def _commits_for(store: Store, state: State, rec: Recovered, snapshot_every: int, max_staleness_s: float,
+                 timed: Callable[[float, int], None], changed: Changed) -> Commits:
+    """The commit protocol of `store` (``croupier.server._commits.Commits``), picked here alone, holding `state` as
+    recovered from `rec`; `max_staleness_s` bounds a watched shared store's reads, `timed(seconds, records)` is
+    called after a single writer's group commits, `changed` under the protocol's lock after every apply, replay,
+    rollback, failure and close."""
+    if store.shared:
+        return SharedCommits(store, state, rec, snapshot_every, changed, max_staleness_s)
+    return WriterCommits(store, state, rec, snapshot_every, changed, timed)
+
+
 def _deal_waits() -> NoReturn:
     """The deal of a grant answered at once: it would wait for the store (WouldWait)."""
-    raise _deadline.WouldWait("deal a grant")
+    raise WouldWait("deal a grant")
 
 
 def _share(spec: Spec, start: Cursor | None, world: int, rank: int, epoch: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ from croupier.core.wire import (
 )
 from croupier.server._auth import Credential, allow
 from croupier.server._coordinator import Coordinator
+from croupier.server._deadline import UNBOUNDED, Budget
 from croupier.server._options import ServerOptions
 from croupier.v1 import coordinator_pb2 as pb
 
@@ -109,28 +111,28 @@ class CoordinatorServicer:
                   extra={"job": m.job, "rank": m.rank})
         return req
 
-    def Join(self, m: pb.JoinRequest, who: Credential | None) -> tuple[JoinRequest, JoinResult]:
+    def Join(self, m: pb.JoinRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> tuple[JoinRequest, JoinResult]:
         """Decides and journals the join (durable on return), without waiting for the other ranks."""
         req = self.join_request(m, who)
-        return req, self.core.join(req, 0.0)
+        return req, self.core.join(req, budget)
 
-    def Lease(self, m: pb.LeaseRequest, who: Credential | None) -> pb.LeaseResponse:
+    def Lease(self, m: pb.LeaseRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.LeaseResponse:
         _allow(who, "Lease", m.job)
-        lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m))
+        lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m), budget)
         data, itemsize = pack_indices(lease.indices, lease.n)
-        return pb.LeaseResponse(indices=data, sizes=lease.sizes, itemsize=itemsize,
-                                end_of_epoch=lease.end_of_epoch, epoch_samples=lease.epoch_samples)
+        return _with_sizes(pb.LeaseResponse(indices=data, itemsize=itemsize, end_of_epoch=lease.end_of_epoch,
+                                            epoch_samples=lease.epoch_samples), lease.sizes)
 
-    def Grant(self, m: pb.GrantRequest, who: Credential | None, at_once: bool = False) -> pb.GrantResponse:
-        """A grant; with `at_once`, WouldWait where it would wait for the store (see ``Coordinator.grant``)."""
+    def Grant(self, m: pb.GrantRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.GrantResponse:
+        """A grant; with a budget ``at_once``, WouldWait where it would wait for the store (see ``Coordinator.grant``)."""
         _allow(who, "Grant", m.job)
-        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m), at_once)
+        g = self.core.grant(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m), budget)
         return pb.GrantResponse(batches=g.batches, last_size=g.last_size, end_of_epoch=g.end_of_epoch,
                                 epoch_samples=g.epoch_samples, dealt=pack_runs(g.runs))
 
-    def GetJob(self, m: pb.GetJobRequest, who: Credential | None) -> pb.GetJobResponse:
+    def GetJob(self, m: pb.GetJobRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.GetJobResponse:
         _allow(who, "GetJob", m.job)
-        st = self.core.job(m.job)
+        st = self.core.job(m.job, budget)
         j = join_response(st.result)
         out = pb.GetJobResponse(spec=spec_to_proto(st.spec), generation=j.generation, world=j.world,
                                 started=j.started, waiting_for=j.waiting_for, waiting=j.waiting)
@@ -142,50 +144,51 @@ class CoordinatorServicer:
         out.amendments.extend(amendment_to_proto(a) for a in st.amendments)
         return out
 
-    def Amend(self, m: pb.AmendRequest, who: Credential | None) -> pb.AmendResponse:
+    def Amend(self, m: pb.AmendRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.AmendResponse:
         _allow(who, "Amend", m.job)
         if m.kind not in KINDS:
             raise E.InvalidArgument(f"amendment kind must be one of {', '.join(map(repr, KINDS))} (got {m.kind!r})")
-        a = self.core.amend(m.job, m.kind, tuple(m.values))
+        a = self.core.amend(m.job, m.kind, tuple(m.values), budget)
         return pb.AmendResponse(amendment=amendment_to_proto(a))
 
-    def Report(self, m: pb.ReportRequest, who: Credential | None) -> pb.ReportResponse:
+    def Report(self, m: pb.ReportRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.ReportResponse:
         _allow(who, "Report", m.job)
         if not m.HasField("progress"):
             raise E.InvalidArgument("a report needs the rank's progress")
         checkpoint = checkpoint_from_proto(m.checkpoint) if m.HasField("checkpoint") else None
         cursor = self.core.report(m.job, m.generation, m.rank, m.progress.epoch, m.progress.batches, checkpoint,
-                                  lockstep=not m.own, items=items_from_proto(m.checkpoint) if checkpoint else None)
+                                  lockstep=not m.own, items=items_from_proto(m.checkpoint) if checkpoint else None, budget=budget)
         out = pb.ReportResponse()
         if cursor is not None:
             out.cursor.CopyFrom(cursor_to_proto(cursor))
         return out
 
-    def GetCheckpoint(self, m: pb.GetCheckpointRequest, who: Credential | None) -> pb.GetCheckpointResponse:
+    def GetCheckpoint(self, m: pb.GetCheckpointRequest, who: Credential | None,
+                      budget: Budget = UNBOUNDED) -> pb.GetCheckpointResponse:
         _allow(who, "GetCheckpoint", m.job)
-        spec, record = self.core.checkpoint(m.job, None if m.latest else m.step)
+        spec, record = self.core.checkpoint(m.job, None if m.latest else m.step, budget)
         return pb.GetCheckpointResponse(spec=spec_to_proto(spec), record=record_to_proto(record))
 
-    def GetLedger(self, m: pb.GetLedgerRequest, who: Credential | None) -> pb.GetLedgerResponse:
+    def GetLedger(self, m: pb.GetLedgerRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.GetLedgerResponse:
         _allow(who, "GetLedger", m.job)
-        spec, segments, steps = self.core.ledger(m.job)
+        spec, segments, steps = self.core.ledger(m.job, budget)
         return pb.GetLedgerResponse(spec=spec_to_proto(spec), segments=segments, steps=steps)
 
-    def CommitStep(self, m: pb.CommitStepRequest, who: Credential | None) -> pb.CommitStepResponse:
+    def CommitStep(self, m: pb.CommitStepRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.CommitStepResponse:
         _allow(who, "CommitStep", m.job)
         if not m.HasField("spec"):
             raise E.InvalidArgument("a step report needs the job's spec")
         if m.stop < m.start:
             raise E.InvalidArgument(f"a step report's span [{m.start}, {m.stop}) is empty or reversed")
-        step = CommittedStep(m.step, m.start, m.stop, m.quorum, m.participants)
-        new = self.core.commit_step(m.job, spec_from_proto(m.spec), m.run, m.parent, m.resumed, m.mode, m.batch, step)
+        step = CommittedStep.from_list([m.step, m.start, m.stop, m.quorum, m.participants])  # the wire's form
+        new = self.core.commit_step(m.job, spec_from_proto(m.spec), m.run, m.parent, m.resumed, m.mode, m.batch, step, budget)
         return pb.CommitStepResponse(recorded=new)
 
-    def ListJobs(self, m: pb.ListJobsRequest, who: Credential | None) -> pb.ListJobsResponse:
+    def ListJobs(self, m: pb.ListJobsRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.ListJobsResponse:
         _allow(who, "ListJobs", None)
         if m.page_size > MAX_PAGE:
             raise E.InvalidArgument(f"page_size must be at most {MAX_PAGE} (got page_size={m.page_size})")
-        names = [j for j in self.core.jobs() if who is None or who.reads(j)]  # sorted
+        names = [j for j in self.core.jobs(budget) if who is None or who.reads(j)]  # sorted
         first = bisect.bisect_right(names, m.page_token) if m.page_token else 0
         page = names[first:first + m.page_size] if m.page_size else names[first:]
         more = bool(page) and first + len(page) < len(names)
@@ -199,3 +202,25 @@ def _allow(who: Credential | None, method: str, job: str | None) -> None:
 
 def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
     return (m.progress.epoch, m.progress.batches) if m.HasField("progress") else None
+
+
+def _with_sizes(m: pb.LeaseResponse, sizes: list[int]) -> pb.LeaseResponse:
+    """`m` with a lease's batch sizes.
+
+    NOTE: set one by one, the 65,536 sizes of a default lease of indices cost about a millisecond,
+    more than the rest of the answer. Fixed batches (every size the same but perhaps the last) are
+    merged in from their encoding instead, made once for each (size, count, last).
+    """
+    if sizes:
+        same = sizes.count(sizes[0])
+        if same == len(sizes) or (same == len(sizes) - 1 and sizes[-1] != sizes[0]):
+            m.MergeFromString(_sizes_encoded(sizes[0], len(sizes), sizes[-1]))
+            return m
+    m.sizes.extend(sizes)
+    return m
+
+
+@functools.lru_cache(maxsize=64)
+def _sizes_encoded(size: int, count: int, last: int) -> bytes:
+    """The encoding of a LeaseResponse holding only `count` batch sizes, each `size` but the last (`last`)."""
+    return pb.LeaseResponse(sizes=[size] * (count - 1) + [last]).SerializeToString()

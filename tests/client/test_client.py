@@ -121,7 +121,7 @@ def test_dataset_argument_and_validation() -> None:
     with pytest.raises(ValueError, match="dataset size must be >= 0"):
         DistributedSampler(-1)
     assert len(DistributedSampler(list(range(7)), num_replicas=2, rank=1, shuffle=False)) == 4
-    with pytest.raises(ValueError, match="lease_ahead=100000 batches of 1 is more than one lease serves"):
+    with pytest.raises(ValueError, match=r"lease_ahead must be in \[1, \d+\) \(got lease_ahead=100000\): one lease serves at most"):
         DistributedSampler(10, lease_ahead=100_000)
 
 
@@ -309,3 +309,34 @@ def test_a_forked_child_calls_its_parents_embedded_coordinator_through_grpc() ->
             p.kill()
         parent.close()
     assert got == list(range(500)), got
+
+
+def test_a_generations_first_lease_is_small_and_the_rest_are_whole(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch after a join waits for a lease of about FIRST_LEASE_INDICES indices, not a whole
+    lease_ahead; the leases after it, and a later epoch's first, are whole; every index still comes once."""
+    from croupier.client import _prefetch
+    from croupier.client._rpc import CoordinatorClient
+
+    asked: list[tuple[int, int, int]] = []  # (epoch, first batch, count) of each grant asked
+    real = CoordinatorClient.grant
+
+    def grant(self: CoordinatorClient, job: str, gen: int, rank: int, epoch: int, first: int, count: int,
+              *a: Any, **kw: Any) -> Any:
+        asked.append((epoch, first, count))
+        return real(self, job, gen, rank, epoch, first, count, *a, **kw)
+
+    monkeypatch.setattr(CoordinatorClient, "grant", grant)
+    first = _prefetch.FIRST_LEASE_INDICES
+    s = DistributedSampler(3 * first + 5, num_replicas=1, rank=0, address=server.address, job="ramp", incarnation="g1",
+                           lease_ahead=2 * first)
+    for _ in range(2):  # epochs 0 and 1
+        assert sorted(s) == list(range(3 * first + 5))
+    s.close()
+    assert asked == [(0, 0, first), (0, first, 2 * first), (0, 3 * first, 2 * first),  # 1,024 + 2,048 + 5
+                     (1, 0, 2 * first), (1, 2 * first, 2 * first)]  # 2,048 + 1,029
+    asked.clear()
+    b = DistributedBatchSampler(3 * first, 100, num_replicas=1, rank=0, address=server.address, job="ramp-b",
+                                incarnation="g1", lease_ahead=40)
+    assert sorted(i for batch in b for i in batch) == list(range(3 * first))
+    b.close()
+    assert [count for _, _, count in asked] == [first // 100, 40]  # 10 batches of 100 first, then the rest (21)

@@ -33,6 +33,12 @@ def _fresh_helper() -> Iterator[None]:
     _expander._reset_for_tests()
 
 
+@pytest.fixture(autouse=True)
+def _every_lease_to_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leases below are tiny; every one goes to the helper (the test of small leases sets the bound back)."""
+    monkeypatch.setattr(_expander, "LOCAL_BELOW", 0)
+
+
 def _resumed(spec: Spec, world: int, batches: int, new_world: int) -> FixedPlan:
     """The plan of a generation of `new_world` ranks resuming after `batches` batches of `world` ranks."""
     first = plan_epoch(spec, fresh(spec, 0), world, 0)
@@ -295,3 +301,29 @@ def test_a_default_lease_crosses_the_pipe_in_one_turn() -> None:
     proc = _expander._process()
     assert proc is not None and proc.stdout is not None
     assert fcntl.fcntl(proc.stdout.fileno(), fcntl.F_GETPIPE_SZ) >= min(limit, 65536 * 8)
+
+
+def test_small_leases_are_computed_here_and_start_the_helper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease of fewer than LOCAL_BELOW indices (a generation's first) is computed in this process,
+    where it costs less than the round trip; it starts the helper all the same, and the next,
+    larger lease goes there."""
+    monkeypatch.setattr(_expander, "LOCAL_BELOW", 100)
+    spec = Spec(n=10_000, seed=4, batch_size=10)
+    p = plan_epoch(spec, fresh(spec, 0), 2, 0)
+    assert p is not None
+    small, large = p.lease(1, 0, 9), p.lease(1, 9, 10)  # 90 and 100 indices
+    asked: list[int] = []
+    real = _expander._Helper.lease
+
+    def counted(self: Any, plan: Any, rank: int, first: int, count: int, total: int) -> Any:
+        asked.append(total)
+        return real(self, plan, rank, first, count, total)
+
+    monkeypatch.setattr(_expander._Helper, "lease", counted)
+    assert _expander._process() is None
+    _same(_expander.lease(p, 1, 0, 9), (small[0].tolist(), small[1]))
+    assert _expander.ready(60.0) and _expander._process() is not None  # the small lease started it
+    _same(_expander.lease(p, 1, 0, 9), (small[0].tolist(), small[1]))
+    assert asked == []
+    _same(_expander.lease(p, 1, 9, 10), (large[0].tolist(), large[1]))
+    assert asked == [100]

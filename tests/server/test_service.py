@@ -25,7 +25,7 @@ from croupier.core.spec import Spec
 from croupier.core.wire import SERVICE
 from croupier.server._service import Server
 from croupier.server._store import StoreUnavailable
-from croupier.tools import _serve
+from croupier.tools import serve
 from croupier.v1 import coordinator_pb2 as pb
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -304,7 +304,7 @@ def test_serve_refuses_a_corrupt_store(tmp_path: pathlib.Path) -> None:
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"this is not a database" * 100)
     with open(tmp_path / "serve.log", "w+") as log:
-        p = _serve.ServeProcess(f"sqlite:///{bad}", log)
+        p = serve.ServeProcess(f"sqlite:///{bad}", log)
         with pytest.raises(RuntimeError, match=r"did not start \(exit [1-9]\d*, first line ''\)"):
             p.start()  # nothing on stdout: no "listening on"
     assert str(bad) in (tmp_path / "serve.log").read_text()
@@ -312,12 +312,12 @@ def test_serve_refuses_a_corrupt_store(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.e2e
 def test_a_serve_process_restarts_on_its_port_and_its_group_sees_an_exit(tmp_path: pathlib.Path) -> None:
-    """tools/_serve.py, the one way the tools and the tests run `croupier serve`: a restart keeps the port
+    """tools/serve.py, the one way the tools and the tests run `croupier serve`: a restart keeps the port
     the clients know, and a group names the member that exited when nobody stopped it."""
     with open(tmp_path / "serve.log", "w+") as log:
-        first = _serve.ServeProcess(f"sqlite:///{tmp_path}/c.db", log, "replica 0")
-        second = _serve.ServeProcess("memory://", log, "replica 1")
-        group = _serve.ServeGroup([first, second])
+        first = serve.ServeProcess(f"sqlite:///{tmp_path}/c.db", log, "replica 0")
+        second = serve.ServeProcess("memory://", log, "replica 1")
+        group = serve.ServeGroup([first, second])
         try:
             group.start()
             assert group.address == f"{first.address},{second.address}"
