@@ -351,6 +351,7 @@ def _make_loader(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, Any]:
                 if storage == "s3" else None)
         ds = ShardedDataset(src, storage_options=opts, cache_dir=cache)
         batches = DistributedBatchSampler(ds, b, shard_sizes=ds.shard_sizes, reader_group=cfg["reader_group"], seed=0)
+        batches.read_ahead = ds.read_ahead  # the sampler's next leases fetched while the current one trains
         loader = Loader(DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=_collate))
         if resume:
             loader.load_state_dict(json.loads((state_dir / "state.json").read_text()))

@@ -113,6 +113,14 @@ class ShardCache:
             self.fetches += 1
         return data
 
+    def touch(self, key: str) -> bool:
+        """Marks shard `key` used now, if the cache holds it; whether it does."""
+        return self._touch(self.path(key))
+
+    def holds(self, key: str) -> bool:
+        """Whether the cache holds shard `key` now (another process may evict it the next moment)."""
+        return os.path.exists(self.path(key))
+
     def discard(self, key: str) -> None:
         """Drops shard `key` from the cache (a copy found corrupt), if it holds it."""
         with _flock(os.path.join(self.root, f"{key}.lock")), contextlib.suppress(FileNotFoundError):

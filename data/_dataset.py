@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import logging
 import operator
@@ -14,12 +15,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from croupier.client import FILTERED
-from croupier.core.checks import check_choice, check_int
+from croupier.core.checks import check_bool, check_choice, check_int
 from croupier.data._cache import ShardCache
 from croupier.data._formats import FORMATS, Reader
 from croupier.data._index import IndexCache
 from croupier.data._manifest import Manifest, Shard, ShardChanged
+from croupier.data._ranges import Corrupt, FetchFailed, Ranges
 from croupier.data._storage import Retry, Storage, transient
 
 log = logging.getLogger("croupier.data")
@@ -57,14 +61,6 @@ class ShardError(RuntimeError):
         self.indices = indices
 
 
-class _Corrupt(Exception):
-    """A shard's local copy (or local file) that its format cannot read: not tried again."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 class ShardedDataset:
     """A map-style dataset over shards: ``ds[i]`` is row ``i - offsets[s]`` of shard s (as torch's
     ConcatDataset numbers samples), decoded, then passed through `transform`.
@@ -72,8 +68,11 @@ class ShardedDataset:
     Drive it with a croupier sampler built on its shard sizes
     (``DistributedSampler(ds, shard_sizes=ds.shard_sizes, ...)``) and a DataLoader; it is picklable, and
     each DataLoader worker opens the shards it reads itself. Local files are read in place; shards in
-    object storage are fetched whole into the node's cache (``cache_dir``, shared by the node's ranks and
-    workers, at most `cache_bytes`) and read from there.
+    object storage are fetched into the node's cache (``cache_dir``, shared by the node's ranks and workers,
+    at most `cache_bytes`) and read from there: a parquet file by row group (its footer from the shard's
+    index, each row group a ranged read of its bytes when a row of it is first asked for), a tar whole.
+    Hand the sampler's upcoming indices to :meth:`read_ahead` (``sampler.read_ahead = ds.read_ahead``) and
+    the row groups they need are fetched while the ones before them train.
 
     Args:
         shards: A :class:`Manifest` (its shards as recorded; each is checked against the store, see
@@ -94,7 +93,9 @@ class ShardedDataset:
         decode: Decode a tar's members by extension (text, ints, JSON); else each member's bytes.
         verify: With a manifest, check at once that no shard changed (one listing per folder); a shard is
             checked again whenever it is fetched.
-        prefetch_threads: Threads fetching the shards :meth:`prefetch` names.
+        prefetch_threads: Threads fetching what :meth:`prefetch` and :meth:`read_ahead` name.
+        range_reads: Read parquet shards in object storage by row group (ranged reads of the groups a read
+            needs); False: fetch each shard whole, its MD5 checked against the etag where the store gives one.
 
     Raises:
         ShardChanged: a shard is not what the manifest recorded (a ValueError naming its path and both values).
@@ -105,8 +106,10 @@ class ShardedDataset:
                  transform: Callable[[Any], Any] | None = None, format: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, on_error: str = "raise", retry: Retry | None = None,
-                 decode: bool = True, verify: bool = True, prefetch_threads: int = 2) -> None:
+                 decode: bool = True, verify: bool = True, prefetch_threads: int = 4,
+                 range_reads: bool = True) -> None:
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
+        self.range_reads = check_bool("range_reads", range_reads)
         self.transform = transform
         self.decode = decode
         self.prefetch_threads = check_int("prefetch_threads", prefetch_threads, 1)
@@ -129,6 +132,7 @@ class ShardedDataset:
             raise ValueError(f"cache_bytes={cache_bytes} is smaller than shard {largest.path} ({largest.bytes} bytes): "
                              f"the cache must hold the largest shard in object storage")
         self._index = IndexCache(self.cache_dir)
+        self._ranges = Ranges(self.manifest, self._storage, self.cache, self._index)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -191,32 +195,81 @@ class ShardedDataset:
             return FILTERED
         try:
             sample = reader.row(r)
+        except ShardChanged:
+            self._close(s)
+            raise
+        except FetchFailed as e:
+            self._close(s)
+            self._fail(s, e.error)
+            return FILTERED
         except Exception as e:
             self._close(s)
-            if not self._local[s]:
-                self.cache.discard(self.manifest.shards[s].key)
-            self._fail(s, _Corrupt(e))
+            self._discard(s)
+            self._fail(s, Corrupt(e))
             return FILTERED
         return sample if self.transform is None else self.transform(sample)
 
-    def prefetch(self, shards: Iterable[int]) -> list[Future[str]]:
-        """Starts fetching `shards` into the node's cache in background threads (a shard held already, or
+    def prefetch(self, shards: Iterable[int]) -> list[Future[None]]:
+        """Starts fetching `shards` whole into the node's cache in background threads (a shard held already, or
         local, is done at once). A failed fetch is not raised here: the read of the shard reports it.
 
         Returns:
-            One future per shard, done when the shard is in the cache (its result: the local path) or its
-            fetch failed (its exception).
+            One future per shard, done when the shard is in the cache or its fetch failed (its exception).
         """
-        out: list[Future[str]] = []
+        out: list[Future[None]] = []
         for s in shards:
             s = check_int("shard", s, 0, len(self._sizes))
             if self._local[s]:
-                done: Future[str] = Future()
-                done.set_result(self._storage.local_path(self.manifest.shards[s].path))
+                done: Future[None] = Future()
+                done.set_result(None)
                 out.append(done)
             else:
-                out.append(self._pool().submit(self._ensure, s))
+                out.append(self._pool().submit(self._fetch, s, None))
         return out
+
+    def read_ahead(self, indices: Sequence[int] | np.ndarray) -> list[Future[None]]:
+        """Starts fetching what reading `indices` (the sampler's upcoming ones, in the order they come) needs
+        into the node's cache, in background threads: shards in the order of their first index, and of a
+        parquet shard in object storage only the row groups those indices fall in. Local shards and what
+        the cache holds already cost nothing. A failed fetch is not raised here: the read reports it.
+
+        Give it to the sampler (``sampler.read_ahead = ds.read_ahead``): the sampler calls it with each lease
+        of indices it prepares, ahead of the training loop, so a lease's shards are fetched while the one
+        before it trains. The cache must hold what a few leases read (``lease_ahead x batch_size`` indices a
+        lease, ``prefetch`` leases prepared ahead of the one in use), or read-ahead evicts what is still to
+        be read.
+
+        Returns:
+            One future per shard in object storage, done when its pieces are in the cache or a fetch failed.
+
+        Raises:
+            IndexError: an index is not in ``[0, len(self))`` (nothing is fetched then).
+        """
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and not (0 <= int(idx.min()) and int(idx.max()) < len(self)):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise IndexError(f"read_ahead: dataset index {bad} is not in [0, {len(self)})")
+        return [self._pool().submit(self._fetch, s, rows) for s, rows in self._by_shard(idx) if not self._local[s]]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The samples of a batch (what a DataLoader's worker asks for): what they need that the node's cache
+        does not hold is fetched first, a shard a thread (`prefetch_threads`) at once, then the rows are read.
+
+        Raises:
+            As ``ds[i]`` does.
+        """
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size > 1 and 0 <= int(idx.min()) and int(idx.max()) < len(self):  # else the reads raise
+            self._own()
+            missing = [(s, rows) for s, rows in self._by_shard(idx)
+                       if not self._local[s] and s not in self._skipped and not self._held(s, rows)]
+            futures = [self._pool().submit(self._fetch, s, rows) for s, rows in missing] if len(missing) > 1 else []
+            for f in futures:
+                f.exception()  # a failed fetch: the read of its row reports it
+            if len(missing) == 1:
+                with contextlib.suppress(Exception):  # as above
+                    self._fetch(*missing[0])
+        return [self[i] for i in indices]
 
     def close(self) -> None:
         """Closes this process's open shards and stops its prefetch threads."""
@@ -268,6 +321,10 @@ class ShardedDataset:
     def _open(self, s: int) -> Reader:
         shard = self.manifest.shards[s]
         fmt = FORMATS[shard.format]
+        if self._ranged(s):
+            full = self._ranges.index(s)
+            self._ranges.pieces(s, full)
+            return fmt.open_pieces(full, shard.bytes, lambda k: self._ranges.read(s, k), self.decode)
         index = self._index.get(shard.key)
         if self._local[s]:
             shard.check(self._storage.stat(shard.path))
@@ -276,7 +333,7 @@ class ShardedDataset:
             except (FileNotFoundError, PermissionError):
                 raise
             except Exception as e:
-                raise _Corrupt(e) from e
+                raise Corrupt(e) from e
         for tried in range(1, _OPEN_TRIES + 1):
             path = self._ensure(s)
             try:
@@ -285,9 +342,42 @@ class ShardedDataset:
                 if tried == _OPEN_TRIES:  # evicted again and again: the cache is too small for the readers
                     raise
             except Exception as e:
-                self.cache.discard(shard.key)
-                raise _Corrupt(e) from e
+                self._discard(s)
+                raise Corrupt(e) from e
         raise AssertionError("unreachable")
+
+    def _ranged(self, s: int) -> bool:
+        """Whether shard `s` is read by pieces: in object storage, of a format read so, with range reads on."""
+        return self.range_reads and not self._local[s] and FORMATS[self.manifest.shards[s].format].ranged
+
+    def _by_shard(self, idx: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """Each shard of dataset indices `idx` (in range) with its rows among them, the shards in the order of
+        their first index."""
+        shard = np.searchsorted(np.asarray(self._offsets, dtype=np.int64), idx, side="right") - 1  # (len,)
+        _, first = np.unique(shard, return_index=True)
+        out = []
+        for at in np.sort(first).tolist():
+            s = int(shard[at])
+            out.append((s, np.unique(idx[shard == s] - self._offsets[s])))
+        return out
+
+    def _held(self, s: int, rows: np.ndarray) -> bool:
+        """Whether the node's cache holds what reading `rows` of shard `s` needs (as far as this process knows)."""
+        return self._ranges.ready(s, rows) if self._ranged(s) else self.cache.holds(self.manifest.shards[s].key)
+
+    def _fetch(self, s: int, rows: np.ndarray | None) -> None:
+        """Fetches into the cache what reading `rows` of shard `s` (None: every row) needs."""
+        if self._ranged(s):
+            self._ranges.ensure(s, self._ranges.wanted(s, rows))
+        else:
+            self._ensure(s)
+
+    def _discard(self, s: int) -> None:
+        """Drops shard `s`'s copy (or the copies of its pieces) from the cache: one found corrupt."""
+        if self._local[s]:
+            return
+        self.cache.discard(self.manifest.shards[s].key)
+        self._ranges.discard(s)
 
     def _ensure(self, s: int) -> str:
         """The local path of shard `s`, fetched into the cache if need be (checked against the manifest first)."""
@@ -305,7 +395,7 @@ class ShardedDataset:
         if isinstance(e, ShardChanged):
             raise e
         shard, rng = self.manifest.shards[s], self.indices(s)
-        if isinstance(e, _Corrupt):
+        if isinstance(e, Corrupt):
             reason, e = "corrupt", e.error
         elif isinstance(e, FileNotFoundError):
             reason = "missing"

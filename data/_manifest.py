@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -18,6 +19,8 @@ from croupier.data._storage import Retry, Stat, Storage
 
 #: The manifest's JSON format; a manifest of another version is refused.
 VERSION = 1
+#: Footers (or tar headers) :meth:`Manifest.build` reads at once.
+BUILD_THREADS = 16
 
 
 class ShardChanged(ValueError):
@@ -143,22 +146,30 @@ class Manifest:
         else:
             found = [(os.fspath(p), storage.stat(os.fspath(p), fresh=False)) for p in source]
         index = IndexCache(cache_dir)
-        shards = []
-        for url, stat in found:
+
+        def shard(url: str, stat: Stat) -> Shard:
             fmt = format_of(url, format)
-            key = content_key(url, stat)
-            idx = index.get(key)
-            if idx is None:
-                with storage.open(url, block_size=2**16) as f:
+
+            def read() -> dict[str, Any]:
+                with storage.open(url, block_size=2**16, size=stat.size) as f:
                     try:
-                        idx = fmt.index(f)
+                        return fmt.index(f)
+                    except OSError:
+                        raise
                     except Exception as e:
-                        if isinstance(e, OSError):
-                            raise
                         raise ValueError(f"{url} is not a {fmt.name} file: {type(e).__name__}: {e}") from e
-                index.put(key, idx)
-            shards.append(Shard(url, fmt.name, stat.size, int(idx["samples"]), stat.etag, stat.mtime))
-        return cls(tuple(shards))
+
+            idx = index.get_or_build(content_key(url, stat), lambda: storage.retry.run(f"read the index of {url}", read))
+            return Shard(url, fmt.name, stat.size, int(idx["samples"]), stat.etag, stat.mtime)
+
+        # NOTE: the footers are read BUILD_THREADS at a time (an object store answers each after a round trip),
+        # each process of a node starting at a place of its own: processes building one manifest at once
+        # (a node's ranks) read different footers, and find the others' in the index cache.
+        start = os.getpid() % len(found) if found else 0
+        turn = found[start:] + found[:start]
+        with ThreadPoolExecutor(min(BUILD_THREADS, max(1, len(found))), thread_name_prefix="croupier-manifest") as pool:
+            built = dict(zip((url for url, _ in turn), pool.map(lambda f: shard(*f), turn)))
+        return cls(tuple(built[url] for url, _ in found))
 
     def to_json(self) -> str:
         """The manifest as JSON text."""

@@ -199,10 +199,12 @@ class Storage:
             return {}
         return {fs._strip_protocol(e["name"]): stat_of(e) for e in entries if e.get("type") != "directory"}
 
-    def open(self, url: str, block_size: int = 2**20) -> Any:
-        """A seekable file object reading `url` (reads of `block_size` bytes at least)."""
+    def open(self, url: str, block_size: int = 2**20, size: int | None = None) -> Any:
+        """A seekable file object reading `url` (reads of `block_size` bytes at least); with its `size` known
+        (from a listing or a manifest), an object store is not asked for it first."""
         fs, path = self.fs(url)
-        return self.retry.run(f"open {url}", lambda: fs.open(path, "rb", block_size=block_size))
+        more = {} if size is None else {"size": size}
+        return self.retry.run(f"open {url}", lambda: fs.open(path, "rb", block_size=block_size, **more))
 
     def fetch(self, url: str, dest: str, size: int, etag: str | None = None) -> None:
         """Copies `url` to the local file `dest` (created, empty), `size` bytes, in large ranged reads; a
@@ -231,6 +233,23 @@ class Storage:
                 raise OSError(errno.EIO, f"the copy of {url} has MD5 {digest.hexdigest()}, but the store's etag is {want}")
 
         self.retry.run(f"fetch {url}", call)
+
+    def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes [`start`, `end`) of `url`, in one ranged read; a read cut short is a transient error, tried
+        again. No checksum: a store's etag covers a whole object, never a range.
+
+        Raises:
+            OSError: the read failed, the last try's error once the tries are spent.
+        """
+        fs, path = self.fs(url)
+
+        def call() -> bytes:
+            data = bytes(fs.cat_file(path, start=start, end=end))
+            if len(data) != end - start:
+                raise OSError(errno.EIO, f"read {len(data)} bytes of [{start}, {end}) of {url}, expected {end - start}")
+            return data
+
+        return self.retry.run(f"read bytes [{start}, {end}) of {url}", call)
 
     def expand(self, source: str) -> tuple[list[tuple[str, Stat]], bool]:
         """The files `source` names, each with its :class:`Stat`, in sorted order: a glob's matches, a

@@ -6,7 +6,10 @@ import json
 import os
 import re
 import tarfile
+from collections.abc import Callable
 from typing import IO, Any
+
+from croupier.data._index import Pieces
 
 #: A member's key and extension: "dir/0001.seg.json" is key "dir/0001", extension "seg.json" (webdataset's rule).
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
@@ -58,6 +61,7 @@ class WebDataset:
 
     name: str = "webdataset"
     suffixes: tuple[str, ...] = (".tar",)
+    ranged: bool = False
 
     def index(self, f: IO[bytes]) -> dict[str, Any]:
         """The samples and where each member lies, from the tar's headers."""
@@ -67,6 +71,19 @@ class WebDataset:
     def open(self, path: str, index: dict[str, Any] | None, decode: bool) -> TarReader:
         """A reader of the local tar `path`."""
         return TarReader(path, index, decode)
+
+    def pieces(self, index: dict[str, Any]) -> Pieces | None:
+        """None: a tar is fetched whole (its samples are small members, many to a range worth a request)."""
+        return None
+
+    def open_pieces(self, index: dict[str, Any], size: int, read_piece: Callable[[int], bytes],
+                    decode: bool) -> TarReader:
+        """Never called: a tar has no pieces (:meth:`pieces`).
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("a webdataset tar is read whole: it has no pieces to read apart")
 
 
 class TarReader:

@@ -66,6 +66,7 @@ def train(folder: str, epochs: int, batch_size: int, workers: int, checkpoint: p
     ds = ShardedDataset(folder)                                                    # sizes from the footers
     batches = DistributedBatchSampler(ds, batch_size, shard_sizes=ds.shard_sizes,  # a shard-local order
                                       reader_group=reader_group)
+    batches.read_ahead = ds.read_ahead  # the next leases' shards fetched while this one trains (object storage)
     loader = Loader(DataLoader(ds, batch_sampler=batches, num_workers=workers))
     state = json.loads(checkpoint.read_text()) if checkpoint.exists() else None
     if state:

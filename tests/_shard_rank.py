@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import pathlib
 import signal
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,90 +67,6 @@ def loader_of(ds: Any, sampler: Any, workers: int) -> Any:
     """croupier's ``Loader`` over a DataLoader of ``Indexed(ds)`` with `workers` workers (prefetch_factor 4)."""
     more: dict[str, Any] = {"multiprocessing_context": CONTEXT, "prefetch_factor": 4} if workers else {}
     return Loader(DataLoader(Indexed(ds), batch_sampler=sampler, num_workers=workers, collate_fn=rows_of, **more))
-
-
-class S3Server:
-    """An S3-API server on a free loopback port: moto's WSGI application served by werkzeug, behind a layer
-    that counts each object's GET requests and answers the next ones of an object 500 (InternalError) while
-    a fault is armed for it (:meth:`fail`). One bucket of its own."""
-
-    def __init__(self) -> None:
-        import uuid
-
-        import boto3
-        import fsspec
-        from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
-        from werkzeug.serving import make_server
-
-        class Quiet(MotoRequestHandler):
-            def log_request(self, *args: Any, **kwargs: Any) -> None:
-                pass
-
-        self._app = DomainDispatcherApplication(create_backend_app)
-        self._lock = threading.Lock()
-        self._gets: dict[str, int] = {}
-        self._faults: dict[str, int] = {}
-        self.failed: dict[str, int] = {}
-        """GET requests answered with an injected error, by URL."""
-        self._server = make_server("127.0.0.1", 0, self._wsgi, threaded=True, request_handler=Quiet)
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        host, port = self._server.server_address[:2]
-        self.endpoint = f"http://{host}:{port}"
-        self.bucket = f"shards-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=self.bucket)
-        self.fs = fsspec.filesystem("s3", **self.options(), skip_instance_cache=True)
-
-    def options(self) -> dict[str, Any]:
-        """s3fs's options reaching this server; the client does not retry (croupier's `Retry` does)."""
-        return {"key": "testing", "secret": "testing",
-                "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
-                "config_kwargs": {"retries": {"total_max_attempts": 1}}}
-
-    def _wsgi(self, environ: dict[str, Any], start_response: Any) -> Any:
-        url = "s3:/" + environ.get("PATH_INFO", "")
-        if environ["REQUEST_METHOD"] == "GET":
-            with self._lock:
-                self._gets[url] = self._gets.get(url, 0) + 1
-                fault = self._faults.get(url, 0) > 0
-                if fault:
-                    self._faults[url] -= 1
-                    self.failed[url] = self.failed.get(url, 0) + 1
-            if fault:
-                body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
-                        b"<Message>We encountered an internal error. Please try again.</Message>"
-                        b"<RequestId>injected</RequestId></Error>")
-                start_response("500 Internal Server Error", [("Content-Type", "application/xml"),
-                                                             ("Content-Length", str(len(body)))])
-                return [body]
-        return self._app(environ, start_response)
-
-    def put(self, files: Sequence[pathlib.Path], prefix: str) -> list[str]:
-        """Uploads `files` under `prefix` of the bucket; their URLs."""
-        urls = []
-        for f in files:
-            self.fs.put_file(str(f), f"{self.bucket}/{prefix}/{f.name}")
-            urls.append(f"s3://{self.bucket}/{prefix}/{f.name}")
-        return urls
-
-    def remove(self, url: str) -> None:
-        self.fs.rm(url.removeprefix("s3://"))
-
-    def fail(self, url: str, times: int) -> None:
-        """The next `times` GET requests of the object at `url` are answered 500 (InternalError)."""
-        with self._lock:
-            self._faults[url] = times
-
-    def gets(self, url: str) -> int:
-        """GET requests of the object at `url` so far."""
-        with self._lock:
-            return self._gets.get(url, 0)
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._thread.join(timeout=30)
-        self._server.server_close()
 
 
 def _save(path: pathlib.Path, checkpoint: dict[str, Any]) -> None:

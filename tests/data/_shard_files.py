@@ -1,5 +1,5 @@
-"""Shards for croupier.data's tests (rows whose `id` is their dataset index), an S3-API server on loopback
-(moto's server mode) with its request log, and a file system that fails its first reads."""
+"""Shards for croupier.data's tests (rows whose `id` is their dataset index), file systems that fail or garble
+their first reads, and helpers for tests across processes (the S3-API server is tests/_s3.py's)."""
 
 from __future__ import annotations
 
@@ -7,22 +7,17 @@ import errno
 import fcntl
 import hashlib
 import io
-import logging
 import os
 import pathlib
-import re
 import tarfile
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
-
-BUCKET = "shards"
 
 
 def write_parquet(folder: pathlib.Path, sizes: Sequence[int], row_group: int = 4, first: int = 0,
@@ -57,69 +52,6 @@ def write_tars(folder: pathlib.Path, sizes: Sequence[int], first: int = 0) -> li
         out.append(path)
         n += size
     return out
-
-
-class _Requests(logging.Handler):
-    """The server's request log lines."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-        self._lock = threading.Lock()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._lock:
-            self.lines.append(record.getMessage())
-
-
-class S3:
-    """An S3-API server (moto's) on a free loopback port, one bucket, and the options that reach it."""
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._log = _Requests()
-        werkzeug = logging.getLogger("werkzeug")
-        werkzeug.addHandler(self._log)
-        werkzeug.setLevel(logging.INFO)
-        werkzeug.propagate = False
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-        self.options: dict[str, Any] = {"key": "testing", "secret": "testing",
-                                        "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
-                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
-        self.fs = fsspec.filesystem("s3", **self.options)
-
-    def stop(self) -> None:
-        self._server.stop()
-        logging.getLogger("werkzeug").removeHandler(self._log)
-
-    def put(self, files: Sequence[pathlib.Path], prefix: str) -> list[str]:
-        """Uploads `files` under `prefix`; their URLs."""
-        urls = []
-        for f in files:
-            self.fs.put_file(str(f), f"{BUCKET}/{prefix}/{f.name}")
-            urls.append(f"s3://{BUCKET}/{prefix}/{f.name}")
-        return urls
-
-    def gets(self, url: str) -> int:
-        """GET requests the server has answered for the object at `url` so far."""
-        key = url.removeprefix("s3://")
-        return sum(1 for line in list(self._log.lines) if f'"GET /{key} ' in re.sub(r"\x1b\[[0-9;]*m", "", line))
-
-
-def serve_s3() -> Iterator[S3]:
-    """An S3-API server for a fixture to yield, stopped at the end."""
-    server = S3()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class FlakyFS(LocalFileSystem):

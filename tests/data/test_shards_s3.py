@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _shard_files import S3, serve_s3, write_parquet, write_tars
+from _s3 import S3Server, serve_s3
+from _shard_files import write_parquet, write_tars
 
 from croupier.client import FILTERED
 from croupier.data import Manifest, Retry, ShardChanged, ShardedDataset, ShardError
@@ -23,20 +24,20 @@ FAST = Retry(attempts=3, first_wait_s=0.001, max_wait_s=0.01)
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
+def s3() -> Iterator[S3Server]:
     """The module's S3-API server on loopback."""
     yield from serve_s3()
 
 
-def _ds(source: object, s3: S3, tmp_path: pathlib.Path, **kw: object) -> ShardedDataset:
+def _ds(source: object, s3: S3Server, tmp_path: pathlib.Path, **kw: object) -> ShardedDataset:
     return ShardedDataset(source, storage_options=s3.options, cache_dir=tmp_path / "cache",  # type: ignore[arg-type]
                           retry=FAST, **kw)  # type: ignore[arg-type]
 
 
-def test_sizes_from_the_footers_fetch_no_shard(s3: S3, tmp_path: pathlib.Path) -> None:
+def test_sizes_from_the_footers_fetch_no_shard(s3: S3Server, tmp_path: pathlib.Path) -> None:
     sizes = [30, 12, 0, 21]
     urls = s3.put(write_parquet(tmp_path / "d", sizes, row_group=5), "sizes")
-    ds = _ds("s3://shards/sizes/", s3, tmp_path)
+    ds = _ds(s3.url("sizes"), s3, tmp_path)
     assert ds.shard_sizes == tuple(sizes)
     assert [s.path for s in ds.manifest.shards] == urls
     assert all(s.etag for s in ds.manifest.shards)  # S3 addresses content by etag
@@ -44,23 +45,24 @@ def test_sizes_from_the_footers_fetch_no_shard(s3: S3, tmp_path: pathlib.Path) -
 
 
 @pytest.mark.parametrize("kind", ["parquet", "webdataset"])
-def test_every_index_reads_its_row(s3: S3, tmp_path: pathlib.Path, kind: str) -> None:
+def test_every_index_reads_its_row(s3: S3Server, tmp_path: pathlib.Path, kind: str) -> None:
     sizes = [9, 17, 4]
     files = write_parquet(tmp_path / "d", sizes, row_group=4) if kind == "parquet" else write_tars(tmp_path / "d", sizes)
     s3.put(files, f"rows-{kind}")
-    ds = _ds(f"s3://shards/rows-{kind}/*", s3, tmp_path, transform=lambda row: row["id"])
+    ds = _ds(f"s3://{s3.bucket}/rows-{kind}/*", s3, tmp_path, transform=lambda row: row["id"])
     order = list(range(len(ds)))
     random.Random(1).shuffle(order)
     assert [ds[i] for i in order] == order
-    assert ds.cache.fetches == 3  # each shard fetched once, whole
+    # each shard fetched once: a parquet file by row group (3, 5 and 1 of 4 rows), a tar whole
+    assert ds.cache.fetches == (9 if kind == "parquet" else 3)
 
 
-def test_the_cache_holds_its_bound_in_bytes(s3: S3, tmp_path: pathlib.Path) -> None:
+def test_the_cache_holds_its_bound_in_bytes(s3: S3Server, tmp_path: pathlib.Path) -> None:
     s3.put(write_parquet(tmp_path / "d", [50] * 6, row_group=10), "bound")
-    probe = _ds("s3://shards/bound/", s3, tmp_path / "probe")
+    probe = _ds(s3.url("bound"), s3, tmp_path / "probe")
     shard_bytes = max(s.bytes for s in probe.manifest.shards)
     bound = int(2.5 * shard_bytes)  # two shards fit, three do not
-    ds = _ds(probe.manifest, s3, tmp_path, cache_bytes=bound)
+    ds = _ds(probe.manifest, s3, tmp_path, cache_bytes=bound, range_reads=False)
     for i in range(len(ds)):
         assert ds[i]["id"] == i
         assert ds.cache.held_bytes() <= bound
@@ -76,22 +78,22 @@ def test_the_cache_holds_its_bound_in_bytes(s3: S3, tmp_path: pathlib.Path) -> N
         _ds(probe.manifest, s3, tmp_path, cache_bytes=shard_bytes - 1)
 
 
-def test_prefetch_fetches_in_the_background(s3: S3, tmp_path: pathlib.Path) -> None:
+def test_prefetch_fetches_in_the_background(s3: S3Server, tmp_path: pathlib.Path) -> None:
     urls = s3.put(write_parquet(tmp_path / "d", [8, 8, 8]), "prefetch")
-    ds = _ds("s3://shards/prefetch/", s3, tmp_path)
+    ds = _ds(s3.url("prefetch"), s3, tmp_path)
     before = s3.gets(urls[2])
     for f in ds.prefetch([2, 1]):
         f.result(timeout=30)
-    assert ds.cache.fetches == 2 and s3.gets(urls[2]) > before
+    assert ds.cache.fetches == 4 and s3.gets(urls[2]) > before  # each shard's two row groups
     got = s3.gets(urls[2])
     assert [ds[i]["id"] for i in range(8, 24)] == list(range(8, 24))
-    assert ds.cache.fetches == 2 and s3.gets(urls[2]) == got  # read from the cache: no request
+    assert ds.cache.fetches == 4 and s3.gets(urls[2]) == got  # read from the cache: no request
     ds.close()
 
 
-def test_a_vanished_shard_is_named_or_skipped(s3: S3, tmp_path: pathlib.Path) -> None:
+def test_a_vanished_shard_is_named_or_skipped(s3: S3Server, tmp_path: pathlib.Path) -> None:
     urls = s3.put(write_parquet(tmp_path / "d", [5, 6, 4]), "vanish")
-    m = Manifest.build("s3://shards/vanish/", storage_options=s3.options)
+    m = Manifest.build(s3.url("vanish"), storage_options=s3.options)
     s3.fs.rm(urls[1].removeprefix("s3://"))
     ds = _ds(m, s3, tmp_path)
     assert ds[4]["id"] == 4
@@ -104,10 +106,10 @@ def test_a_vanished_shard_is_named_or_skipped(s3: S3, tmp_path: pathlib.Path) ->
     assert all(g is FILTERED for g in got[5:11])
 
 
-def test_a_changed_shard_is_refused(s3: S3, tmp_path: pathlib.Path) -> None:
+def test_a_changed_shard_is_refused(s3: S3Server, tmp_path: pathlib.Path) -> None:
     files = write_parquet(tmp_path / "d", [5, 6])
     urls = s3.put(files, "changed")
-    m = Manifest.build("s3://shards/changed/", storage_options=s3.options)
+    m = Manifest.build(s3.url("changed"), storage_options=s3.options)
     running = _ds(m, s3, tmp_path)
     assert running[0]["id"] == 0
     pq.write_table(pa.table({"id": list(range(5, 11)), "text": ["other"] * 6}), files[1])  # other content
@@ -120,12 +122,14 @@ def test_a_changed_shard_is_refused(s3: S3, tmp_path: pathlib.Path) -> None:
         running[5]  # a job already running refuses it when it fetches it
 
 
-def test_a_corrupt_copy_is_named_and_dropped(s3: S3, tmp_path: pathlib.Path) -> None:
-    urls = s3.put(write_parquet(tmp_path / "d", [6]), "corrupt")
-    ds = _ds("s3://shards/corrupt/", s3, tmp_path)
+@pytest.mark.parametrize("range_reads", [True, False])
+def test_a_corrupt_copy_is_named_and_dropped(s3: S3Server, tmp_path: pathlib.Path, range_reads: bool) -> None:
+    urls = s3.put(write_parquet(tmp_path / "d", [6]), f"corrupt-{range_reads}")
+    ds = _ds(s3.url(f"corrupt-{range_reads}"), s3, tmp_path, range_reads=range_reads)
     (f,) = ds.prefetch([0])
     f.result(timeout=30)
-    copy = pathlib.Path(ds.cache.path(ds.manifest.shards[0].key))
+    key = ds.manifest.shards[0].key
+    copy = pathlib.Path(ds.cache.path(f"{key}-0" if range_reads else key))  # row 3: the first row group
     copy.write_bytes(b"\0" * copy.stat().st_size)  # the copy on disk damaged
     with pytest.raises(ShardError, match="corrupt") as e:
         ds[3]
