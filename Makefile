@@ -21,7 +21,7 @@ demo: $(STAMP)  ## the main job (see README)
 # latency or a duration (SERIAL in tests/conftest.py), which run alone.
 test: lint site  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
 	$(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "e2e and paired and not slow" --durations=10
+	$(PY) -m pytest -q -n 2 -m "e2e and paired and not slow" --durations=25
 	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25
 
 check: lint site  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machines 12 examples)

@@ -23,14 +23,22 @@ SERIAL = ("test_partitions.py", "test_pauses.py", "test_clock_jumps.py", "test_o
           "test_limits.py", "test_integration_ray.py")
 
 
+#: The files of the longest tests (a minute or more of the run each), which start first: pytest-xdist hands out
+#: tests in collection order, so the short ones fill in around them instead of one long test ending the run
+#: alone on one worker.
+LONG_FIRST = ("test_state_machine.py", "test_state_machine_ft.py", "test_chaos_dc_replicas.py", "test_multinode.py",
+              "test_chaos.py", "test_torchft.py", "test_integration_lightning.py", "test_shard_reads.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`); an
-    end-to-end test not in a :data:`SERIAL` file is `paired`."""
+    end-to-end test not in a :data:`SERIAL` file is `paired`; the files of :data:`LONG_FIRST` come first."""
     for item in items:
         if "serve_process" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
         if item.path.name not in SERIAL and item.get_closest_marker("e2e") is not None:
             item.add_marker(pytest.mark.paired)
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: the order within each part is kept
 
 
 @pytest.fixture

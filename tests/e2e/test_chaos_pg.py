@@ -83,6 +83,10 @@ def _replicated_run(work: pathlib.Path, url: str, pg: Postgres, capsys: pytest.C
     return m
 
 
+# NOTE: make slow; make test keeps tests/e2e/test_chaos_dc_replicas.py, which runs the same faults (the replica
+# every rank calls first killed, PostgreSQL restarted fast and immediate, ranks killed, preemptions) and the
+# network's, with the same checks of the journal.
+@pytest.mark.slow
 def test_short_replicated_chaos_run(tmp_path: pathlib.Path, postgres: Postgres, postgres_url: str,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     """Ten faults: the replica every rank calls first killed, PostgreSQL restarted (fast, then immediate), ranks
