@@ -46,6 +46,7 @@ def _cells(text: str, name: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")][1:]
 
 
+@pytest.mark.slow  # make slow, with the other benchmarks' quick runs of a minute's cost on these cores
 def test_the_quick_run_prints_its_table_with_at_most_one_call_per_step_per_group(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=300, check=False)

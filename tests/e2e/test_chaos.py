@@ -35,8 +35,10 @@ def chaos(workdir: pathlib.Path, *args: str, timeout: float) -> tuple[subprocess
     return out, m
 
 
-# NOTE: make slow; the suite keeps the data-center run (the same kills and preemptions, and the data-center
-# faults beside them) and the mixture's run.
+# NOTE: the short chaos runs of one coordinator are in make slow. make test keeps the replicated data-center run
+# (tests/e2e/test_chaos_dc_replicas.py: rank and replica kills, preemptions, pauses, partitions and slow links,
+# audited and checked linearizable), coordinator kill -9 under load (test_crash.py), and a test of its own for
+# each data-center fault of one coordinator: pauses, clock jumps, a full disk, partitions, an outage.
 @pytest.mark.slow
 def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
     faults, epochs, n = 6, 2, 1200
@@ -52,6 +54,7 @@ def test_short_chaos_run_passes_the_audit(tmp_path: pathlib.Path) -> None:
         assert re.search(rf"^chaos +{e} +{n} +{n} +0 +0  ok: ", out.stdout, re.M), out.stdout[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_faults.available() is not None, reason=f"{_faults.available()}")
 def test_short_chaos_run_with_data_center_faults(tmp_path: pathlib.Path) -> None:
     """Pauses of the coordinator and of a worker, clock jumps, a full disk, a partition and a slow, lossy link

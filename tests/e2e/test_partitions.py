@@ -267,6 +267,10 @@ def test_partitions_lose_nothing_and_serve_no_replaced_generation(cluster: Clust
     cluster.finish()
 
 
+# NOTE: make slow; make test's replicated data-center chaos run puts slow, lossy links between the job and
+# its replicas and between the replicas and the database, and checks the same (nothing lost, nothing replaced
+# served: its calls linearizable).
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/net/tun"), reason="the slow link's impairer needs /dev/net/tun")
 def test_a_slow_lossy_link_loses_nothing_and_serves_no_replaced_generation(cluster: Cluster) -> None:
     hosts, call, until, epochs = cluster.hosts, cluster.call, cluster.until, cluster.epochs
