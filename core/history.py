@@ -33,7 +33,7 @@ from croupier.core.checks import is_int
 from croupier.core.errors import InvalidArgument
 from croupier.core.spec import Spec
 
-__all__ = ["History", "LineageCycle", "check_step", "lineage"]
+__all__ = ["History", "LineageCycle", "StepRange", "check_step", "lineage"]
 
 R = TypeVar("R")
 P = TypeVar("P")
@@ -81,6 +81,24 @@ def check_step(t: Any) -> int:
     if not is_int(t) or t < 1:
         raise InvalidArgument(f"step must be an int >= 1 (steps count from 1, as the trainers log them; got {t!r})")
     return t
+
+
+class StepRange:
+    """``steps(a, b)`` for a history, from its own ``step(t)`` and its check of a step number (``_check_step``)."""
+
+    def _check_step(self, t: int) -> None:
+        raise NotImplementedError
+
+    def step(self, t: int) -> StepRecord:
+        raise NotImplementedError
+
+    def steps(self, a: int, b: int) -> list[StepRecord]:
+        """Steps `a` to `b`, both included."""
+        if is_int(a) and is_int(b) and b < a:
+            raise InvalidArgument(f"steps {a}:{b}: the range is empty (the first must be <= the last)")
+        self._check_step(a)
+        self._check_step(b)
+        return [self.step(t) for t in range(a, b + 1)]
 
 
 class History(Protocol):

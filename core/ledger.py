@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from croupier.core.answers import Batch, Occurrence, StepRecord, Version
-from croupier.core.checks import check_int, is_int
+from croupier.core.checks import check_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from croupier.core.ftsteps import StepRun, Steps
-from croupier.core.history import History, check_step, lineage
+from croupier.core.history import History, StepRange, check_step, lineage
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import order, tags
 from croupier.core.plan import EpochPlan
@@ -66,7 +66,7 @@ class _Chunk:
     micro: int  # micro-batches of the furthest rank in the epoch
 
 
-class Ledger:
+class Ledger(StepRange):
     """Answers a job's step and sample questions from its history (a pure function of spec and segments).
 
     Args:
@@ -239,14 +239,6 @@ class Ledger:
                 kept = self._version(seg, t, True)
         abandoned = [v for v in (self._abandoned(seg, t) for seg in self.segments) if v is not None]
         return StepRecord(t, kept, tuple(abandoned))
-
-    def steps(self, a: int, b: int) -> list[StepRecord]:
-        """Steps `a` to `b`, both included."""
-        if is_int(a) and is_int(b) and b < a:
-            raise InvalidArgument(f"steps {a}:{b}: the range is empty (the first must be <= the last)")
-        self._check_step(a)
-        self._check_step(b)
-        return [self.step(t) for t in range(a, b + 1)]
 
     def ends_epoch(self, t: int) -> bool:
         """Whether kept step `t` is the last step of its epoch: by then the ranks of the generation that

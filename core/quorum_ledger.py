@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 
 from croupier.core.answers import Occurrence, StepRecord, Version
-from croupier.core.checks import check_int, is_int
+from croupier.core.checks import check_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from croupier.core.ftsteps import CommittedStep, StepRun, Steps, part, stream_runs
-from croupier.core.history import LineageCycle, check_step
+from croupier.core.history import LineageCycle, StepRange, check_step
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import order, tags
 from croupier.core.permute import position_of
@@ -34,7 +34,7 @@ from croupier.core.spec import Spec
 __all__ = ["QuorumLedger"]
 
 
-class QuorumLedger:
+class QuorumLedger(StepRange):
     """Answers a torchft job's step and sample questions from its record of committed steps.
 
     Args:
@@ -86,14 +86,6 @@ class QuorumLedger:
         kept = self.record.kept(t)
         return StepRecord(t, None if kept is None else self._version(*kept, True),
                           tuple(self._version(r, c, False) for r, c in self.record.abandoned(t)))
-
-    def steps(self, a: int, b: int) -> list[StepRecord]:
-        """Steps `a` to `b`, both included."""
-        if is_int(a) and is_int(b) and b < a:
-            raise InvalidArgument(f"steps {a}:{b}: the range is empty (the first must be <= the last)")
-        self._check_step(a)
-        self._check_step(b)
-        return [self.step(t) for t in range(a, b + 1)]
 
     def _version(self, r: StepRun, c: CommittedStep, kept: bool) -> Version:
         """Step `c` of run `r` as a version: its groups' parts of the stream span, with sources and seeds."""
