@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from _ranks import on_ranks
-from _s3 import S3Server
+from _s3 import S3Server, serve_s3
 from _shard_rank import ORDER, SEED, loader_of, write_shards
 
 from croupier.client import DistributedBatchSampler
@@ -53,11 +53,7 @@ def s3_run(test: Any) -> Any:
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
     """The module's S3-API server on loopback, stopped at the end."""
-    server = S3Server()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serve_s3()
 
 
 def once(rows: Rows) -> collections.Counter[str]:
