@@ -129,21 +129,19 @@ def _join_others(address: str, job: str, spec: Any, incarnation: str, resume: An
 
 @contextlib.contextmanager
 def _in_process_coordinator() -> Iterator[str]:
-    """The embedded coordinator: a `Server` in this process, started and registered the way the
-    samplers start theirs (no credential), its store a SQLite file; yields its address."""
-    from croupier.client import _resolve
+    """The embedded coordinator: started the way the samplers start theirs (a process of its own, no
+    credential), its store a SQLite file; yields its address."""
+    from croupier.client import _embedded, _resolve
 
     with tempfile.TemporaryDirectory() as tmp:
         store = f"sqlite:///{tmp}/coordinator.db"
         address, _ = _resolve._start_embedded(store, "127.0.0.1")
         if not _resolve.embedded_here(address):
-            raise RuntimeError(f"the in-process coordinator at {address} is not registered as embedded")
+            raise RuntimeError(f"the embedded coordinator at {address} is not registered as this process's")
         try:
             yield address
         finally:
-            with _resolve._embedded_lock:
-                server, _ = _resolve._embedded.pop(store)
-            server.stop(0)
+            _embedded.stop(store)
 
 
 @contextlib.contextmanager
@@ -787,7 +785,7 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                     f">= {TARGET_STEADY_X:g}x: {_verdict(steady_x >= TARGET_STEADY_X)}"))
     inproc_x = st["croupier_inproc"] / st["torch"]
     rows.append(Row("steady state: indices/s, DataLoader(sampler=)",
-                    f"{case}; in-process coordinator (the embedded Server), {grants}", _rate(st["croupier_inproc"]),
+                    f"{case}; the embedded coordinator (a child process of the loop's), {grants}", _rate(st["croupier_inproc"]),
                     torch_name, _rate(st["torch"]), _x(inproc_x, "faster", "slower"),
                     f">= {TARGET_STEADY_X:g}x: {_verdict(inproc_x >= TARGET_STEADY_X)}"))
     batch_name = "torch BatchSampler(DistributedSampler)"
@@ -904,7 +902,7 @@ def _rows(res: dict[str, Any]) -> tuple[list[Row], list[str]]:
                  + (f"(target >= {TARGET_RESUME_X:g}x: {_verdict(t.seconds / c.seconds >= TARGET_RESUME_X)})."
                     if rn == 10**8 else "(the target is judged at N=1e8, in the full run)."))
     notes.append(f"Steady state through DataLoader(sampler=): croupier {_rate(st['croupier'])} (coordinator process), "
-                 f"{_rate(st['croupier_inproc'])} (in-process) vs torch {_rate(st['torch'])} (target >= "
+                 f"{_rate(st['croupier_inproc'])} (embedded) vs torch {_rate(st['torch'])} (target >= "
                  f"{TARGET_STEADY_X:g}x: {_verdict(steady_x >= TARGET_STEADY_X)}, "
                  f"{_verdict(inproc_x >= TARGET_STEADY_X)}); through batch_sampler= with __getitems__ "
                  f"{_rate(st['croupier_batch_items'])} vs {_rate(st['torch_batch_items'])} (target >= "
@@ -1013,7 +1011,7 @@ def _plot(res: dict[str, Any], path: Path, title: str) -> None:
     a.grid(True, which="both", alpha=0.3)
 
     st = res["steady"]
-    _log_bars(ax[0][2], ["torch\nsampler=", "croupier\nsampler=", "croupier\nin-process\ncoordinator",
+    _log_bars(ax[0][2], ["torch\nsampler=", "croupier\nsampler=", "croupier\nembedded\ncoordinator",
                          "torch\nbatch_\nsampler=", "croupier\nbatch_\nsampler=", "torch\nbatch_s.=\ngetitems",
                          "croupier\nbatch_s.=\ngetitems", "reference:\nints made\nas it goes",
                          "ceiling:\nbatches\nmade before", "torch\npass-\nthrough", "croupier\npass-\nthrough",

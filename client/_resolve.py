@@ -22,12 +22,11 @@ import uuid
 import weakref
 from typing import Any, Protocol
 
+from croupier.client import _embedded
 from croupier.core import settings
 from croupier.core.api import MAX_NAME, MAX_WORLD
 from croupier.core.checks import check_int, check_name
 
-_embedded: dict[str, Any] = {}
-_embedded_lock = threading.Lock()
 #: The process that loaded this module; forked children inherit the exit hook but not its duty.
 _PID = os.getpid()
 #: Every sampler that has joined, so that a process whose loop stopped early exits promptly.
@@ -50,18 +49,14 @@ def _shutdown() -> None:
         return  # a forked child (a DataLoader worker): its copies of gRPC objects must not be touched
     for sampler in list(_live):
         sampler.close()
-    with _embedded_lock:
-        servers = list(_embedded.values())
-        _embedded.clear()
-    for server, _ in servers:
-        server.stop(0.5)
+    _embedded.stop()
 
 
 # NOTE: at interpreter exit, threading runs its own exit hooks (concurrent.futures' included,
-# which makes every thread pool refuse work) before the atexit module's. The gRPC server's pool
-# would then refuse a lease in flight and its serving thread die, leaving a stop that never
-# ends. So _shutdown goes first among threading's hooks (they run last registered first, and
-# concurrent.futures' is registered when it is imported, above); atexit is the fallback.
+# which makes every thread pool refuse work) before the atexit module's. A sampler's background
+# leasing would then meet pools that refuse work in the middle of a lease. So _shutdown goes first
+# among threading's hooks (they run last registered first, and concurrent.futures' is registered
+# when it is imported, above); atexit is the fallback.
 getattr(threading, "_register_atexit", atexit.register)(_shutdown)
 
 
@@ -322,39 +317,16 @@ def _safe(name: str) -> str:
 
 
 def embedded_here(address: str) -> bool:
-    """Whether `address` is a coordinator embedded in this process."""
-    with _embedded_lock:
-        return any(str(server.address) == address for server, _ in _embedded.values())
-
-
-def embedded_serving(address: str) -> Any | None:
-    """The `Server` embedded in this process at `address` while it serves; None for any other address.
-
-    A forked child (a DataLoader worker, a pool process) holds a copy of its parent's server,
-    frozen at the fork and without its journal writer: None there, so it calls the parent's
-    coordinator through gRPC."""
-    if not _embedded or os.getpid() != _PID:  # a remote coordinator (the common case), or a forked child
-        return None
-    with _embedded_lock:
-        for server, _ in _embedded.values():
-            if str(server.address) == address and server.serving:
-                return server
-    return None
+    """Whether `address` is a coordinator that this process started for its job (and still serves)."""
+    return _embedded.serving(address)
 
 
 def _start_embedded(store_url: str, host: str, job: str | None = None) -> tuple[str, str | None]:
-    """Starts (once per process and store) a coordinator in this process; returns its address and,
-    for a job's coordinator (`job` given), the secret that the job's ranks call it with."""
-    with _embedded_lock:
-        entry = _embedded.get(store_url)
-        if entry is None:
-            from croupier.server import Authorizer, Server
-
-            secret = secrets.token_urlsafe(32) if job is not None else None
-            auth = Authorizer.of_secret(f"job {job}", secret) if secret else None
-            entry = (Server(store_url, host=host, port=0, auth=auth).start(), secret)
-            _embedded[store_url] = entry
-        return str(entry[0].address), entry[1]
+    """Starts (once per process and store) a coordinator for this process, in a process of its own
+    (``_embedded``); returns its address and, for a job's coordinator (`job` given), the secret that the
+    job's ranks call it with."""
+    secret = secrets.token_urlsafe(32) if job is not None else None
+    return _embedded.start(store_url, host, f"job {job}", secret)
 
 
 def local_world_size() -> int:

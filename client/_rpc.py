@@ -15,7 +15,7 @@ import grpc
 import msgpack
 import numpy as np
 
-from croupier.client import _forks, _resolve
+from croupier.client import _forks
 from croupier.client._call_log import CallLog
 from croupier.core import errors as E
 from croupier.core import settings
@@ -391,16 +391,6 @@ class CoordinatorClient:
             Unreachable: no answer within `timeout` (the coordinator is down or restarting); not retried.
             Aborted, NotFound: the generation was replaced (fenced).
         """
-        local = _resolve.embedded_serving(self.address)
-        if local is not None:
-            # NOTE: a rank in the process of its embedded coordinator asks it directly: through gRPC
-            # the call would cost the training loop's GIL the client's and the server's halves of the
-            # call, once per lease (about 5% of a trivial loop's steady state). The coordinator checks
-            # and journals the same way; its errors are the ones the client raises for their codes.
-            try:
-                return local.core.grant(job, generation, rank, epoch, first, count, progress)  # type: ignore[no-any-return]
-            except E.Unavailable as e:  # its store failed: what UNAVAILABLE means to a grant
-                raise Unreachable(f"coordinator at {self.address}: grant failed: {e}") from None
         m = pb.GrantRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
         if progress is not None:
             m.progress.epoch, m.progress.batches = progress

@@ -1,4 +1,5 @@
-"""A training loop as the README writes it, against a coordinator at ADDRESS: ``DistributedSampler`` + ``Loader`` +
+"""A training loop as the README writes it, against a coordinator at ADDRESS (``embedded``: none given, the
+process starts its own): ``DistributedSampler`` + ``Loader`` +
 ``DataLoader`` with forked workers, and every --every steps a validation ``DataLoader`` whose workers are forked
 while the training sampler's prefetch thread is leasing.
 
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     a = ap.parse_args()
     # a lease of one batch: the prefetch thread asks the coordinator for a grant at every batch the loop takes
-    sampler = DistributedSampler(a.n, 1, 0, address=a.address, job=a.job, incarnation="loop", lease_ahead=BATCH)
+    sampler = DistributedSampler(a.n, 1, 0, address=None if a.address == "embedded" else a.address, job=a.job, incarnation="loop", lease_ahead=BATCH)
     loader = Loader(DataLoader(list(range(a.n)), batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
                                multiprocessing_context="fork"))
     val = DataLoader(list(range(8)), batch_size=8, num_workers=WORKERS, multiprocessing_context="fork")

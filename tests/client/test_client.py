@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from typing import Any
 
@@ -238,45 +242,56 @@ def test_survives_a_coordinator_kill(tmp_path: pathlib.Path, serve_process: type
     ref.close()
 
 
-def test_a_rank_beside_its_embedded_coordinator_grants_without_grpc_and_is_still_fenced(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank in the embedded coordinator's own process asks it for grants directly (no gRPC call,
-    whose two halves would share the loop's GIL), with the same checks: a replaced generation is refused."""
-    from croupier.client import _resolve
-    from croupier.v1 import coordinator_pb2_grpc as pb_grpc
+_EMBEDDED_PARENT = """
+import os, sys
+from croupier.client import DistributedSampler, _embedded, _resolve
+address, _ = _resolve._start_embedded(sys.argv[1], "127.0.0.1")
+s = DistributedSampler(200, num_replicas=1, rank=0, job="lifeline", incarnation=sys.argv[2], address=address)
+assert sorted(s) == list(range(200))
+(child,) = _embedded._children.values()
+print(os.getpid(), child.proc.pid, address, s.generation, flush=True)
+sys.stdin.read()
+"""
 
-    grants = []
 
-    class Counting(pb_grpc.CoordinatorStub):
-        def __init__(self, channel: object) -> None:
-            super().__init__(channel)
-            call = self.Grant
-            self.Grant = lambda *a, **kw: (grants.append(1), call(*a, **kw))[1]  # type: ignore[method-assign]
+def _gone(pid: int, within: float) -> bool:
+    """Whether process `pid` has exited (or is a zombie) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.02)
+    return False
 
-    monkeypatch.setattr(pb_grpc, "CoordinatorStub", Counting)
+
+def test_the_embedded_coordinator_lives_in_a_process_of_its_own_and_dies_with_its_parent(
+        tmp_path: pathlib.Path) -> None:
+    """A process given no coordinator starts one in a child process (no coordinator thread in the trainer's
+    own); killed with SIGKILL, its coordinator lets go of the store, and the next process on the same store
+    starts its own over it and goes on with the job's generations."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CROUPIER_ADDRESS", "CROUPIER_INCARNATION")}
+    script = tmp_path / "parent.py"
+    script.write_text(_EMBEDDED_PARENT)
     store = f"sqlite:///{tmp_path}/e.db"
-    address, _ = _resolve._start_embedded(store, "127.0.0.1")
-    try:
-        job = f"beside-{uuid.uuid4().hex}"
-        old = DistributedSampler(2_000, address=address, job=job, incarnation="g1", lease_ahead=16, prefetch=1, num_replicas=1,
-                                 rank=0)
-        assert sorted(old) == list(range(2_000))  # 125 leases
-        it = iter(old)
-        next(it)
-        assert grants == []  # every grant asked in this process, none through gRPC
-        new = DistributedSampler(2_000, address=address, job=job, incarnation="g2", num_replicas=1, rank=0)
-        next(iter(new))  # generation 2 replaces the first
-        with pytest.raises(RuntimeError, match="fenced off"):
-            for _ in it:
-                pass
-        old.close()
-        new.close()
-    finally:
-        with _resolve._embedded_lock:
-            server, _ = _resolve._embedded.pop(store)
-        server.stop(0.5)
-    # Once it stops serving, a rank calls it as any other coordinator (and finds nobody there).
-    assert _resolve.embedded_serving(address) is None
+    generations = []
+    for incarnation in ("first", "second"):
+        p = subprocess.Popen([sys.executable, str(script), store, incarnation], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
+        assert p.stdout is not None
+        line = p.stdout.readline().split()
+        assert len(line) == 4, (line, p.wait())
+        pid, child, generations = int(line[0]), int(line[1]), [*generations, int(line[3])]
+        assert child != pid
+        names = {pathlib.Path(f"/proc/{pid}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{pid}/task")}
+        assert "croupier-aio" not in names, names  # the server's event loop thread is not in the trainer
+        os.kill(pid, signal.SIGKILL)
+        p.wait()
+        assert _gone(child, 10.0), f"the coordinator {child} outlived its parent {pid}"
+    assert generations[1] > generations[0], generations
 
 
 def _forked_child_reads_an_epoch(q: Any) -> None:
@@ -290,13 +305,13 @@ def _forked_child_reads_an_epoch(q: Any) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
 def test_a_forked_child_calls_its_parents_embedded_coordinator_through_grpc() -> None:
-    """A child forked after the embedded coordinator started holds a frozen copy of it; its
-    grants must go to the parent's live one (the copy would not know the child's job)."""
+    """A child forked after the embedded coordinator started calls the same coordinator (the child does not
+    own it: its copy of the lifeline is closed at the fork)."""
     import multiprocessing
 
     parent = DistributedSampler(500, num_replicas=1, rank=0, job=f"fork-parent-{uuid.uuid4().hex}", lease_ahead=16,
                                 prefetch=1)
-    assert sorted(parent) == list(range(500))  # the embedded coordinator serves in this process
+    assert sorted(parent) == list(range(500))  # the embedded coordinator, started by this process
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_forked_child_reads_an_epoch, args=(q,))

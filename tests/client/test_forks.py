@@ -59,14 +59,24 @@ def test_a_call_that_outlasts_the_wait_does_not_hold_the_fork(monkeypatch: pytes
     gate.leave()
 
 
+@pytest.fixture(params=["served", "embedded"])
+def address(request: pytest.FixtureRequest) -> str:
+    """A coordinator on port 0 of this process (the loop calls it through gRPC), or none: the loop's process
+    starts its own, as the README's pattern does."""
+    if request.param == "embedded":
+        return "embedded"
+    server: Server = request.getfixturevalue("server")
+    return server.address
+
+
 @pytest.mark.e2e
 @pytest.mark.paired
-def test_a_loop_with_forked_workers_prints_no_grpc_fork_message(server: Server) -> None:
-    """Its own process against a coordinator on port 0; gRPC's fork handlers and its log as a user has them."""
+def test_a_loop_with_forked_workers_prints_no_grpc_fork_message(address: str) -> None:
+    """Its own process; gRPC's fork handlers and its log as a user has them."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("GRPC_VERBOSITY", "GRPC_TRACE", "GRPC_ENABLE_FORK_SUPPORT") and not k.startswith("CROUPIER_")}
     env["OMP_NUM_THREADS"] = "1"
-    p = subprocess.run([sys.executable, str(LOOP), server.address, "forks", "--epochs", "3"], env=env,
+    p = subprocess.run([sys.executable, str(LOOP), address, "forks", "--epochs", "3"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["batches", "375", "forks", "80"], p.stdout

@@ -219,6 +219,6 @@ def test_an_embedded_coordinator_of_several_ranks_wants_its_secret(tmp_path: pat
             c.join(JoinRequest("job-e", SPEC, "x", 1, 0), wait_s=0)
     with CoordinatorClient(address, retry_for=5.0, security=Security(credential=secret)) as c:
         assert c.join(JoinRequest("job-e", SPEC, "x", 1, 0), wait_s=1.0).start is not None
-    with _resolve._embedded_lock:
-        server, _ = _resolve._embedded.pop(f"sqlite:///{tmp_path}/e.db")
-    server.stop(0.5)
+    from croupier.client import _embedded
+
+    _embedded.stop(f"sqlite:///{tmp_path}/e.db")
