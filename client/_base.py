@@ -16,7 +16,7 @@ from croupier.client._checkpointer import Checkpointer, Checkpointing, Session
 from croupier.client._epoch import EpochProgress
 from croupier.client._guard import check_callers
 from croupier.client._link import Link
-from croupier.client._prefetch import _Prefetcher
+from croupier.client._prefetch import Prefetcher
 from croupier.client._resolve import JobSlot, check_holds, release, resolve_job, track
 from croupier.client._rpc import CoordinatorClient, LeaseReply, Security
 from croupier.client._world import World, data_parallel_group, first_of_its_rank
@@ -50,12 +50,12 @@ def _refuse_torchft() -> None:
 
 
 def _none_before(start: Cursor) -> int:
-    """:meth:`_Base._taken_before` of a plan the coordinator deals: none (a rank counts its items from its
+    """:meth:`SamplerBase._taken_before` of a plan the coordinator deals: none (a rank counts its items from its
     generation's start)."""
     return 0
 
 
-class _Base(Checkpointing, Amending, Sampler[Any]):
+class SamplerBase(Checkpointing, Amending, Sampler[Any]):
     """What both samplers share: spec, resolution, join, epochs, leases and the checkpoint state.
 
     Counting: an *item* is what the sampler yields (an index, or a batch for the batch sampler).
@@ -102,7 +102,7 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         self._generation = 0
         self._progress = EpochProgress()  # where this sampler is in its epochs; replaced by its transitions
         self._active: object | None = None  # the iterator allowed to yield
-        self._prefetcher: _Prefetcher | None = None
+        self._prefetcher: Prefetcher | None = None
         self._audit_dir = audit_dir or settings.get("CROUPIER_AUDIT_DIR")
         self._audit: AuditLog | None = None
         self._audit_path: tuple[str, str, str, int] | None = None  # where this rank's audit log is, once joined
@@ -423,9 +423,9 @@ class _Base(Checkpointing, Amending, Sampler[Any]):
         # A whole number of batches: the index sampler's unit is 1 with batch_size 1, the batch
         # sampler's unit is its batch_size.
         first_batch = self._progress.yielded * self._unit // self.spec.batch_size
-        pf = _Prefetcher(self._link.client, self.job, self._generation, self.rank, epoch, first_batch,
-                         self._lease_ahead, self._prefetch, p, self._tag, self.read_ahead,
-                         ramp=first_batch == 0 and self._start is not None and epoch == self._start.epoch)
+        pf = Prefetcher(self._link.client, self.job, self._generation, self.rank, epoch, first_batch,
+                        self._lease_ahead, self._prefetch, p, self._tag, self.read_ahead,
+                        ramp=first_batch == 0 and self._start is not None and epoch == self._start.epoch)
         self._prefetcher = pf
         try:
             while True:

@@ -28,7 +28,7 @@ _ASK_S, _PROBE_S = 1.0, 0.25
 FIRST_LEASE_INDICES = 1024
 
 
-class _Prefetcher:
+class Prefetcher:
     """Prepares batches of one rank in one epoch ahead of use, in a background thread, at most `depth` leases ahead.
 
     Every lease is asked of the coordinator, which fences replaced generations, as a grant: which

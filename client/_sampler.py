@@ -11,17 +11,17 @@ import numpy as np
 from torch.utils.data import BatchSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler as _TorchDistributedSampler
 
-from croupier.client._base import _Base
+from croupier.client._base import SamplerBase
 from croupier.client._link import given_incarnation
 from croupier.client._rpc import Security
 from croupier.client._sample import tagged
-from croupier.client._shards import _check_sampler_args, _dataset_size, _make_spec, mixture_fields, shard_fields, step_schedule
+from croupier.client._shards import check_sampler_args, dataset_size, make_spec, mixture_fields, shard_fields, step_schedule
 from croupier.core.checks import check_bool
 from croupier.core.registry import kind_for
 from croupier.core.spec import TOKEN_WINDOW
 
 
-class DistributedSampler(_Base, _TorchDistributedSampler[int]):
+class DistributedSampler(SamplerBase, _TorchDistributedSampler[int]):
     """A drop-in for ``torch.utils.data.distributed.DistributedSampler`` that survives preemption and resizing.
 
     It is an instance of torch's ``DistributedSampler`` (frameworks that test ``isinstance`` leave
@@ -159,17 +159,17 @@ class DistributedSampler(_Base, _TorchDistributedSampler[int]):
                  global_batch: int | None = None, rampup: Sequence[int] | None = None,
                  shard_sizes: Sequence[int] | np.ndarray | None = None, shard_window: int = 32, lanes: int = 16,
                  reader_group: int | None = None) -> None:
-        n = _dataset_size(dataset)
+        n = dataset_size(dataset)
         mixture = mixture_fields(dataset, weights, sources, max_epochs)
         sharded = shard_fields(sum(mixture["sources"]) if mixture else n, shard_sizes, shard_window, lanes, reader_group)
         kind = kind_for(dealing, None, bool(sharded))
-        _check_sampler_args(kind, drop_last, tail, lockstep, batches=False)
+        check_sampler_args(kind, drop_last, tail, lockstep, batches=False)
         self._tag = check_bool("tag", tag)
         if tail is None:
             tail = kind.tail(drop_last, batches=False)
-        spec = _make_spec(n, shuffle, seed, tail, permutation, partition, 1,
-                          False, False, scope, buffer_size, pack_size, lengths, dealing=dealing,
-                          mixture=mixture, sharded=sharded)
+        spec = make_spec(n, shuffle, seed, tail, permutation, partition, 1,
+                         False, False, scope, buffer_size, pack_size, lengths, dealing=dealing,
+                         mixture=mixture, sharded=sharded)
         if lease_ahead is None:
             lease_ahead = kind.lease_indices
         self._lockstep = bool(lockstep)
@@ -231,7 +231,7 @@ class _IndexView(Sampler[int]):
         self._owner.set_epoch(epoch)
 
 
-class DistributedBatchSampler(_Base, BatchSampler):
+class DistributedBatchSampler(SamplerBase, BatchSampler):
     """The same as :class:`DistributedSampler`, yielding lists of indices, for ``batch_sampler=``.
 
     An instance of torch's ``BatchSampler`` with its attributes ``batch_size``, ``drop_last`` and
@@ -280,7 +280,7 @@ class DistributedBatchSampler(_Base, BatchSampler):
                  global_batch: int | None = None, rampup: Sequence[int] | None = None,
                  shard_sizes: Sequence[int] | np.ndarray | None = None, shard_window: int = 32, lanes: int = 16,
                  reader_group: int | None = None) -> None:
-        n = _dataset_size(dataset)
+        n = dataset_size(dataset)
         self._tag = check_bool("tag", tag)
         if batch_size is None and max_tokens is None:
             raise TypeError("DistributedBatchSampler needs batch_size=, or lengths= with max_tokens= for token-budget "
@@ -291,12 +291,12 @@ class DistributedBatchSampler(_Base, BatchSampler):
         mixture = mixture_fields(dataset, weights, sources, max_epochs)
         sharded = shard_fields(sum(mixture["sources"]) if mixture else n, shard_sizes, shard_window, lanes, reader_group)
         kind = kind_for(dealing, max_tokens, bool(sharded))
-        _check_sampler_args(kind, drop_last, tail, lockstep, batches=True)
+        check_sampler_args(kind, drop_last, tail, lockstep, batches=True)
         if tail is None:
             tail = kind.tail(drop_last, batches=True)
-        spec = _make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
-                          scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing,
-                          mixture, sharded)
+        spec = make_spec(n, shuffle, seed, tail, permutation, partition, batch_size or 1, drop_last, even_batches,
+                         scope, buffer_size, pack_size, lengths, max_tokens, cost, token_window, dealing,
+                         mixture, sharded)
         if lease_ahead is None:
             lease_ahead = kind.lease_batches
         self._lockstep = bool(lockstep)

@@ -20,7 +20,13 @@ from croupier.core.schedule import Schedule
 from croupier.core.spec import MAX_N, TOKEN_WINDOW, Spec
 
 
-def _dataset_size(dataset: Sized | int) -> int:
+def dataset_size(dataset: Sized | int) -> int:
+    """The samples of a sampler's `dataset` argument: its ``len()``, or the int N given in its place.
+
+    Raises:
+        TypeError: `dataset` is a sampler (a framework re-sharding the loader), or neither an int nor sized.
+        ValueError: N is negative.
+    """
     if isinstance(dataset, (int, np.integer)):  # a bool is refused here, as not an int
         return check_int("dataset size", dataset, 0)
     if isinstance(dataset, Sampler):
@@ -79,11 +85,18 @@ def mixture_fields(dataset: Any, weights: Any, sources: Sequence[int] | None,
     return {"sources": tuple(sources), "weights": tuple(changes), "max_epochs": caps}
 
 
-def _make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
-               drop_last_batch: bool, even_batches: bool, scope: str, buffer_size: int | None, pack_size: int | None,
-               lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
-               token_window: int = TOKEN_WINDOW, dealing: str = "static", mixture: dict[str, Any] | None = None,
-               sharded: dict[str, Any] | None = None) -> Spec:
+def make_spec(n: int, shuffle: bool, seed: int, tail: str, permutation: str | None, partition: str, batch_size: int,
+              drop_last_batch: bool, even_batches: bool, scope: str, buffer_size: int | None, pack_size: int | None,
+              lengths: Sequence[int] | np.ndarray | None, max_tokens: int | None = None, cost: str = "sum",
+              token_window: int = TOKEN_WINDOW, dealing: str = "static", mixture: dict[str, Any] | None = None,
+              sharded: dict[str, Any] | None = None) -> Spec:
+    """The spec of a sampler's (or `shards`') arguments over `n` samples, its permutation picked by its kind
+    when not given; settings that do nothing beside the others are warned about.
+
+    Raises:
+        ValueError: settings that contradict each other (``shuffle=False`` with a permutation, `lengths` of the
+            wrong size, `max_tokens` without `lengths`), or one the spec refuses.
+    """
     check_bool("shuffle", shuffle)
     mixture = mixture or {}
     sharded = sharded or {}
@@ -173,13 +186,13 @@ def shards(dataset: Sized | int, num_replicas: int, *, epoch: int | None = None,
         ValueError: a setting is out of range, or `epoch` contradicts `state`.
     """
     check_int("num_replicas", num_replicas, 1, MAX_WORLD + 1, ValueError)
-    n = _dataset_size(dataset)
+    n = dataset_size(dataset)
     if batch_size is None:
-        spec = _make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
-                          False, False, scope, buffer_size, pack_size, lengths)
+        spec = make_spec(n, shuffle, seed, tail or ("drop" if drop_last else "pad"), permutation, partition, 1,
+                         False, False, scope, buffer_size, pack_size, lengths)
     else:
-        spec = _make_spec(n, shuffle, seed, tail or "pad", permutation, partition, batch_size, drop_last, even_batches,
-                          scope, buffer_size, pack_size, lengths)
+        spec = make_spec(n, shuffle, seed, tail or "pad", permutation, partition, batch_size, drop_last, even_batches,
+                         scope, buffer_size, pack_size, lengths)
     if n == 0:
         return [[] for _ in range(num_replicas)]
     cursor = from_state(str(state.get("job")) if isinstance(state, Mapping) else "", spec, state) if state else None
@@ -238,7 +251,7 @@ def _no_effect(what: str, why: str) -> None:
     warnings.warn(f"croupier: {what} has no effect: {why}", UserWarning, stacklevel=4)
 
 
-def _check_sampler_args(kind: PlanKind, drop_last: bool, tail: str | None, lockstep: bool, batches: bool) -> None:
+def check_sampler_args(kind: PlanKind, drop_last: bool, tail: str | None, lockstep: bool, batches: bool) -> None:
     """The samplers' own switches: bools, and the combinations that do nothing (warned)."""
     check_bool("drop_last", drop_last)
     check_bool("lockstep", lockstep)

@@ -112,8 +112,10 @@ def validate_cursor(spec: Spec, cursor: Cursor) -> None:
         raise ValueError(f"base_world must be 0 for scope='global' (got base_world={cursor.base_world})")
 
 
-def _runs(v: np.ndarray) -> list[Interval]:
-    """Sorted int array -> list of maximal [a, b) runs of consecutive values."""
+def intervals_of(v: np.ndarray) -> list[Interval]:
+    """The positions of a sorted int array as the fewest ``(a, b)`` intervals: each a maximal stretch of
+    consecutive values (``[3, 4, 5, 9]`` -> ``[(3, 6), (9, 10)]``); the plans' way to turn the positions
+    not yet taken into a cursor's ``remaining``."""
     if v.size == 0:
         return []
     breaks = np.flatnonzero(np.diff(v) != 1)
@@ -122,7 +124,9 @@ def _runs(v: np.ndarray) -> list[Interval]:
     return list(zip(starts.tolist(), ends.tolist()))
 
 
-def _merge(ints: list[Interval]) -> list[Interval]:
+def merge_intervals(ints: list[Interval]) -> list[Interval]:
+    """`ints` sorted, with overlapping or touching intervals joined (``[(5, 7), (0, 2), (2, 3)]`` ->
+    ``[(0, 3), (5, 7)]``); the plans' way to join the parts of a cursor's ``remaining``."""
     out: list[Interval] = []
     for a, b in sorted(ints):
         if out and a <= out[-1][1]:

@@ -23,8 +23,8 @@ import dataclasses
 #: Runs of global batches (first, count) that the coordinator dealt to a rank, in the rank's order.
 Runs = tuple[tuple[int, int], ...]
 
-#: Epochs of one generation whose deals the coordinator keeps (older ones are dropped once a
-#: later epoch's first batch is dealt; a rank still asking for one is refused).
+#: Epochs of one generation whose deals the coordinator answers for (older ones are left behind once a
+#: later epoch's first batch is dealt, see :func:`answered`; a rank still asking for one is refused).
 KEEP_EPOCHS = 2
 
 
@@ -157,17 +157,20 @@ class EpochDeals:
         return [run for r, k in credited.items() for run in self.sequence(r, 0, k)]
 
 
-def dealt(deals: dict[int, EpochDeals], epoch: int, rank: int, first: int, count: int) -> None:
-    """Records a deal in `epoch` (a ``BatchesDealt`` event) in a generation's `deals`, dropping the
-    epochs it leaves behind (:data:`KEEP_EPOCHS`) unless an ``own`` commit still waits in them."""
-    deals.setdefault(epoch, EpochDeals()).deal(rank, first, count)
-    for old in [e for e in deals if e <= epoch - KEEP_EPOCHS]:
-        b = deals[old]
-        # an epoch with workers' commits (own) is kept while some of its batches are not committed
-        if not b.committed or not b.uncommitted():
-            del deals[old]
+def answered(deals: dict[int, EpochDeals]) -> dict[int, EpochDeals]:
+    """A generation's books as its coordinator still answers for them: every epoch but those left behind
+    (:data:`KEEP_EPOCHS` or more before the latest dealt) with no ``own`` commit still waiting in them.
+
+    NOTE: a view, not a pruning: the generation's segment keeps every epoch's deals (the step ledger
+    computes its steps from them), and the coordinator's decisions read this, so one book serves both.
+    """
+    if not deals:
+        return deals
+    last = max(deals)
+    return {e: b for e, b in deals.items() if e > last - KEEP_EPOCHS or (b.committed and b.uncommitted())}
 
 
 def kept(deals: dict[int, EpochDeals], epoch: int) -> bool:
-    """Whether a generation's `deals` can still answer for `epoch` (it was not dropped as left behind)."""
+    """Whether a generation's `deals` (as :func:`answered` shows them) can still answer for `epoch` (it was not
+    left behind)."""
     return epoch in deals or not deals or epoch > max(deals) - KEEP_EPOCHS + 1

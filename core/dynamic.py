@@ -35,7 +35,7 @@ import functools
 import numpy as np
 
 from croupier.core.checks import check_int
-from croupier.core.cursor import Cursor, _merge, fresh, validate_cursor
+from croupier.core.cursor import Cursor, fresh, merge_intervals, validate_cursor
 from croupier.core.deals import EpochDeals
 from croupier.core.order import FixedPlan, fixed_plan
 from croupier.core.plan import DealtPlan, Grant, Runs
@@ -87,7 +87,7 @@ class DynamicPlan(DealtPlan):
     def checkpoint(self, book: EpochDeals, credited: dict[int, int]) -> Cursor:
         """The epoch's remaining positions minus the global batches each rank is credited with."""
         b, left = self.spec.batch_size, self.left
-        taken = _merge([(g * b, min((g + c) * b, left)) for g, c in book.taken(credited)])
+        taken = merge_intervals([(g * b, min((g + c) * b, left)) for g, c in book.taken(credited)])
         gaps: list[tuple[int, int]] = []
         at = 0
         for a, e in taken:

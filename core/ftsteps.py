@@ -1,9 +1,10 @@
 """Committed-step dealing: the positions a committed step trains, split over the step's quorum, and its record.
 
 A fault-tolerant job (torchft's replica groups that leave and heal between steps) reads its data
-as one *stream*: the job's epochs laid end to end, stream position ``p`` being position
-``p % n`` of epoch ``p // n``'s order. Steps are numbered from 1 as everywhere
-(``croupier.core.history``): step ``T`` is the one that runs once ``s = T - 1`` steps have
+as one *stream*: the job's epochs laid end to end, stream position ``p`` being place ``p % n`` of
+epoch ``p // n``: that position of the epoch's order, or, for a spec whose way of dealing has a stepped
+variant (``croupier.core.registry.PlanKind.stepped``), the position that variant takes there. Steps
+are numbered from 1 as everywhere (``croupier.core.history``): step ``T`` is the one that runs once ``s = T - 1`` steps have
 committed (torchft's ``manager.current_step()`` reads ``s`` while it runs, ``T`` once it
 committed); the dealing goes by that count ``s``. A step's samples are a run of the stream:
 
@@ -43,6 +44,7 @@ import numpy as np
 from croupier.core.checks import check_choice, check_int
 from croupier.core.history import LineageCycle, lineage
 from croupier.core.order import order
+from croupier.core.registry import kind_of
 from croupier.core.spec import Spec
 
 __all__ = ["MODES", "CommittedStep", "StepDeal", "StepRun", "Steps", "committed_span", "part", "rank_deal",
@@ -119,8 +121,10 @@ def stream_runs(n: int, start: int, stop: int) -> Iterator[tuple[int, int, int]]
 
 
 def stream_indices(spec: Spec, start: int, stop: int) -> np.ndarray:
-    """The dataset indices at stream positions [start, stop) of `spec`'s order (int64)."""
-    parts = [order(spec, epoch, np.arange(a, b, dtype=np.int64)) for epoch, a, b in stream_runs(spec.n, start, stop)]
+    """The dataset indices at stream positions [start, stop) of `spec`'s order (int64), as its kind's steps take it."""
+    kind = kind_of(spec)
+    parts = [order(spec, epoch, kind.stepped_positions(spec, epoch, a, b))
+             for epoch, a, b in stream_runs(spec.n, start, stop)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 

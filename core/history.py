@@ -25,12 +25,13 @@ trained, and what a kept run trained past that step (a rollback), is *abandoned*
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from croupier.core.answers import Occurrence, StepRecord
 from croupier.core.checks import is_int
 from croupier.core.errors import InvalidArgument
+from croupier.core.kept import KeptSteps
 from croupier.core.spec import Spec
 
 __all__ = ["History", "LineageCycle", "StepRange", "check_step", "lineage"]
@@ -94,11 +95,15 @@ class StepRange:
 
     def steps(self, a: int, b: int) -> list[StepRecord]:
         """Steps `a` to `b`, both included."""
+        self._check_range(a, b)
+        return [self.step(t) for t in range(a, b + 1)]
+
+    def _check_range(self, a: int, b: int) -> None:
+        """Refuses what :meth:`steps` refuses: an empty range, or an end that is no step of the history."""
         if is_int(a) and is_int(b) and b < a:
             raise InvalidArgument(f"steps {a}:{b}: the range is empty (the first must be <= the last)")
         self._check_step(a)
         self._check_step(b)
-        return [self.step(t) for t in range(a, b + 1)]
 
 
 class History(Protocol):
@@ -119,6 +124,16 @@ class History(Protocol):
 
     def steps(self, a: int, b: int) -> list[StepRecord]:
         """Steps `a` to `b`, both included."""
+        ...
+
+    def kept_order(self, a: int, b: int) -> Iterator[KeptSteps]:
+        """The kept versions' indices of steps `a` to `b` (both included), in pieces of consecutive steps.
+
+        It MUST answer what ``[r.kept.indices for r in self.steps(a, b)]`` answers (a step with no kept
+        version has size ``NO_KEPT``) and refuse what :meth:`steps` refuses, with pieces of at most
+        ``croupier.core.kept.PIECE`` samples (or one step), so that a walk over a whole run holds a piece
+        at a time.
+        """
         ...
 
     def index(self, index: int, source: int | None = None) -> list[Occurrence]:

@@ -40,6 +40,7 @@ from croupier.core.checks import check_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from croupier.core.ftsteps import StepRun, Steps
 from croupier.core.history import History, StepRange, check_step, lineage
+from croupier.core.kept import KeptSteps, step_major, steps_per_piece, with_gaps
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import order, tags
 from croupier.core.plan import EpochPlan
@@ -123,8 +124,37 @@ class Ledger(StepRange):
         return plan_epoch(self._spec(seg), seg.start, seg.world, epoch)
 
     def _epoch_micro(self, seg: Segment, epoch: int, plan: EpochPlan) -> int:
-        """Micro-batches of the rank with the most in `epoch` of `seg`."""
-        return plan.most_steps(seg.deals.get(epoch))
+        """Micro-batches of the rank with the most in `epoch` of `seg` (up to where its trainer cut it, if it did)."""
+        most = plan.most_steps(seg.deals.get(epoch))
+        return min(most, seg.cuts[epoch]) if epoch in seg.cuts else most
+
+    def cut_by(self, seg: Segment, epoch: int, micro: int, step: int) -> tuple[int, int] | None:
+        """The epoch cut a checkpoint of `seg` shows: its ranks had taken `micro` micro-batches of `epoch` at the
+        trainer's step `step`. When fewer steps lie before it than `seg`'s earlier epochs take whole, the trainer
+        cut the epoch before `epoch` short (``set_epoch`` of the next before it ended): (that epoch, the
+        micro-batches of its rank with the most that its steps took). None when the steps agree, when they say
+        more steps (not a cut: the audit names such a step), or when the cut would lie in another epoch.
+
+        NOTE: only a checkpoint (its step and its ranks' progress) tells the coordinator where a cut was: the
+        ranks' progress reports are periodic, and a rank that finished its share of an epoch reports no
+        differently from one whose trainer cut it. The next epoch's steps before such a checkpoint are placed
+        from the cut once it is recorded (``EpochCut``); those of an epoch cut after a generation's last
+        checkpoint are still placed as if it had ended.
+        """
+        if seg.step is None or epoch <= seg.start.epoch or epoch - 1 in seg.cuts:
+            return None
+        chunks = self._chunks_to(seg, epoch=epoch)
+        before = next((c for c in chunks if c.epoch == epoch - 1), None)
+        now = next((c for c in chunks if c.epoch == epoch), None)
+        if before is None or now is None:
+            return None
+        sp = self._spec(seg)
+        began = step - seg.schedule.covering(sp, seg.world, now.first, micro)
+        for _ in range(4):  # a ramped global batch: the steps of `micro` depend on where they begin
+            began = step - seg.schedule.covering(sp, seg.world, began, micro)
+        if not before.first <= began < now.first:
+            return None
+        return epoch - 1, seg.schedule.between(sp, seg.world, before.first, began)
 
     def _chunks_to(self, seg: Segment, step: int | None = None, epoch: int | None = None) -> list[_Chunk]:
         """`seg`'s chunks, computed up to the one holding `step` (or epoch `epoch`), cached."""
@@ -288,6 +318,28 @@ class Ledger(StepRange):
         a = seg.schedule.at(sp, seg.world, t)
         return Version(t, seg.generation, seg.incarnation, seg.world, chunk.epoch, kept,
                        self._micro_samples(seg, chunk.epoch, k0, a))
+
+    def kept_order(self, a: int, b: int) -> Iterator[KeptSteps]:
+        """``History.kept_order``. Raises what :meth:`steps` raises, at once (not when iterated)."""
+        self._check_range(a, b)
+        # NOTE: kept ranges (seg.step, end] do not overlap (a parent is kept up to where its child resumed)
+        return with_gaps(a, b, (p for seg, _ in self._kept for p in self._kept_chunks(seg, a, b)))
+
+    def _kept_chunks(self, seg: Segment, a: int, b: int) -> Iterator[KeptSteps]:
+        """Steps `a` .. `b` that `seg` keeps and its chunks hold, in pieces (a ramped schedule's one step each),
+        each piece's positions laid out and mapped to indices at once."""
+        kr = self._kept_range(seg)
+        assert kr is not None
+        lo, hi, sp = max(a, kr[0] + 1), min(b, kr[1]), self._spec(seg)
+        for c in self._chunks_to(seg, step=hi) if lo <= hi else ():
+            c_lo, c_hi = max(lo, c.first + 1), min(hi, c.first + c.steps)
+            per = 1 if seg.schedule.rampup else steps_per_piece(seg.schedule.at(sp, seg.world, c_lo) * seg.world * sp.batch_size)
+            for s0 in range(c_lo, c_hi + 1, per):
+                steps, a = min(per, c_hi + 1 - s0), seg.schedule.at(sp, seg.world, s0)
+                got = self._micro_positions(seg, c.epoch, seg.schedule.between(sp, seg.world, c.first, s0 - 1), steps * a)
+                assert got is not None  # a chunk that has steps has a plan
+                sizes, pos = step_major(got[0], got[1] // a, got[2], seg.world, steps)
+                yield KeptSteps(s0, sizes, order(sp, c.epoch, pos, got[3].cursor.base_world))
 
     def _chunk_of(self, seg: Segment, t: int) -> _Chunk | None:
         for c in self._chunks_to(seg, step=t):

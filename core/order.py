@@ -21,7 +21,18 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from croupier.core.checks import check_int
-from croupier.core.cursor import Cursor, Interval, _merge, _runs, bind, epoch_agrees, fresh, is_fresh, show, validate_cursor
+from croupier.core.cursor import (
+    Cursor,
+    Interval,
+    bind,
+    epoch_agrees,
+    fresh,
+    intervals_of,
+    is_fresh,
+    merge_intervals,
+    show,
+    validate_cursor,
+)
 from croupier.core.permute import KERNELS, mixture_order, position_of
 from croupier.core.plan import ComputedPlan, Grant, Runs, StepPositions
 from croupier.core.spec import Spec
@@ -373,16 +384,16 @@ class FixedPlan(ComputedPlan):
                     out.append((a, e))
             if self.t < r_left:  # tail "drop": [T, R) was dealt to no rank and is not consumed
                 out.append((self.t, r_left))
-            return _merge(out)
+            return merge_intervals(out)
         lo, hi = int(consumed.min()), int(consumed.max())
         # Rows below lo are consumed by every rank; rows from hi on by none. Only the rows in
         # between (at most batch_size + 1 of them, at the end of an epoch) need a closer look.
         v = np.arange(lo * w, min(hi * w, r_left), dtype=np.int64)
         keep = v // w >= consumed[v % w]
-        out = _runs(v[keep])
+        out = intervals_of(v[keep])
         if hi * w < r_left:
             out.append((hi * w, r_left))
-        return _merge(out)
+        return merge_intervals(out)
 
     def _map(self, vints: list[Interval]) -> tuple[Interval, ...]:
         """Order-position intervals of virtual intervals (which lie inside [0, R))."""
@@ -396,7 +407,7 @@ class FixedPlan(ComputedPlan):
                 out.append((starts[k] + a - cum[k], starts[k] + seg_end - cum[k]))
                 a = seg_end
                 k += 1
-        return tuple(_merge(out))
+        return tuple(merge_intervals(out))
 
 
 def fixed_plan(spec: Spec, cursor: Cursor, world: int, layout: MakeLayout | None = None) -> FixedPlan:

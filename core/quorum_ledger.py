@@ -26,9 +26,11 @@ from croupier.core.checks import check_int
 from croupier.core.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from croupier.core.ftsteps import CommittedStep, StepRun, Steps, part, stream_runs
 from croupier.core.history import LineageCycle, StepRange, check_step
+from croupier.core.kept import NO_KEPT, KeptSteps, steps_per_piece
 from croupier.core.mixture import sample_seeds
 from croupier.core.order import order, tags
 from croupier.core.permute import position_of
+from croupier.core.registry import kind_of
 from croupier.core.spec import Spec
 
 __all__ = ["QuorumLedger"]
@@ -48,6 +50,7 @@ class QuorumLedger(StepRange):
 
     def __init__(self, job: str, spec: Spec, record: Steps) -> None:
         self.job, self.spec, self.record = job, spec, record
+        self._kind = kind_of(spec)  # its stepped variant says which position each place of an epoch is
         self._number = {id(r): k + 1 for k, r in enumerate(record.runs)}
         try:
             self._lineage = record.lineage()
@@ -94,7 +97,7 @@ class QuorumLedger(StepRange):
                                 for a, b in [part(c.start, c.stop, c.participants, g)]])  # (samples,)
         idx, src, sep = [], [], []
         for epoch, a, b in stream_runs(n, c.start, c.stop):
-            pos = np.arange(a, b, dtype=np.int64)
+            pos = self._kind.stepped_positions(self.spec, epoch, a, b)
             idx.append(order(self.spec, epoch, pos))
             s, e = tags(self.spec, epoch, pos)
             src.append(s)
@@ -104,6 +107,44 @@ class QuorumLedger(StepRange):
                    sample_seeds(self.spec.seed, source, source_epoch, index))
         return Version(c.step, self._number[id(r)], r.run, c.participants, c.start // n, kept, samples,
                        quorum=c.quorum, span=(c.start, c.stop))
+
+    def kept_order(self, a: int, b: int) -> Iterator[KeptSteps]:
+        """The kept versions' indices of steps `a` .. `b`, in pieces (``croupier.core.history.History.kept_order``).
+
+        Raises:
+            InvalidArgument, OutOfRange, FailedPrecondition: as :meth:`steps` (at once, not when iterated).
+        """
+        self._check_range(a, b)
+        return self._kept_order(a, b)
+
+    def _kept_order(self, a: int, b: int) -> Iterator[KeptSteps]:
+        spans = np.zeros((b - a + 1, 2), dtype=np.int64)  # (steps, 2): each kept step's stream [start, stop)
+        kept, claimed = np.zeros(b - a + 1, dtype=bool), np.zeros(b - a + 1, dtype=bool)
+        for r, until in self._lineage:  # NOTE: as Steps.kept: the first run of the lineage whose range holds a step decides
+            lo, hi = max(a, r.resumed + 1), b if until is None else min(b, until)
+            if lo > hi:
+                continue
+            free = ~claimed[lo - a:hi - a + 1]
+            claimed[lo - a:hi - a + 1] = True
+            i = bisect.bisect_left(r.steps, lo, key=lambda c: c.step)
+            while i < len(r.steps) and r.steps[i].step <= hi:
+                c = r.steps[i]
+                if free[c.step - lo]:
+                    spans[c.step - a], kept[c.step - a] = (c.start, c.stop), True
+                i += 1
+        sizes = np.where(kept, spans[:, 1] - spans[:, 0], NO_KEPT)  # (steps,)
+        per = steps_per_piece(int(sizes.max(initial=1)))
+        for k0 in range(0, sizes.size, per):
+            yield KeptSteps(a + k0, sizes[k0:k0 + per], self._stream_indices(spans[k0:k0 + per][kept[k0:k0 + per]]))
+
+    def _stream_indices(self, spans: np.ndarray) -> np.ndarray:
+        """The indices of the stream spans `spans` ``(k, 2)``, one after the other (adjacent spans mapped at once)."""
+        joined = np.flatnonzero(spans[1:, 0] != spans[:-1, 1]) + 1
+        firsts, lasts = np.r_[0, joined].tolist(), np.r_[joined - 1, spans.shape[0] - 1].tolist()
+        idx = [order(self.spec, epoch, self._kind.stepped_positions(self.spec, epoch, lo, hi))
+               for i, j in zip(firsts, lasts) if spans.shape[0]
+               for epoch, lo, hi in stream_runs(self.spec.n, int(spans[i, 0]), int(spans[j, 1]))]
+        return np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
 
     def ends_epoch(self, t: int) -> bool:
         """Whether kept step `t` trains its epoch's last sample (a step may run on into the next epoch)."""
@@ -133,11 +174,12 @@ class QuorumLedger(StepRange):
         return sorted(out)
 
     def _position(self, epoch: int, index: int) -> int:
-        """`index`'s position in `epoch`'s order: its inverse where at hand, else the epoch's order searched."""
+        """`index`'s place in `epoch` as the steps take it: its position in the epoch's order (the order's inverse
+        where at hand, else the order searched), at its kind's place."""
         pos = position_of(self.spec, epoch, index)
         if pos is None:
             pos = int(np.flatnonzero(order(self.spec, epoch, np.arange(self.spec.n, dtype=np.int64)) == index)[0])
-        return pos
+        return self._kind.stepped_place(self.spec, epoch, pos)
 
     def _at(self, p: int, epoch: int, records: list[tuple[StepRun, CommittedStep]]) -> Iterator[Occurrence]:
         """The recorded versions whose span holds stream position `p` (of `epoch`), as occurrences."""

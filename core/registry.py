@@ -17,6 +17,8 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+import numpy as np
+
 from croupier.core import spec as _spec
 from croupier.core.checks import check_choice
 from croupier.core.cursor import Cursor, epoch_cursor
@@ -48,6 +50,10 @@ class PlanKind:
         lease_batches: The batch sampler's default lease, in batches.
         shuffled_by: The permutation a shuffling sampler of this kind always takes (None: the usual
             default, see :meth:`permutation`).
+        stepped: Its stepped variant (a job of torchft-style replica-group steps whose spec names this
+            kind): an epoch's positions in the order the job's committed steps take them, a pure function
+            of (spec, epoch) that MUST return a permutation of ``range(spec.n)`` (int64). None: in the
+            order's own sequence, 0, 1, 2, ... (see :meth:`stepped_positions`).
     """
 
     name: str
@@ -57,6 +63,7 @@ class PlanKind:
     lease_indices: int
     lease_batches: int
     shuffled_by: str | None = None
+    stepped: Callable[[Spec, int], np.ndarray] | None = None
 
     def __reduce__(self) -> tuple[object, tuple[str]]:
         # A sampler keeps its kind and is pickled into DataLoader workers: a kind travels by name.
@@ -118,6 +125,17 @@ class PlanKind:
         a plan or a kind answers itself is a method of it instead."""
         return dealt if self.coordinator_deals else computed
 
+    def stepped_positions(self, spec: Spec, epoch: int, a: int, b: int) -> np.ndarray:
+        """The positions of `epoch`'s order at places [a, b) of the epoch as a stepped job's steps take it
+        (``croupier.core.ftsteps``: stream position ``epoch * n + p`` is place ``p``), int64."""
+        at = np.arange(a, b, dtype=np.int64)
+        return at if self.stepped is None else self.stepped(spec, epoch)[at]
+
+    def stepped_place(self, spec: Spec, epoch: int, position: int) -> int:
+        """Inverse of :meth:`stepped_positions`: the place at which a stepped job's steps take `position` of `epoch`."""
+        if self.stepped is None:
+            return position
+        return int(np.flatnonzero(self.stepped(spec, epoch) == position)[0])
 
 
 # NOTE: fixed plans are O(world) to make and are asked for on every grant: a large cache. Token

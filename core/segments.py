@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from croupier.core.amend import Amendment
-from croupier.core.checks import is_int
+from croupier.core.checks import check_int, check_type
 from croupier.core.cursor import Cursor, fresh
 from croupier.core.deals import EpochDeals
 from croupier.core.schedule import Schedule
@@ -32,8 +32,19 @@ class Segment:
         amendments: A mixture's amendments it dealt with, each from its position.
         reached: ``epoch -> micro-batches`` the furthest rank reported taking of each epoch.
         checkpoints: Steps of the checkpoints its ranks recorded.
-        deals: Dynamic dealing: what the coordinator dealt it, by epoch.
+        deals: Dynamic dealing: what the coordinator dealt it, by epoch (the deal books, with the
+            ranks' ``own`` commits: the coordinator reads its current generation's through it).
         at_ms: When it started (the coordinator's clock).
+        cuts: ``epoch -> micro-batches``: an epoch its trainer cut short (``set_epoch`` of the next
+            before it ended), and the micro-batches of the rank with the most its ranks took of it:
+            the next epoch's steps follow from there (``EpochCut``, ``croupier.server._decide``).
+        ranks: ``rank -> (epoch, micro-batches, ms)``: each rank's last report, kept while the
+            generation is the job's current one (not part of the wire form: a snapshot writes it as
+            its job's ``progress``).
+
+    NOTE: a segment is the one owner of what its generation did: the coordinator's job reads its
+    current generation's progress, deals and held amendments through it (``croupier.server._jobs``),
+    and its state writes each event's facts here alone; no second copy exists to disagree with it.
     """
 
     generation: int
@@ -48,11 +59,19 @@ class Segment:
     checkpoints: list[int] = dataclasses.field(default_factory=list)
     deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
     at_ms: int = 0
+    cuts: dict[int, int] = dataclasses.field(default_factory=dict)
+    ranks: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def report(self, epoch: int, micro: int) -> None:
         """A rank reported taking `micro` micro-batches of `epoch`."""
         if micro > self.reached.get(epoch, 0):
             self.reached[epoch] = micro
+
+    def reported(self, rank: int, epoch: int, micro: int, at_ms: int) -> None:
+        """Rank `rank` reported taking `micro` micro-batches of `epoch` at `at_ms`: its last report, and how far
+        the generation reached."""
+        self.ranks[rank] = (epoch, micro, at_ms)
+        self.report(epoch, micro)
 
     def checkpoint(self, step: int | None) -> None:
         if step is not None and (not self.checkpoints or step > self.checkpoints[-1]):
@@ -60,6 +79,14 @@ class Segment:
 
     def deal(self, epoch: int, rank: int, first: int, count: int) -> None:
         self.deals.setdefault(epoch, EpochDeals()).deal(rank, first, count)
+
+    def cut(self, epoch: int, micro: int) -> None:
+        """The trainer cut `epoch` after `micro` micro-batches of the rank with the most (its first cut stands)."""
+        self.cuts.setdefault(epoch, micro)
+
+    def commit(self, epoch: int, rank: int, batches: int) -> None:
+        """Rank `rank` committed the first `batches` batches of its sequence in `epoch` (an ``own`` checkpoint)."""
+        self.deals.setdefault(epoch, EpochDeals()).commit(rank, batches)
 
     def to_dict(self) -> dict[str, Any]:
         """The segment as a plain (msgpack-able) map: what a snapshot and GetLedger carry."""
@@ -71,13 +98,15 @@ class Segment:
             "reached": [[e, m] for e, m in sorted(self.reached.items())], "checkpoints": list(self.checkpoints),
             "deals": [[e, [[r, [list(x) for x in runs]] for r, runs in sorted(b.runs.items())]]
                       for e, b in sorted(self.deals.items())],
-            "at_ms": self.at_ms,
+            "at_ms": self.at_ms, "cuts": [[e, m] for e, m in sorted(self.cuts.items())],
         }
 
     @classmethod
     def from_dict(cls, d: Any) -> Segment:
-        """Inverse of :meth:`to_dict`. Raises ValueError (naming the field) for a map it would not have written."""
-        if not isinstance(d, dict) or set(d) != set(_KEYS):
+        """Inverse of :meth:`to_dict`. Raises ValueError (naming the field) for a map it would not have written.
+
+        A segment of a snapshot of format 8 or older has no ``cuts`` (none recorded)."""
+        if not isinstance(d, dict) or set(d) not in (set(_KEYS), set(_KEYS) - {"cuts"}):
             got = sorted(d) if isinstance(d, dict) else type(d).__name__
             raise ValueError(f"a segment must be a map with the fields {_KEYS} (got {got})")
         try:
@@ -91,6 +120,8 @@ class Segment:
             for e, m in d["reached"]:
                 seg.reached[_int("reached epoch", e)] = _int("reached", m)
             seg.checkpoints = [_int("checkpoints", x) for x in d["checkpoints"]]
+            for e, m in d.get("cuts", []):
+                seg.cut(_int("cuts epoch", e), _int("cuts", m))
             for e, ranks in d["deals"]:
                 for r, runs in ranks:
                     for first, count in runs:
@@ -101,13 +132,11 @@ class Segment:
 
 
 _KEYS = ["generation", "incarnation", "world", "start", "step", "parent", "schedule", "amendments", "reached",
-         "checkpoints", "deals", "at_ms"]
+         "checkpoints", "deals", "at_ms", "cuts"]
 
 
 def _int(what: str, v: Any) -> int:
-    if not is_int(v):
-        raise ValueError(f"{what} must be an int (got {v!r})")
-    return int(v)
+    return check_int(what, v, None)
 
 
 def _opt_int(what: str, v: Any) -> int | None:
@@ -115,9 +144,7 @@ def _opt_int(what: str, v: Any) -> int | None:
 
 
 def _str(what: str, v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"{what} must be a str (got {v!r})")
-    return v
+    return check_type(what, v, str)
 
 
 def pack(segments: Sequence[Segment]) -> bytes:

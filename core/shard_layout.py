@@ -21,7 +21,7 @@ import dataclasses
 
 import numpy as np
 
-from croupier.core.cursor import Interval, _merge
+from croupier.core.cursor import Interval, merge_intervals
 from croupier.core.spec import Spec
 
 __all__ = ["ShardLayout", "shard_layout"]
@@ -307,7 +307,7 @@ class ShardLayout:
         kept = [(a, min(b, left)) for a, b in out if a < left]
         if t < left:  # tail "drop": [T, R) was dealt to no rank
             kept.append((t, left))
-        return _merge(kept)
+        return merge_intervals(kept)
 
 
 def _without(intervals: list[Interval], points: np.ndarray) -> list[Interval]:

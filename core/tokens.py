@@ -66,7 +66,7 @@ import numpy as np
 
 from croupier.core import feistel as _feistel
 from croupier.core.checks import check_int
-from croupier.core.cursor import Cursor, Interval, _merge, _runs, fresh
+from croupier.core.cursor import Cursor, Interval, fresh, intervals_of, merge_intervals
 from croupier.core.order import order
 from croupier.core.plan import ComputedPlan, Grant, Runs
 from croupier.core.spec import Spec
@@ -440,8 +440,8 @@ class TokenPlan(ComputedPlan):
             w = bisect.bisect_right(self._cum, g) - 1
             win = self._window(w)
             rest = np.sort(win.pos[int(win.bounds[g - self._cum[w]]) :])
-            ints = _runs(rest) + self._intervals(min((w + 1) * self._window_size, self.left), self.left)
-            return dataclasses.replace(self.cursor, remaining=tuple(_merge(ints)))
+            ints = intervals_of(rest) + self._intervals(min((w + 1) * self._window_size, self.left), self.left)
+            return dataclasses.replace(self.cursor, remaining=tuple(merge_intervals(ints)))
 
 
 def token_plan(spec: Spec, cursor: Cursor, world: int) -> TokenPlan:

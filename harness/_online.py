@@ -2,8 +2,8 @@
 its port), restarts of the database, and the data-center faults of :mod:`croupier.harness._faults` (one
 coordinator) and :mod:`croupier.harness._dc_replicas` (replicas).
 
-:class:`OnlineFaults` is a part of :class:`croupier.harness.chaos.Run`, kept apart for length; it uses the
-run's servers, tally, random choices and log.
+:class:`OnlineFaults` is the part of :class:`croupier.harness.chaos.Run` that injects them (the launch's own
+kills and preemptions are the run's); it uses the run's servers, tally, random choices and log.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ orchestrator names (``resume_from``); a rollback deletes the checkpoints after t
 from, so that the history is the chain the job follows. After every launch the audit log is
 checked (no duplicates so far in any epoch, the finished ones complete), and so is the launch's
 resume point (its samplers resumed from the checkpoint its model came from); at the end, every
-epoch must be finished and pass the audit. The checks are :mod:`croupier.harness.history`'s.
+epoch must be finished and pass the audit. The checks are :mod:`croupier.harness.history`'s, the faults'
+schedule :mod:`croupier.harness._schedule`'s, the reading of a launch's progress :mod:`croupier.harness._watch`'s.
 
 Replicated mode (``store`` a ``postgresql://`` URL, ``replicas`` k): k ``croupier serve`` replicas
 on that database instead of the one coordinator, every rank given all k endpoints. The
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import pathlib
 import random
@@ -56,47 +56,33 @@ import sys
 import time
 from typing import IO, Any
 
+from croupier.core.checks import check_choice, check_int
 from croupier.demos.cluster import TRAINER, descendants, runs_trainer, sigkill, statuses
 from croupier.demos.demo_train import mixture_of
 from croupier.harness import _dc_replicas, _faults, history, linearize
 from croupier.harness._online import DatabaseControl, OnlineFaults, where
+from croupier.harness._schedule import ONLINE, Due, FaultSchedule, JobShape
+from croupier.harness._watch import POLL, LaunchView, furthest
 from croupier.harness.history import JOB, ChaosError
 from croupier.tools.audit import EpochReport, render
 from croupier.tools.serve import ServeGroup, ServeProcess
+
+__all__ = ["JOB", "STALENESS_S", "DatabaseControl", "Run", "main"]
 
 BATCH = 12  # per worker; with N a multiple of 12 every world size 1..4 consumes whole steps: no pad, no repeats
 CKPT_EVERY = 2  # steps
 LEASE_AHEAD = 24  # indices per lease: every rank calls the coordinator every other step
 ROLLBACK_DEPTH = 8  # an older checkpoint is one of the last 8 before the latest
-POLL = 0.02  # seconds: the watch loop's refresh interval
-END_MARGIN = 0.5  # seconds of training before the end of the job: the last moment to inject a fault still due
 #: Simulated compute per training step. The ranks train on while the coordinator restarts, so a
 #: job of tiny steps would end before the faults due could land.
 STEP_MS = 40
+MAX_STEP_MS = 10_000
 #: What ``--batching`` offers, and the token budget of ``tokens`` (samples are 1..200 tokens, median 20).
 BATCHINGS = ("fixed", "tokens", "dynamic")
 MAX_TOKENS = 400
 RESTART_S = 1.5  # seconds a coordinator restart is expected to take, until one is measured
-STALL = 120.0  # seconds without a step: the run has hung
 STALENESS_S = 0.1  # the replicas' --max-staleness-ms (croupier serve's default), in seconds
 KEEP_JOURNAL = 10**9  # the single coordinator's --snapshot-every: a run's journal is never pruned
-PACE_WINDOW_S = 1.0  # replicated mode: seconds of a launch's steps seen before its pace is measured
-KINDS = ("rank", "coordinator", "preempt")
-WEIGHTS = (0.35, 0.25, 0.40)
-#: The replicated mode's faults, with a database control and without one.
-REPLICATED_KINDS = ("rank", "replica", "database", "preempt")
-REPLICATED_WEIGHTS = (0.25, 0.25, 0.15, 0.35)
-NO_DATABASE_KINDS = ("rank", "replica", "preempt")
-NO_DATABASE_WEIGHTS = (0.30, 0.30, 0.40)
-#: ``--datacenter``: the single coordinator's faults and those of harness/_faults.py (pauses, clock jumps, full disk,
-#: partitions, a slow link).
-DATACENTER_KINDS = (*KINDS, *_faults.KINDS)
-DATACENTER_WEIGHTS = (0.10, 0.09, 0.12, 0.15, 0.12, 0.12, 0.12, 0.10, 0.08)
-#: ``--datacenter --replicas K``: the replicated mode's faults and those of harness/_dc_replicas.py.
-REPLICATED_DATACENTER_KINDS = (*REPLICATED_KINDS, *_dc_replicas.KINDS)
-REPLICATED_DATACENTER_WEIGHTS = (0.08, 0.10, 0.08, 0.12, 0.10, 0.08, 0.12, 0.12, 0.10, 0.10)
-#: Faults the job trains through (the others end the launch).
-ONLINE = frozenset({"coordinator", "replica", "database", *_faults.KINDS, *_dc_replicas.KINDS})
 
 
 def _history(work: pathlib.Path) -> list[pathlib.Path]:
@@ -109,7 +95,10 @@ def _step_of(ckpt: pathlib.Path | None) -> int:
 
 
 class Run(OnlineFaults):
-    """The orchestration of one chaos run."""
+    """The orchestration of one chaos run: its launches of the job, each watched and ended by a fault or
+    by the job's end, and the checkpoint the next one resumes from. When each fault comes is decided by its
+    :class:`croupier.harness._schedule.FaultSchedule`; the faults the job trains through are injected by
+    :class:`croupier.harness._online.OnlineFaults`."""
 
     def __init__(self, work: pathlib.Path, faults: int, epochs: int, n: int, rng: random.Random,
                  servers: ServeGroup, log: IO[str], database: DatabaseControl | None = None,
@@ -119,30 +108,11 @@ class Run(OnlineFaults):
         self.faults = faults
         self.restart_s = RESTART_S  # the longest coordinator (replica, database) restart seen so far
         self.database = database
-        self.kinds: tuple[str, ...]
-        self.weights: tuple[float, ...]
-        first: tuple[str, ...]
         self.datacenter = datacenter
         self.step_ms = step_ms
-        self.time_left = math.inf  # seconds of the job left, as last estimated by watch()
-        if datacenter is not None and replicated:  # a short run still restarts the database with either shutdown mode
-            self.kinds, self.weights = REPLICATED_DATACENTER_KINDS, REPLICATED_DATACENTER_WEIGHTS
-            first = (*REPLICATED_DATACENTER_KINDS, "database")
-        elif datacenter is not None:
-            self.kinds, self.weights, first = DATACENTER_KINDS, DATACENTER_WEIGHTS, DATACENTER_KINDS
-        elif not replicated:
-            self.kinds, self.weights, first = KINDS, WEIGHTS, KINDS
-        elif database is not None:
-            # A short run still restarts the database with either shutdown mode.
-            self.kinds, self.weights, first = REPLICATED_KINDS, REPLICATED_WEIGHTS, (*REPLICATED_KINDS, "database")
-        else:
-            self.kinds, self.weights, first = NO_DATABASE_KINDS, NO_DATABASE_WEIGHTS, NO_DATABASE_KINDS
-        self.first_kinds = rng.sample(first, len(first))
-        # NOTE: a pace measured over the first step or two of a launch is noise (a status read late, the
-        # next one at once) that can find the end near and turn a fault the job trains through into a
-        # preemption; the replicated mode, whose short run must restart the database twice, waits
-        # for a second of steps. The single-coordinator mode keeps its pacing as it was.
-        self.pace_window = PACE_WINDOW_S if replicated else 0.0
+        self.time_left = float("inf")  # seconds of the job left, as last estimated by the schedule
+        self.schedule = FaultSchedule(faults, JobShape(epochs, n, BATCH, CKPT_EVERY), rng, replicated,
+                                      database is not None, datacenter is not None)
         self.epochs = epochs
         self.n = n
         self.rng = rng
@@ -194,23 +164,8 @@ class Run(OnlineFaults):
             if runs_trainer(pid):
                 sigkill(pid)
 
-    def _progress(self, s: dict[str, Any]) -> int:
-        """An estimate of the samples the job has trained (epochs before this one, and this one's part)."""
-        left = (s["of"] - s["k"]) * s["world"] * BATCH
-        return int(s["epoch"]) * self.n + max(0, self.n - int(left))
-
-    def _gap(self, kind: str, s: dict[str, Any]) -> int:
-        """Steps from now to the next fault: the remaining work spread over the remaining faults, at random."""
-        remaining = max(0, self.epochs * self.n - self._progress(s))
-        per_fault = remaining / (self.faults - self.tally.faults + 1)
-        # NOTE: below the mean on average: the job also moves on while the orchestrator looks and while
-        # the coordinator restarts.
-        steps = math.ceil(per_fault * self.rng.uniform(0.2, 1.0) / (int(s["world"]) * BATCH))
-        # A relaunch needs a checkpoint past the one it resumed from to make progress.
-        return max(steps, 1 if kind in ONLINE else CKPT_EVERY + 1)
-
     def watch(self, world: int, number: int) -> str:
-        """Watches the launch and injects faults.
+        """Watches the launch and injects the faults the schedule makes due.
 
         Returns:
             What ended the launch: "finished", "rank", "preempt", or "rollback" (a preemption that
@@ -218,91 +173,57 @@ class Run(OnlineFaults):
         """
         proc = self.proc
         assert proc is not None
-        status = self.work / "status"
-        target: tuple[str, int] | None = None  # (kind, step) of the next fault
-        last_step, last_change, last_line = -1, time.monotonic(), ""
-        first: tuple[float, int] | None = None  # (time, step) of the first status seen: the pace of this launch
+        view = LaunchView(self.work / "status", number, world, self.log.name)
+        self.schedule.new_launch()
         while proc.poll() is None:
             self.servers.check()
-            st = statuses(status)
-            self.pids.update(s["pid"] for s in st)
-            live = [s for s in st if not s.get("done")]
+            live = view.read(self.pids)
             if live:
-                s0 = max(live, key=lambda s: (s["epoch"], s["step"]))
-                now = time.monotonic()
-                if s0["step"] != last_step:
-                    last_step, last_change = s0["step"], now
-                if first is None:
-                    first = (now, s0["step"])
-                frac = min(1.0, s0["k"] / max(1, s0["of"]))
-                line = (f"  [launch {number}, {world} workers] epoch {s0['epoch']} "
-                        f"{'#' * int(frac * 20):.<20} {s0['k']:>3}/{s0['of']:<3} step {s0['step']:>4} "
-                        f"loss {s0['loss']:.4f}  faults {self.tally.faults}/{self.faults}")
-                if line != last_line:
-                    print("\r" + line.ljust(100), end="", flush=True)
-                    last_line = line
-                if target is None and self.tally.faults < self.faults:
-                    # The first faults are one of each kind (in a random order), so that even a short
-                    # run has them all; the rest are drawn by weight.
-                    kind = (self.first_kinds[self.tally.faults] if self.tally.faults < len(self.first_kinds)
-                            else self.rng.choices(self.kinds, self.weights)[0])
-                    target = (kind, s0["step"] + self._gap(kind, s0))
-                # NOTE: a fault due after the end of the job comes just before the end instead, so
-                # that the run injects every fault it was asked for; unless it is the last one, it is
-                # a preemption that rolls back to an older checkpoint, which leaves room for the rest.
-                # NOTE: the ranks train on while the coordinator restarts (and this loop waits for it),
-                # so a coordinator kill needs that long before the end to leave room for the next fault.
-                # So do a replica kill and a database restart.
-                measured = s0["step"] > first[1] and now - first[0] >= self.pace_window
-                pace = (now - first[0]) / (s0["step"] - first[1]) if measured else 0.1  # s/step
-                allowance = self.restart_s if target is not None and target[0] in ONLINE else 0.0
-                steps_left = (s0["of"] - s0["k"]) + (self.epochs - 1 - s0["epoch"]) * math.ceil(
-                    self.n / (int(s0["world"]) * BATCH))
-                near_end = steps_left * pace <= END_MARGIN + allowance
-                self.time_left = steps_left * pace - END_MARGIN  # a fault the job trains through ends before it
-                if target is not None and (s0["step"] >= target[1] or near_end):
-                    kind = target[0]
-                    early = s0["step"] < target[1] or (near_end and kind in ONLINE)
-                    rollback = early and self.tally.faults + 1 < self.faults
-                    if rollback:
-                        if kind != "preempt" and self.tally.faults < len(self.first_kinds):
-                            # A first fault of its kind that became a rollback comes next, once the
-                            # rollback has made room: a short run still has one of each kind.
-                            self.first_kinds.insert(self.tally.faults + 1, kind)
-                        kind = "preempt"
-                    if kind in ONLINE:
-                        self._online_fault(kind, statuses(status))
-                        target = None
-                        continue
-                    if kind == "rank":
-                        # Drawn by rank (not from the status files read) so that a seed replays the same choices.
-                        r = self.rng.randrange(world)
-                        victim = next((s for s in live if s["rank"] == r), s0)
-                        if runs_trainer(victim["pid"]):
-                            sigkill(victim["pid"])
-                        self.tally.rank_kills += 1
-                        at = where([s for s in statuses(status) if s["rank"] == victim["rank"]])
-                        self._say(f"SIGKILL of rank {victim['rank']} of {world} (pid {victim['pid']}) at {at}")
-                        try:
-                            proc.wait(timeout=60)
-                        except subprocess.TimeoutExpired:
-                            raise ChaosError(f"torchrun did not stop within 60 s after rank {victim['rank']} "
-                                             f"was killed; see {self.log.name}") from None
-                        self.kill_launch()  # whatever torchrun left running
-                        return "finished" if proc.returncode == 0 else "rank"
-                    self.kill_launch()
-                    self.tally.preemptions += 1
-                    self._say(f"preempted: SIGKILL of torchrun and all {world} workers at {where(statuses(status))}")
-                    return "rollback" if rollback else "preempt"
-            if time.monotonic() - last_change > STALL:
-                raise ChaosError(f"no training step for {STALL:.0f} s (launch {number}, {world} workers); "
-                                 f"see {self.log.name}")
+                s0, now = furthest(live), time.monotonic()
+                view.show(s0, now, f"faults {self.tally.faults}/{self.faults}")
+                due = self.schedule.due(s0, now, self.tally.faults, self.restart_s)
+                self.time_left = self.schedule.time_left
+                if due is not None and due.kind in ONLINE:
+                    self._online_fault(due.kind, statuses(view.folder))
+                    continue
+                if due is not None:
+                    return self._end_launch(due, world, live, s0)
+            view.check_stall()
             time.sleep(POLL)  # the progress line's refresh interval
         self.kill_launch()
         if proc.returncode != 0:
             raise ChaosError(f"torchrun with {world} workers failed by itself (exit {proc.returncode}) in launch "
                              f"{number}; see {self.log.name}")
         return "finished"
+
+    def _end_launch(self, due: Due, world: int, live: list[dict[str, Any]], s0: dict[str, Any]) -> str:
+        """A fault that ends the launch: a rank's kill, or a preemption of them all. Returns what ended it."""
+        if due.kind == "rank":
+            return self._kill_rank(world, live, s0)
+        self.kill_launch()
+        self.tally.preemptions += 1
+        self._say(f"preempted: SIGKILL of torchrun and all {world} workers at {where(statuses(self.work / 'status'))}")
+        return "rollback" if due.rollback else "preempt"
+
+    def _kill_rank(self, world: int, live: list[dict[str, Any]], s0: dict[str, Any]) -> str:
+        """SIGKILL of one worker, drawn by rank; torchrun stops the launch. Returns what ended it."""
+        proc = self.proc
+        assert proc is not None
+        # Drawn by rank (not from the status files read) so that a seed replays the same choices.
+        r = self.rng.randrange(world)
+        victim = next((s for s in live if s["rank"] == r), s0)
+        if runs_trainer(victim["pid"]):
+            sigkill(victim["pid"])
+        self.tally.rank_kills += 1
+        at = where([s for s in statuses(self.work / "status") if s["rank"] == victim["rank"]])
+        self._say(f"SIGKILL of rank {victim['rank']} of {world} (pid {victim['pid']}) at {at}")
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise ChaosError(f"torchrun did not stop within 60 s after rank {victim['rank']} "
+                             f"was killed; see {self.log.name}") from None
+        self.kill_launch()  # whatever torchrun left running
+        return "finished" if proc.returncode == 0 else "rank"
 
     def choose_checkpoint(self, older: bool) -> tuple[pathlib.Path | None, bool]:
         """The checkpoint to resume from (None: from scratch) and whether it is an older one than the latest.
@@ -389,46 +310,18 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
             host faults it trains through (a pause or a full disk lasts seconds).
 
     Raises:
-        ValueError: a setting out of range, or a store that is not an empty PostgreSQL database.
+        ValueError: a setting out of range or contradicting another, or a store that is not an empty PostgreSQL
+            database (refused before the workdir is touched).
+        TypeError: a count that is not an int.
         StoreError: the store could not be opened.
     """
-    if batching not in BATCHINGS or mixture and batching != "fixed":
-        raise ValueError(f"batching must be one of {list(BATCHINGS)}, 'fixed' with a mixture (got {batching=}, {mixture=})")
-    if not 1 <= step_ms <= 10_000:
-        raise ValueError(f"step_ms must be in [1, 10000] (got {step_ms=})")
-    if faults < 0 or epochs < 1 or n < 1:
-        raise ValueError(f"faults must be >= 0, epochs and n >= 1 (got {faults=}, {epochs=}, {n=})")
-    if n < 4 * BATCH:
-        raise ValueError(f"n must be at least {4 * BATCH} so that 4 workers each get a batch (got {n=})")
-    replicated = store is not None or datacenter and replicas > 1
-    if replicas < 1 or replicas > 1 and not replicated:
-        raise ValueError(f"replicas must be >= 1, and more than 1 needs a shared store (got {replicas=}, "
-                         f"store={'given' if store else None})")
-    if datacenter and (why := "no store= (with --replicas the run starts a PostgreSQL server on a host of its own)"
-                       if store is not None else _dc_replicas.available() if replicated else _faults.available()):
-        raise ValueError(f"datacenter faults need {why}")
-    if database is not None and store is None:
-        raise ValueError("a database control needs the replicated mode (store=postgresql://...)")
+    replicated = _check_settings(faults, epochs, n, store, replicas, database, batching, mixture, datacenter, step_ms)
     if store is not None:
         history.check_store(store)
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
-    work = pathlib.Path(workdir).resolve()
-    if work.exists() and any(work.iterdir()) and not (work / "train.log").exists():
-        raise ValueError(f"workdir {work} is not empty and holds no earlier chaos run (no train.log); "
-                         "refusing to empty it")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    what = {"fixed": f"batch {BATCH} per worker", "tokens": f"token-budget batches of up to {MAX_TOKENS} tokens",
-            "dynamic": f"batches of {BATCH} dealt dynamically"}[batching]
-    what += ", a mixture of 3 sources, its weights changed halfway" if mixture else ""
-    print(f"croupier chaos: {faults} faults over {epochs} epochs of {n} samples, {what}, "
-          f"a checkpoint every {CKPT_EVERY} steps, 1-4 workers, seed {seed}; logs in {work}", flush=True)
-    if n % 12:
-        print(f"  note: n={n} is not a multiple of 12, so the pad tail may repeat fewer than W indices (legal)")
-    if store is not None and database is None:
-        print("  note: no control of the database server: no database faults (croupier chaos cannot restart a "
-              "PostgreSQL server it does not own); replica kills, rank kills and preemptions only", flush=True)
+    work = _empty_workdir(workdir)
+    _announce(work, faults, epochs, n, seed, batching, mixture, store is not None and database is None)
     t0 = time.perf_counter()
     # A SIGTERM (a run stopped by its caller) unwinds like Ctrl-C: the coordinator, the job, the namespaces
     # and the store's file system are taken down on the way out.
@@ -438,44 +331,14 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         dc = None if not datacenter else logs.enter_context(
             _dc_replicas.ReplicatedDatacenter(work, random.Random(seed + 1), replicas) if replicated
             else _faults.Faults(work, random.Random(seed + 1)))
-        db = work / ("disk" if dc else ".") / "coordinator.db"
-        if isinstance(dc, _dc_replicas.ReplicatedDatacenter):  # PostgreSQL, the replicas and the job on hosts of their own
-            (store, database), servers = dc.db(), ServeGroup(dc.replicas(logs, ChaosError))
-        elif store is None:
-            # The whole journal is kept (no snapshot prunes it) so that its history is checked to the first record.
-            servers = ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
-                                               error=ChaosError, env=dc.env() if dc else None,
-                                               args=("--snapshot-every", str(KEEP_JOURNAL)),
-                                               host=dc.address("co") if dc else "127.0.0.1",
-                                               prefix=dc.prefix("co") if dc else ())])
-        else:
-            servers = ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
-                                               f"replica {i}", ChaosError, verbose=True) for i in range(replicas)])
+        servers, journal, database = _servers(logs, work, dc, store, database, replicas)
         run = Run(work, faults, epochs, n, random.Random(seed), servers, tlog, database, batching, replicated,
                   mixture, dc, step_ms)
-        checked: history.History | None = None
-        calls = linearize.Verdict(True, 0, 0)
         try:
             servers.start()
-            if store is None:
-                print(f"coordinator: croupier serve at {servers.address} (sqlite store {db})", flush=True)
-            else:
-                from croupier.server import redact_url
-
-                print(f"replicas: {replicas} croupier serve processes at {servers.address} (postgresql store "
-                      f"{redact_url(store)})", flush=True)
+            print(_servers_line(servers, journal, replicated), flush=True)
             reports = run.run()
-            if store is not None:
-                checked = history.check_history(store, work)
-            else:  # the file is the coordinator's alone while it runs
-                run.kill_launch()
-                servers.kill()
-                checked = history.check_history(f"sqlite:///{db}", work)
-            # A replica may answer a grant from a state up to its staleness bound old (croupier serve's default).
-            calls = linearize.check(linearize.load(sorted(str(f) for f in (work / "calls").glob("*.jsonl"))),
-                                    stale_s=STALENESS_S if replicated else 0.0)
-            if not calls.ok:
-                raise ChaosError(f"the ranks' calls are not linearizable: {calls.why}")
+            checked, calls = _check_journal(run, journal, replicated)
         except Exception as e:  # anything unexpected fails the run, with its cause
             print(f"\nchaos: FAILED after {run.tally.faults} faults, {time.perf_counter() - t0:.0f} s "
                   f"(seed {seed}): {type(e).__name__}: {e}", flush=True)
@@ -483,20 +346,131 @@ def main(workdir: str = "out/chaos", faults: int = 100, epochs: int = 6, n: int 
         finally:
             run.kill_launch()
             servers.kill()
-    unfinished = sorted(set(range(epochs)) - {r.epoch for r in reports if r.finished})
-    print(f"\naudit of what the training loops received (croupier audit {work / 'audit'}):\n")
+    return _report(run, reports, checked, calls, time.perf_counter() - t0, replicated)
+
+
+def _check_settings(faults: int, epochs: int, n: int, store: str | None, replicas: int,
+                    database: DatabaseControl | None, batching: str, mixture: bool, datacenter: bool,
+                    step_ms: int) -> bool:
+    """Refuses a setting out of range, or settings that do not go together (before anything is touched).
+
+    Returns:
+        Whether the run is replicated (replicas on a shared store).
+
+    Raises:
+        ValueError: a setting out of range or contradicting another, or data-center faults this machine
+            cannot inject (the message says which and why).
+        TypeError: a count that is not an int.
+    """
+    check_choice("batching", batching, ("fixed",) if mixture else BATCHINGS,
+                 why="a mixture is dealt in fixed batches" if mixture else "")
+    check_int("step_ms", step_ms, 1, MAX_STEP_MS + 1)
+    check_int("faults", faults, 0)
+    check_int("epochs", epochs, 1)
+    check_int("n", n, 4 * BATCH, why="so that 4 workers each get a batch")
+    check_int("replicas", replicas, 1)
+    replicated = store is not None or datacenter and replicas > 1
+    if not replicated:
+        check_int("replicas", replicas, 1, 2,
+                  why="more than 1 needs a shared store: store=postgresql://..., or datacenter=True, which starts one")
+    if datacenter and (why := "no store= (with --replicas the run starts a PostgreSQL server on a host of its own)"
+                       if store is not None else _dc_replicas.available() if replicated else _faults.available()):
+        raise ValueError(f"datacenter faults need {why}")
+    if database is not None and store is None:
+        raise ValueError("a database control needs the replicated mode (store=postgresql://...)")
+    return replicated
+
+
+def _empty_workdir(workdir: str) -> pathlib.Path:
+    """The run's workdir, emptied (made if missing); one that holds anything but an earlier chaos run is refused."""
+    work = pathlib.Path(workdir).resolve()
+    if work.exists() and any(work.iterdir()) and not (work / "train.log").exists():
+        raise ValueError(f"workdir {work} is not empty and holds no earlier chaos run (no train.log); "
+                         "refusing to empty it")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
+def _announce(work: pathlib.Path, faults: int, epochs: int, n: int, seed: int, batching: str, mixture: bool,
+              no_database_faults: bool) -> None:
+    """Prints what the run will do."""
+    what = {"fixed": f"batch {BATCH} per worker", "tokens": f"token-budget batches of up to {MAX_TOKENS} tokens",
+            "dynamic": f"batches of {BATCH} dealt dynamically"}[batching]
+    what += ", a mixture of 3 sources, its weights changed halfway" if mixture else ""
+    print(f"croupier chaos: {faults} faults over {epochs} epochs of {n} samples, {what}, "
+          f"a checkpoint every {CKPT_EVERY} steps, 1-4 workers, seed {seed}; logs in {work}", flush=True)
+    if n % 12:
+        print(f"  note: n={n} is not a multiple of 12, so the pad tail may repeat fewer than W indices (legal)")
+    if no_database_faults:
+        print("  note: no control of the database server: no database faults (croupier chaos cannot restart a "
+              "PostgreSQL server it does not own); replica kills, rank kills and preemptions only", flush=True)
+
+
+def _servers(logs: contextlib.ExitStack, work: pathlib.Path, dc: _faults.Faults | None, store: str | None,
+             database: DatabaseControl | None, replicas: int) -> tuple[ServeGroup, str, DatabaseControl | None]:
+    """The run's coordinator or replicas (not started), the URL of the store that holds their journal, and the
+    control of its database (None: the run cannot restart it)."""
+    if isinstance(dc, _dc_replicas.ReplicatedDatacenter):  # PostgreSQL, the replicas and the job on hosts of their own
+        url, hosted = dc.db()
+        return ServeGroup(dc.replicas(logs, ChaosError)), url, hosted
+    if store is not None:
+        return ServeGroup([ServeProcess(store, logs.enter_context(open(work / f"replica-{i}.log", "a")),
+                                        f"replica {i}", ChaosError, verbose=True) for i in range(replicas)]), store, database
+    db = work / ("disk" if dc else ".") / "coordinator.db"
+    # The whole journal is kept (no snapshot prunes it) so that its history is checked to the first record.
+    return ServeGroup([ServeProcess(f"sqlite:///{db}", logs.enter_context(open(work / "coordinator.log", "a")),
+                                    error=ChaosError, env=dc.env() if dc else None,
+                                    args=("--snapshot-every", str(KEEP_JOURNAL)),
+                                    host=dc.address("co") if dc else "127.0.0.1",
+                                    prefix=dc.prefix("co") if dc else ())]), f"sqlite:///{db}", None
+
+
+def _servers_line(servers: ServeGroup, journal: str, replicated: bool) -> str:
+    """Where the run's coordinator (or its replicas) serve, and their store (its password left out)."""
+    if not replicated:
+        return f"coordinator: croupier serve at {servers.address} (sqlite store {journal.removeprefix('sqlite:///')})"
+    from croupier.server import redact_url
+
+    return (f"replicas: {len(servers.members)} croupier serve processes at {servers.address} (postgresql store "
+            f"{redact_url(journal)})")
+
+
+def _check_journal(run: Run, journal: str, replicated: bool) -> tuple[history.History, linearize.Verdict]:
+    """The journal's history checked (the generations, the joins acknowledged) and the ranks' calls checked
+    linearizable, once the job has ended.
+
+    Raises:
+        ChaosError: the calls are not linearizable (the history's own checks raise theirs).
+    """
+    if not replicated:  # the file is the coordinator's alone while it runs
+        run.kill_launch()
+        run.servers.kill()
+    checked = history.check_history(journal, run.work)
+    # A replica may answer a grant from a state up to its staleness bound old (croupier serve's default).
+    calls = linearize.check(linearize.load(sorted(str(f) for f in (run.work / "calls").glob("*.jsonl"))),
+                            stale_s=STALENESS_S if replicated else 0.0)
+    if not calls.ok:
+        raise ChaosError(f"the ranks' calls are not linearizable: {calls.why}")
+    return checked, calls
+
+
+def _report(run: Run, reports: list[EpochReport], checked: history.History, calls: linearize.Verdict,
+            seconds: float, replicated: bool) -> int:
+    """Prints the audit of every epoch and the run's verdict; returns the run's exit status (0: it passed)."""
+    unfinished = sorted(set(range(run.epochs)) - {r.epoch for r in reports if r.finished})
+    print(f"\naudit of what the training loops received (croupier audit {run.work / 'audit'}):\n")
     print(render(reports) + history.by_source_table(reports))
     if unfinished:
         print(f"\nchaos: FAILED: the job ended without finishing epochs {unfinished}")
         return 1
-    if run.tally.faults < faults:
-        print(f"\n{history.summary(run.tally, reports, time.perf_counter() - t0, replicated=replicated)}\n"
-              f"chaos: FAILED: the job ended after {run.tally.faults} of the {faults} faults asked: give it more "
-              "epochs (--epochs) or longer steps (--step-ms)", flush=True)
+    summary = history.summary(run.tally, reports, seconds, replicated=replicated)
+    if run.tally.faults < run.faults:
+        print(f"\n{summary}\nchaos: FAILED: the job ended after {run.tally.faults} of the {run.faults} faults asked: "
+              "give it more epochs (--epochs) or longer steps (--step-ms)", flush=True)
         return 1
-    print("\n" + history.summary(run.tally, reports, time.perf_counter() - t0, replicated=replicated), flush=True)
-    if checked is not None:
-        print(history.history_line(checked), flush=True)
-        print(f"calls: {calls.calls} joins, grants and checkpoints of the ranks recorded with their times "
-              f"({work / 'calls'}): linearizable", flush=True)
+    print("\n" + summary, flush=True)
+    print(history.history_line(checked), flush=True)
+    print(f"calls: {calls.calls} joins, grants and checkpoints of the ranks recorded with their times "
+          f"({run.work / 'calls'}): linearizable", flush=True)
     return 0

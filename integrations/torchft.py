@@ -112,13 +112,20 @@ class StepLoader:
             ``CROUPIER_AUDIT_DIR``; None: none): ``croupier audit LOGDIR`` checks the committed steps
             exactly once per epoch from the logs of every rank of every group.
         group: This replica group's name in the audit log (default ``REPLICA_GROUP_ID``, else the pid).
+        dealing: The spec's way of dealing (``croupier.core.registry``): the steps take each epoch's positions
+            in its stepped variant's order, the order's own (0, 1, 2, ...) for a kind without one (every
+            registered kind: a way of dealing defined in a test may have one).
+
+    Raises:
+        ValueError: a setting out of range, or a `dealing` that names no registered way of dealing or that the
+            spec refuses (the message names it and why).
     """
 
     def __init__(self, manager: Any, dataset: Any, *, global_batch: int | None = None, group_batch: int | None = None,
                  job: str | None = None, address: str | None = None, seed: int = 0, shuffle: bool = True,
                  collate_fn: Callable[[list[Any]], Any] | None = None, group_rank: int | None = None,
                  group_world: int | None = None, run: str | None = None, audit_dir: str | None = None,
-                 group: str | None = None) -> None:
+                 group: str | None = None, dealing: str = "static") -> None:
         if (global_batch is None) == (group_batch is None):
             raise ValueError(f"give exactly one of global_batch and group_batch (got global_batch={global_batch!r}, "
                              f"group_batch={group_batch!r})")
@@ -131,7 +138,8 @@ class StepLoader:
             raise TypeError(f"the dataset must be sized or an int (got {type(dataset).__name__})")
         check_int("len(dataset)", n, 1)
         self.dataset = None if isinstance(dataset, int) else dataset
-        self.spec = Spec(n=n, seed=seed, permutation="feistel" if shuffle else "none", batch_size=self.batch)
+        self.spec = Spec(n=n, seed=seed, permutation="feistel" if shuffle else "none", batch_size=self.batch,
+                         dealing=dealing)
         self.job = job or settings.get("CROUPIER_JOB") or f"torchft.{self.spec.fingerprint[:12]}"
         self.group_rank, self.group_world = _group_topology(group_rank, group_world)
         self._collate = collate_fn or default_collate

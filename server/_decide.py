@@ -30,8 +30,9 @@ from croupier.core.cursor import Cursor, bind, fresh, show, validate_cursor
 from croupier.core.deals import KEEP_EPOCHS, EpochDeals, kept
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument
 from croupier.core.ftsteps import CommittedStep
+from croupier.core.ledger import Ledger
 from croupier.core.plan import Dealer, Runs
-from croupier.core.registry import kind_of, plan_epoch
+from croupier.core.registry import kind_of, plan_epoch, sized_batches
 from croupier.core.schedule import Schedule
 from croupier.core.spec import Spec
 from croupier.server import _amendments, _ftsteps
@@ -40,6 +41,7 @@ from croupier.server._events import (
     BatchesCommitted,
     BatchesDealt,
     CheckpointRecorded,
+    EpochCut,
     Event,
     GenerationOpened,
     GenerationStarted,
@@ -259,9 +261,34 @@ def decide_report(state: State, job: str, generation: int, rank: int, epoch: int
                 "take the same number of batches before this checkpoint"
             )
         if not same:
+            events += _epoch_cut(state, job, generation, epoch, batches, step)
             events.append(CheckpointRecorded(job, generation, rank, step, cursor, origin, at_ms, items))
         return cursor, events
     return None, events
+
+
+def _epoch_cut(state: State, job: str, generation: int, epoch: int, batches: int, step: int | None) -> list[Event]:
+    """The epoch cut a checkpoint at trainer step `step`, `batches` micro-batches into `epoch`, shows (one
+    ``EpochCut``, or none): its step says the trainer moved on from the epoch before sooner than that epoch's
+    end (``croupier.core.ledger.Ledger.cut_by``).
+
+    NOTE: for plans the ranks compute, whose ranks take an epoch's steps together, so a rank's count is the
+    steps' micro-batches. A plan the coordinator deals has each rank count its own sequence, which says
+    nothing of the steps; its epoch ends where its deals do (a trainer that moves on is dealt no more), and
+    the ledger reads its steps from the deal book. Token budgets are left out too: placing the checkpoint
+    would pack every earlier epoch of the generation again (O(N) each) while the coordinator's calls wait.
+    """
+    j = state.jobs[job]
+    if not kind_of(j.spec).either(computed=sized_batches(j.spec), dealt=False):
+        return []
+    seg = j.segment
+    # NOTE: the first checkpoint of the generation in an epoch shows a cut before it; a later one in the same
+    # epoch shows nothing new, and computing the generation's epochs again at every checkpoint would cost
+    # each one the plans of every epoch before (a token budget's packing among them).
+    if step is None or seg is None or any(c.generation == generation and c.cursor.epoch >= epoch for c in j.checkpoints):
+        return []
+    cut = Ledger(job, j.spec, [seg]).cut_by(seg, epoch, batches, step)
+    return [] if cut is None else [EpochCut(job, generation, cut[0], cut[1])]
 
 
 def _named_cursor(state: State, job: str, generation: int, rank: int, epoch: int, batches: int, cursor: Cursor | None,
@@ -353,8 +380,8 @@ def _deals(state: State, job: str, epoch: int) -> EpochDeals:
     """The deals of `epoch` in the job's current generation (empty if none yet)."""
     deals = state.jobs[job].deals
     if not kept(deals, epoch):
-        raise FailedPrecondition(f"epoch {epoch} of job {job!r} is over: its deals were dropped once epoch "
-                                 f"{max(deals)} began (the coordinator keeps the last {KEEP_EPOCHS})")
+        raise FailedPrecondition(f"epoch {epoch} of job {job!r} is over: it was left behind once epoch "
+                                 f"{max(deals)} began (the coordinator deals in the last {KEEP_EPOCHS})")
     return deals.get(epoch) or EpochDeals()
 
 

@@ -169,8 +169,21 @@ class StepCommitted:
     participants: int
 
 
+@dataclasses.dataclass(frozen=True)
+class EpochCut:
+    """The trainer of the generation cut `epoch` short (``set_epoch`` of the next before it ended) after
+    `micro` micro-batches of the rank with the most: its steps of the next epoch follow from there. Decided
+    from a checkpoint whose step says so (``croupier.server._decide``)."""
+
+    job: str
+    generation: int
+    epoch: int
+    micro: int
+
+
 Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | ProgressReported | CheckpointRecorded
-         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsLoaded | GenerationAmended | StepCommitted)
+         | BatchesDealt | BatchesCommitted | AmendmentRecorded | AmendmentsLoaded | GenerationAmended | StepCommitted
+         | EpochCut)
 
 # --------------------------------------------------------------------------- versions
 
@@ -191,10 +204,12 @@ Event = (JobRegistered | GenerationOpened | RankJoined | GenerationStarted | Pro
 #: have none: the fields read as None), and each job's ``ledger`` and its generation's ``steps``
 #: in snapshots. Version 7 added the StepCommitted event (a fault-tolerant job's committed steps) and
 #: each job's ``steps`` in snapshots. Version 8 added the time of GenerationStarted (``at_ms``; an older
-#: record has none: it reads as None, and its segment's time as 0, not known).
-FORMAT_VERSION = 8
+#: record has none: it reads as None, and its segment's time as 0, not known). Version 9 added the
+#: EpochCut event and the ``cuts`` of each segment of a job's ``ledger`` in snapshots (an older
+#: snapshot's segments have none: no cut recorded).
+FORMAT_VERSION = 9
 #: Every format version this croupier reads.
-READS = (2, 3, 4, 5, 6, 7, 8)
+READS = (2, 3, 4, 5, 6, 7, 8, 9)
 
 
 class FormatError(ValueError):
@@ -393,6 +408,7 @@ SCHEMA: tuple[EventSchema, ...] = (
     EventSchema("StepCommitted", StepCommitted,
                 (_JOB, ("run", STR), ("parent", STR), ("resumed", INT), ("mode", STR), ("batch", INT), ("step", INT),
                  ("start", INT), ("stop", INT), ("quorum", INT), ("participants", INT))),
+    EventSchema("EpochCut", EpochCut, (_JOB, _GEN, ("epoch", INT), ("micro", INT))),
 )
 
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from croupier.core.amend import Amendment, minus
 from croupier.core.api import CheckpointRecord, JoinRequest
 from croupier.core.cursor import Cursor, epoch_agrees, show
-from croupier.core.deals import EpochDeals
+from croupier.core.deals import EpochDeals, answered
 from croupier.core.errors import FailedPrecondition
 from croupier.core.ftsteps import StepRun, Steps
 from croupier.core.ledger import Segment
+from croupier.core.schedule import Schedule
 from croupier.core.spec import Spec
 from croupier.server._events import (
     AMENDMENTS,
@@ -144,30 +146,60 @@ class Generation:
 
 @dataclasses.dataclass
 class Job:
-    """A job: its spec, its current generation, every incarnation that ever opened one, its ranks' last
-    progress, its checkpoint records, with dynamic dealing what its generation dealt, and a
-    mixture's amendments."""
+    """A job: its spec, its current generation, every incarnation that ever opened one, its checkpoint
+    records, a mixture's amendments, and its history (the ledger's segments, or a fault-tolerant job's
+    step runs).
+
+    NOTE: what a generation did has one owner, its segment (``croupier.core.segments.Segment``): the
+    ranks' last reports, what the coordinator dealt and they committed, the amendments it holds. The
+    job reads its current generation's through :attr:`segment` (``progress``, ``deals``, ``held``) and
+    keeps no copy: a copy was written beside each of them once, and the two could disagree after a
+    replay. The segment, not the job, owns them because it outlives its generation (the step ledger
+    reads every generation's), while the job's view is of the current one alone. The checkpoint
+    records are the job's: they outlive a generation's replacement, and a rollback prunes them.
+    """
 
     name: str
     spec: Spec
     generation: Generation | None = None
     incarnations: list[str] = dataclasses.field(default_factory=list)
-    #: rank -> (epoch, batches, at_ms): the current generation's ranks, as last reported
-    progress: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     #: the checkpoints the job took, oldest first, at most CHECKPOINT_HISTORY
     checkpoints: list[CheckpointRecord] = dataclasses.field(default_factory=list)
-    #: a plan the coordinator deals (dynamic dealing): epoch -> what the current generation dealt in it
-    deals: dict[int, EpochDeals] = dataclasses.field(default_factory=dict)
     #: a mixture's amendments in the order recorded (``at`` None: each generation holds them from a position)
     amendments: list[Amendment] = dataclasses.field(default_factory=list)
-    #: the amendments the current generation deals with, each with its position (set when it starts)
-    held: tuple[Amendment, ...] = ()
     #: the amendments of the checkpoint the current generation's ranks joined with (None: none yet)
     loaded: tuple[Amendment, ...] | None = None
     #: the step ledger: one segment per generation that started, oldest first (``croupier.server._ledger``)
     ledger: list[Segment] = dataclasses.field(default_factory=list)
     #: a fault-tolerant job's committed steps, per run (``croupier.core.ftsteps``)
     steps: Steps = dataclasses.field(default_factory=Steps)
+
+    @property
+    def segment(self) -> Segment | None:
+        """The current generation's segment, once it started (None before: it has done nothing yet)."""
+        g = self.generation
+        if g is None or g.start is None or not self.ledger or self.ledger[-1].generation != g.number:
+            return None
+        return self.ledger[-1]
+
+    @property
+    def progress(self) -> Mapping[int, tuple[int, int, int]]:
+        """rank -> (epoch, batches, at_ms): the current generation's ranks, as last reported."""
+        seg = self.segment
+        return {} if seg is None else seg.ranks
+
+    @property
+    def deals(self) -> dict[int, EpochDeals]:
+        """A plan the coordinator deals: epoch -> what the current generation dealt in it, for the epochs the
+        coordinator still answers for (``croupier.core.deals.answered``)."""
+        seg = self.segment
+        return {} if seg is None else answered(seg.deals)
+
+    @property
+    def held(self) -> tuple[Amendment, ...]:
+        """The amendments the current generation deals with, each with its position (set when it starts)."""
+        seg = self.segment
+        return () if seg is None else seg.amendments
 
     @property
     def dealing_spec(self) -> Spec:
@@ -228,9 +260,10 @@ def restore_job(what: str, v: Any, version: int) -> Job:
     name = STR.decode(f"{what} name", jd["name"])
     incarnations = [STR.decode(f"{what} token {k}", t) for k, t in enumerate(as_list(f"{what} tokens", jd["tokens"]))]
     job = Job(name, SPEC.decode(f"{what} spec", jd["spec"]), None, incarnations)
+    progress: dict[int, tuple[int, int, int]] = {}
     for k, entry in enumerate(as_list(f"{what} progress", jd.get("progress", []))):
         r, e, b, t = (INT.decode(f"{what} progress entry {k}", x) for x in as_list(f"{what} progress entry {k}", entry, 4))
-        job.progress[r] = (e, b, t)
+        progress[r] = (e, b, t)
     for k, entry in enumerate(as_list(f"{what} checkpoints", jd.get("checkpoints", []))):
         w = f"{what} checkpoint {k}"
         items = None
@@ -247,10 +280,10 @@ def restore_job(what: str, v: Any, version: int) -> Job:
             OPT_INT.decode(f"{w} step", step), CURSOR.decode(f"{w} cursor", cursor), STR.decode(f"{w} origin", origin),
             INT.decode(f"{w} generation", gen), INT.decode(f"{w} rank", rank), INT.decode(f"{w} time", t),
             AMENDMENTS.decode(f"{w} amendments", held), OPT_INT.decode(f"{w} items", items)))
-    for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))):
-        job.deals.update([_restore_deals(f"{what} deals {k}", entry)])
+    deals = dict(_restore_deals(f"{what} deals {k}", entry)
+                 for k, entry in enumerate(as_list(f"{what} deals", jd.get("deals", []))))
     job.amendments = list(AMENDMENTS.decode(f"{what} amendments", jd.get("amendments", [])))
-    job.held = AMENDMENTS.decode(f"{what} held", jd.get("held", []))
+    holding = AMENDMENTS.decode(f"{what} held", jd.get("held", []))
     job.loaded = OPT_AMENDMENTS.decode(f"{what} loaded", jd.get("loaded"))
     job.ledger = [segment_from(f"{what} ledger segment {k}", v)
                   for k, v in enumerate(as_list(f"{what} ledger", jd.get("ledger", [])))]
@@ -258,7 +291,44 @@ def restore_job(what: str, v: Any, version: int) -> Job:
                        for k, v in enumerate(as_list(f"{what} steps", jd.get("steps", [])))])
     if jd["generation"] is not None:
         job.generation = _restore_generation(f"{what} ({name!r}) generation", jd["generation"], version)
+    _current_from(what, job, progress, deals, holding)
     return job
+
+
+def _current_from(what: str, job: Job, progress: dict[int, tuple[int, int, int]], deals: dict[int, EpochDeals],
+                  held: tuple[Amendment, ...]) -> None:
+    """A snapshot's current generation's facts (its job's ``progress``, ``deals`` and ``held``), read into the
+    generation's segment, their one owner.
+
+    A generation that started before the ledger existed (a snapshot of format 5 or older, or a state
+    restored from one) has no segment: it gets one here from the generation (its step unknown when a rank
+    resumed it, as that format did not record it). The segment's own deals and amendments, where it has
+    them, are the same facts as the job's; the job's add the ranks' ``own`` commits.
+
+    Raises:
+        FormatError: facts of a generation that did not start.
+    """
+    g = job.generation
+    if g is not None and g.start is not None and job.segment is None:
+        resumed = any(c is not None for c, _ in g.joined.values())
+        step, parent = (g.resumed[1], g.resumed[2]) if g.resumed is not None else (None if resumed else 0, None)
+        sched = None if g.schedule is None else g.schedule[1]
+        job.ledger.append(Segment(g.number, g.incarnation, g.world, g.start, step, parent,
+                                  Schedule() if sched is None else Schedule.from_list(sched), held))
+    seg = job.segment
+    if seg is None:
+        if progress or deals or held:
+            raise FormatError(f"{what}: progress, deals or held amendments of a generation that did not start")
+        return
+    seg.ranks.update(progress)
+    for e, book in deals.items():
+        mine = seg.deals.setdefault(e, EpochDeals())
+        if not mine.runs:
+            for r, runs in book.runs.items():
+                for first, count in runs:
+                    mine.deal(r, first, count)
+        for r, k in book.committed.items():
+            mine.commit(r, k)
 
 
 def _step_run(what: str, v: Any) -> StepRun:

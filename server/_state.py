@@ -17,8 +17,6 @@ from typing import Any
 from croupier.core.amend import Amendment
 from croupier.core.api import CHECKPOINT_HISTORY, MAX_COUNT, MAX_NAME, CheckpointRecord, JoinResult
 from croupier.core.checks import check_int, check_name
-from croupier.core.cursor import Cursor
-from croupier.core.deals import EpochDeals, dealt
 from croupier.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from croupier.core.ftsteps import CommittedStep
 from croupier.core.ledger import Segment
@@ -31,6 +29,7 @@ from croupier.server._events import (
     BatchesCommitted,
     BatchesDealt,
     CheckpointRecorded,
+    EpochCut,
     Event,
     FormatError,
     GenerationAmended,
@@ -90,13 +89,13 @@ class State:
         handle(self, ev)
 
     def _segment(self, job: str, number: int) -> Segment:
-        """The ledger's segment of generation `number` (which started), or a detached one for a generation
-        the ledger does not hold (a snapshot written before the ledger existed): it is not kept."""
-        ledger = self.jobs[job].ledger
-        if ledger and ledger[-1].generation == number:
-            return ledger[-1]
-        gen = self._generation(job, number)
-        return Segment(number, gen.incarnation, gen.world, gen.start or Cursor(0, ()), None, None)
+        """The segment of generation `number`, which MUST be the job's current one and started: the one owner of
+        what it did (``croupier.server._jobs.Job``)."""
+        self._generation(job, number)
+        seg = self.jobs[job].segment
+        if seg is None:
+            raise RuntimeError(f"event for generation {number} of job {job!r} before it started does not follow the journal")
+        return seg
 
     def _generation(self, job: str, number: int) -> Generation:
         gen = self.jobs[job].generation
@@ -209,11 +208,12 @@ def _job_registered(s: State, ev: JobRegistered) -> None:
 
 def _generation_opened(s: State, ev: GenerationOpened) -> None:
     job = s.jobs[ev.job]
+    replaced = job.segment
+    if replaced is not None:
+        replaced.ranks = {}  # the replaced world's ranks: the new generation's reports start afresh
     job.generation = Generation(ev.generation, ev.world, ev.incarnation)
     job.incarnations.append(ev.incarnation)
-    job.progress = {}  # the replaced world's ranks
-    job.deals = {}
-    job.held, job.loaded = (), None
+    job.loaded = None
 
 
 def _rank_joined(s: State, ev: RankJoined) -> None:
@@ -234,29 +234,28 @@ def _generation_started(s: State, ev: GenerationStarted) -> None:
                                          schedule, at_ms=ev.at_ms or 0))
 
 
+# NOTE: each handler below writes its event's facts once: a generation's into its segment (progress,
+# deals, commits, held amendments), the job's into the job (its checkpoint records, its amendments).
+
+
 def _progress_reported(s: State, ev: ProgressReported) -> None:
-    s._generation(ev.job, ev.generation)
-    s.jobs[ev.job].progress[ev.rank] = (ev.epoch, ev.batches, ev.at_ms)
-    s._segment(ev.job, ev.generation).report(ev.epoch, ev.batches)
+    s._segment(ev.job, ev.generation).reported(ev.rank, ev.epoch, ev.batches, ev.at_ms)
 
 
 def _checkpoint_recorded(s: State, ev: CheckpointRecorded) -> None:
-    s._generation(ev.job, ev.generation)
+    seg = s._segment(ev.job, ev.generation)
     job = s.jobs[ev.job]
     job.checkpoints = _record(job.checkpoints, CheckpointRecord(
-        ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms, job.held, ev.items))
-    s._segment(ev.job, ev.generation).checkpoint(ev.step)
+        ev.step, ev.cursor, ev.origin, ev.generation, ev.rank, ev.at_ms, seg.amendments, ev.items))
+    seg.checkpoint(ev.step)
 
 
 def _batches_dealt(s: State, ev: BatchesDealt) -> None:
-    s._generation(ev.job, ev.generation)
-    dealt(s.jobs[ev.job].deals, ev.epoch, ev.rank, ev.first, ev.count)
     s._segment(ev.job, ev.generation).deal(ev.epoch, ev.rank, ev.first, ev.count)
 
 
 def _batches_committed(s: State, ev: BatchesCommitted) -> None:
-    s._generation(ev.job, ev.generation)
-    s.jobs[ev.job].deals.setdefault(ev.epoch, EpochDeals()).commit(ev.rank, ev.batches)
+    s._segment(ev.job, ev.generation).commit(ev.epoch, ev.rank, ev.batches)
 
 
 def _step_committed(s: State, ev: StepCommitted) -> None:
@@ -274,9 +273,11 @@ def _amendments_loaded(s: State, ev: AmendmentsLoaded) -> None:
 
 
 def _generation_amended(s: State, ev: GenerationAmended) -> None:
-    s._generation(ev.job, ev.generation)
-    s.jobs[ev.job].held = ev.amendments
     s._segment(ev.job, ev.generation).amendments = ev.amendments
+
+
+def _epoch_cut(s: State, ev: EpochCut) -> None:
+    s._segment(ev.job, ev.generation).cut(ev.epoch, ev.micro)
 
 
 #: Each event's one handler: how :meth:`State.apply` makes it part of the state.
@@ -285,7 +286,7 @@ HANDLERS: Mapping[type, Callable[[State, Any], None]] = {
     GenerationStarted: _generation_started, ProgressReported: _progress_reported,
     CheckpointRecorded: _checkpoint_recorded, BatchesDealt: _batches_dealt, BatchesCommitted: _batches_committed,
     StepCommitted: _step_committed, AmendmentRecorded: _amendment_recorded, AmendmentsLoaded: _amendments_loaded,
-    GenerationAmended: _generation_amended,
+    GenerationAmended: _generation_amended, EpochCut: _epoch_cut,
 }
 if set(HANDLERS) != set(typing.get_args(Event)):  # pragma: no cover - caught at import by every test
     raise TypeError(f"State.apply must have one handler per event (missing: "

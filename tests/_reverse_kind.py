@@ -11,6 +11,12 @@ records them, and unit u is global batch ``batches - 2 - u`` for every unit but 
 is the short batch (so every batch a rank gets is full but the epoch's last). A checkpoint is the
 epoch's remaining positions minus those of the credited units' batches, computed from positions
 alone: nothing of the fixed plan's internals.
+
+Its stepped variant (:func:`reverse_steps`, the entry's ``stepped``): a job of torchft-style replica-group
+steps whose spec names the kind (``StepLoader(..., dealing="reverse")``) takes each epoch's positions the
+same way, the spec's batches of ``batch_size`` from the back and the last (short) one last, so that a step of the
+global batch trains one whole batch of them. The loaders, the coordinator's record of committed steps and
+the job's history (``croupier.core.quorum_ledger``) take it from the entry alone.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from croupier.core.checks import check_int
-from croupier.core.cursor import Cursor, _runs, fresh, validate_cursor
+from croupier.core.cursor import Cursor, fresh, intervals_of, validate_cursor
 from croupier.core.deals import EpochDeals
 from croupier.core.order import FixedPlan, fixed_plan
 from croupier.core.plan import DealtPlan, Grant, Runs
@@ -69,7 +75,7 @@ class ReversePlan(DealtPlan):
         rest = np.setdiff1d(every, np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64))
         if rest.size == 0:
             return fresh(self.spec, self.cursor.epoch + 1)
-        out = dataclasses.replace(self.cursor, remaining=tuple(_runs(rest)))
+        out = dataclasses.replace(self.cursor, remaining=tuple(intervals_of(rest)))
         validate_cursor(self.spec, out)
         return out
 
@@ -117,8 +123,22 @@ def reverse_plan(spec: Spec, cursor: Cursor, world: int) -> ReversePlan:
     return ReversePlan(spec, cursor, world)
 
 
-#: Its registry entry: the coordinator deals it; batches of ``batch_size``; small leases, as dynamic dealing's.
-REVERSE = PlanKind(NAME, reverse_plan, coordinator_deals=True, fixed_batches=True, lease_indices=1024, lease_batches=2)
+@functools.lru_cache(maxsize=64)
+def reverse_steps(spec: Spec, epoch: int) -> np.ndarray:
+    """The stepped variant: `epoch`'s positions as the steps take them, in batches of ``batch_size``: every batch
+    but the last from the back, then the last (the short one, if one is), as :class:`ReversePlan` deals them."""
+    starts = np.arange(0, spec.n, spec.batch_size, dtype=np.int64)  # (batches,)
+    if len(starts) > 1:
+        starts = np.concatenate([starts[-2::-1], starts[-1:]])
+    out = np.concatenate([np.arange(a, min(a + spec.batch_size, spec.n), dtype=np.int64) for a in starts])
+    out.flags.writeable = False  # cached: shared by every caller
+    return out
+
+
+#: Its registry entry: the coordinator deals it; batches of ``batch_size``; small leases, as dynamic dealing's;
+#: its stepped variant's order.
+REVERSE = PlanKind(NAME, reverse_plan, coordinator_deals=True, fixed_batches=True, lease_indices=1024, lease_batches=2,
+                   stepped=reverse_steps)
 
 
 @contextlib.contextmanager

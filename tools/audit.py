@@ -27,9 +27,9 @@ import numpy as np
 from croupier.core.history import LineageCycle, lineage
 from croupier.core.registry import kind_for
 from croupier.tools.audit_ft import FtAudit, audit_ft
-from croupier.tools.audit_log import Incarnation, _read, load, stepped
+from croupier.tools.audit_log import Incarnation, load, stepped
 
-__all__ = ["EpochReport", "Incarnation", "SourceRow", "_read", "audit", "audit_job", "by_source", "checkpoint_chain",
+__all__ = ["EpochReport", "Incarnation", "SourceRow", "audit", "audit_job", "by_source", "checkpoint_chain",
            "ft_reports", "load", "render", "render_sources", "verdict"]
 
 
@@ -100,82 +100,30 @@ def _cut_filtered(inc: Incarnation, epoch: int, items: int | None) -> dict[int, 
     return out
 
 
+@dataclasses.dataclass
+class _Handed:
+    """What the chain's incarnations handed out, epoch by epoch, as the audit gathers it."""
+
+    #: epoch -> the indices handed out (filtered ones included), renumbered to the latest incarnation's
+    trained: dict[int, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    filtered: dict[int, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    worlds: dict[int, list[int]] = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    finished: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> world of the run that finished it
+    cut: dict[int, int] = dataclasses.field(default_factory=dict)  # epoch -> items taken when the trainer cut it
+
+
 def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
     """Follows the checkpoint chain of one job and judges every epoch it covers."""
     chain = [(inc, *(until or (None, None))) for inc, until in checkpoint_chain(job, incs)]
+    handed = _handed(chain)
+    last = chain[-1][0]
+    reports = [_judge(job, e, handed, last) for e in sorted(handed.trained)]
     in_chain = {inc.name for inc, _, _ in chain}
     # NOTE: an incarnation that made checkpoints before the chain began, when no later one
     # resumed from any of them, means a restart that did not load the sampler's state (the model
     # may well have been restored): the audit cannot vouch for those epochs, so it fails. A job
     # started over on purpose should be given a fresh audit directory.
     orphans = [i for i in incs if i.name not in in_chain and i.ts < chain[0][0].ts and i.checkpoints]
-    trained: dict[int, list[int]] = collections.defaultdict(list)  # handed out (filtered ones included)
-    filtered: dict[int, list[int]] = collections.defaultdict(list)
-    worlds: dict[int, list[int]] = collections.defaultdict(list)  # epoch -> worlds that contributed
-    finished: dict[int, int] = {}  # epoch -> world of the incarnation that finished it
-    cut: dict[int, int] = {}  # epoch -> items taken when the trainer cut it
-    for inc, ce, ci in chain:
-        for e, items in inc.cuts.items():
-            if ce is None or e < ce:
-                cut[e] = items
-                trained.setdefault(e, [])
-        for e, idx in _cut(inc, ce or 0, ci).items():
-            trained[e] += _renumber(inc, chain[-1][0], idx)
-            if idx:
-                worlds[e].append(inc.world)
-        for e, idx in _cut_filtered(inc, ce or 0, ci).items():
-            filtered[e] += _renumber(inc, chain[-1][0], idx)
-        for e, count in inc.ends.items():
-            # NOTE: with static dealing, one rank at its epoch's end means the epoch was iterated to
-            # its end (the ranks step together); with dynamic dealing a rank ends when nothing is left
-            # to deal while others may still hold batches: every rank must have ended.
-            need = kind_for(inc.dealing).ends_needed(inc.world)
-            if count >= need and (ce is None or e < ce):
-                finished[e] = inc.world
-        if ce is not None and ci == 0:
-            # A checkpoint at the start of epoch ce: the epochs before it were finished.
-            for e in list(trained):
-                if e < ce:
-                    finished.setdefault(e, inc.world)
-    reports = []
-    last = chain[-1][0]
-    for e in sorted(trained):
-        idx = trained[e]
-        n = last.n
-        rows: tuple[SourceRow, ...] = ()
-        if last.mixture is not None:
-            dups, missing, rows = _mixture_epoch(last.mixture, n, e, idx, filtered[e])
-        else:
-            c = collections.Counter(idx)
-            missing = n - len([i for i in c if 0 <= i < n])
-            dups = len(idx) - len(c)
-        done = e in finished
-        nf = len(filtered[e])
-        if e in cut and not done:
-            w = max(worlds[e], default=1)
-            ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
-            why = (f"CUT: the trainer moved on to epoch {e + 1} after {cut[e]} items of a rank; {missing} indices "
-                   "not trained" if ok else f"G1 VIOLATED: {dups} duplicates before the trainer cut the epoch")
-            reports.append(EpochReport(job, e, last.n, len(idx) - nf, dups, missing, False, False, why, cut=True,
-                                       sources=rows, filtered=nf))
-            continue
-        if not done:
-            w = max(worlds[e])
-            ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
-            why = ("UNFINISHED: no rank reached this epoch's end (with dynamic dealing: not every rank), so G1 "
-                   "cannot be established for it"
-                   if ok else f"G1 VIOLATED: {dups} duplicates before the epoch ended")
-        else:
-            w = finished[e]
-            if last.tail == "uneven":
-                ok, rule = dups == 0 and missing == 0, "every index exactly once"
-            elif last.tail == "drop":
-                ok, rule = dups == 0 and missing < w, f"each at most once, fewer than W={w} missing"
-            else:
-                allowed = w - 1 if last.partition == "strided" else sum(x - 1 for x in set(worlds[e]))
-                ok, rule = missing == 0 and dups <= allowed, f"each at least once, at most {allowed} repeats"
-            why = ("ok: " if ok else "G1 VIOLATED: ") + rule
-        reports.append(EpochReport(job, e, n, len(idx) - nf, dups, missing, done, ok, why, sources=rows, filtered=nf))
     if orphans:
         first = min(chain[0][0].ranks[r].start.get("epoch", 0) for r in chain[0][0].ranks)
         reports.insert(0, EpochReport(
@@ -183,6 +131,72 @@ def audit_job(job: str, incs: list[Incarnation]) -> list[EpochReport]:
             f"UNVERIFIED: {len(orphans)} earlier incarnation(s) trained, but the chain starts afresh at "
             f"{chain[0][0].name}: a restart that did not load the sampler's checkpoint state?"))
     return reports
+
+
+def _handed(chain: list[tuple[Incarnation, int | None, int | None]]) -> _Handed:
+    """What each incarnation of the chain handed out up to the checkpoint its successor resumed from (epoch,
+    items; None for the latest), and which epochs it cut or finished."""
+    h = _Handed()
+    for inc, ce, ci in chain:
+        for e, items in inc.cuts.items():
+            if ce is None or e < ce:
+                h.cut[e] = items
+                h.trained.setdefault(e, [])
+        for e, idx in _cut(inc, ce or 0, ci).items():
+            h.trained[e] += _renumber(inc, chain[-1][0], idx)
+            if idx:
+                h.worlds[e].append(inc.world)
+        for e, idx in _cut_filtered(inc, ce or 0, ci).items():
+            h.filtered[e] += _renumber(inc, chain[-1][0], idx)
+        for e, count in inc.ends.items():
+            # NOTE: with static dealing, one rank at its epoch's end means the epoch was iterated to
+            # its end (the ranks step together); with dynamic dealing a rank ends when nothing is left
+            # to deal while others may still hold batches: every rank must have ended.
+            need = kind_for(inc.dealing).ends_needed(inc.world)
+            if count >= need and (ce is None or e < ce):
+                h.finished[e] = inc.world
+        if ce is not None and ci == 0:
+            # A checkpoint at the start of epoch ce: the epochs before it were finished.
+            for e in list(h.trained):
+                if e < ce:
+                    h.finished.setdefault(e, inc.world)
+    return h
+
+
+def _judge(job: str, e: int, h: _Handed, last: Incarnation) -> EpochReport:
+    """Epoch `e`'s report: its duplicates and missing indices against what G1 allows for how it ended (cut by
+    the trainer, unfinished, or finished by a world of W ranks under the spec's tail)."""
+    idx, n, nf = h.trained[e], last.n, len(h.filtered[e])
+    rows: tuple[SourceRow, ...] = ()
+    if last.mixture is not None:
+        dups, missing, rows = _mixture_epoch(last.mixture, n, e, idx, h.filtered[e])
+    else:
+        c = collections.Counter(idx)
+        missing = n - len([i for i in c if 0 <= i < n])
+        dups = len(idx) - len(c)
+    done = e in h.finished
+    if not done:
+        w = max(h.worlds[e], default=1) if e in h.cut else max(h.worlds[e])
+        ok = dups <= (w - 1 if last.tail in ("pad", "pad_last") else 0)
+        if e in h.cut:
+            why = (f"CUT: the trainer moved on to epoch {e + 1} after {h.cut[e]} items of a rank; {missing} indices "
+                   "not trained" if ok else f"G1 VIOLATED: {dups} duplicates before the trainer cut the epoch")
+            return EpochReport(job, e, n, len(idx) - nf, dups, missing, False, False, why, cut=True, sources=rows,
+                               filtered=nf)
+        why = ("UNFINISHED: no rank reached this epoch's end (with dynamic dealing: not every rank), so G1 "
+               "cannot be established for it"
+               if ok else f"G1 VIOLATED: {dups} duplicates before the epoch ended")
+        return EpochReport(job, e, n, len(idx) - nf, dups, missing, False, ok, why, sources=rows, filtered=nf)
+    w = h.finished[e]
+    if last.tail == "uneven":
+        ok, rule = dups == 0 and missing == 0, "every index exactly once"
+    elif last.tail == "drop":
+        ok, rule = dups == 0 and missing < w, f"each at most once, fewer than W={w} missing"
+    else:
+        allowed = w - 1 if last.partition == "strided" else sum(x - 1 for x in set(h.worlds[e]))
+        ok, rule = missing == 0 and dups <= allowed, f"each at least once, at most {allowed} repeats"
+    why = ("ok: " if ok else "G1 VIOLATED: ") + rule
+    return EpochReport(job, e, n, len(idx) - nf, dups, missing, True, ok, why, sources=rows, filtered=nf)
 
 
 def checkpoint_chain(job: str, incs: list[Incarnation]) -> list[tuple[Incarnation, tuple[int, int] | None]]:

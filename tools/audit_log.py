@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-__all__ = ["Incarnation", "load", "stepped"]
+__all__ = ["Incarnation", "load", "read_records", "stepped"]
 
 
 @dataclasses.dataclass
@@ -66,7 +66,9 @@ def stepped(incs: Iterable[Incarnation]) -> bool:
     return any(inc.steps for inc in incs)
 
 
-def _read(path: pathlib.Path) -> list[dict[str, Any]]:
+def read_records(path: pathlib.Path) -> list[dict[str, Any]]:
+    """Every record of one rank's audit log, in the order written; a last record cut short (its writer
+    killed mid-write) ends the list, and whatever came before it counts."""
     out = []
     with open(path, "rb") as f:
         unpacker = msgpack.Unpacker(f, raw=False)
@@ -84,7 +86,7 @@ def load(logdir: str | os.PathLike[str], job: str | None = None) -> dict[str, li
     jobs: dict[str, dict[str, Incarnation]] = collections.defaultdict(dict)
     folder = "*" if job is None else glob.escape(job)
     for path in sorted(pathlib.Path(logdir).glob(f"{folder}/*.audit")):
-        recs = _read(path)
+        recs = read_records(path)
         if not recs or recs[0].get("t") != "start":
             continue
         s = recs[0]
@@ -95,7 +97,7 @@ def load(logdir: str | os.PathLike[str], job: str | None = None) -> dict[str, li
         else:
             _generation(jobs[s["job"]], s, recs[1:])
     for path in sorted(pathlib.Path(logdir).glob(f"{folder}/*.ftaudit")):
-        _legacy_steps(jobs[path.parent.name], _read(path))
+        _legacy_steps(jobs[path.parent.name], read_records(path))
     return {job: sorted(incs.values(), key=lambda i: i.ts) for job, incs in jobs.items() if incs}
 
 

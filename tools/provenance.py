@@ -22,6 +22,7 @@ import numpy as np
 from croupier.core import settings
 from croupier.core.errors import CroupierError, InvalidArgument, NotFound, Unavailable
 from croupier.core.history import History
+from croupier.core.kept import NO_KEPT
 from croupier.core.ledger import Occurrence, StepRecord, Version
 from croupier.core.shards import shard_of
 from croupier.core.spec import Spec
@@ -32,8 +33,6 @@ RETRY_FOR_S = 3.0
 CALL_TIMEOUT_S = 30.0
 #: Samples a version shows without ``--full`` (a step of 1,024 ranks holds thousands).
 SHOWN = 16
-#: Steps an export asks the ledger for before it writes them out.
-EXPORT_CHUNK = 256
 
 
 class Refused(Exception):
@@ -245,9 +244,11 @@ def export(led: History, path: str | os.PathLike[str]) -> Exported:
 
     Entry ``N * B + k`` is sample k of step N + 1 (B samples a step, in rank then micro-batch order);
     ``np.load(path, mmap_mode="r")`` reads it as OLMo's tools do. The indices are ``uint32`` when the
-    dataset's indices fit (OLMo's type), else ``uint64``. Written batch by batch through a memory map
-    (``numpy.lib.format.open_memmap``) into a temporary file beside `path`, renamed over it at the end:
-    a refusal half-way leaves no file.
+    dataset's indices fit (OLMo's type), else ``uint64``. The steps come from the history in pieces of
+    many steps (``History.kept_order``: their positions laid out and mapped to indices at once), each
+    written out and dropped before the next, so the memory it takes does not grow with the run (a few
+    arrays of ``croupier.core.kept.PIECE`` samples); it writes a temporary file beside `path`, renamed
+    over it at the end: a refusal half-way leaves no file.
 
     Raises:
         Refused: the run's global batch is not constant (a ramp-up, a resize that changed it, token
@@ -265,25 +266,29 @@ def export(led: History, path: str | os.PathLike[str]) -> Exported:
     dtype = np.dtype(np.uint32 if space <= 2**32 else np.uint64)
     target = pathlib.Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
     try:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(last * batch,))  # (steps * batch,)
-        for first in range(1, last + 1, EXPORT_CHUNK):
-            for rec in led.steps(first, min(last, first + EXPORT_CHUNK - 1)):
-                if rec.kept is None:
-                    raise Refused(f"step {rec.step} of job {led.job!r} has no kept version: every one was abandoned")
-                idx = rec.kept.indices
-                if idx.size != batch:
-                    raise Refused(f"step {rec.step} of job {led.job!r} trained {idx.size} samples, not {batch} (an "
-                                  "epoch's short last step): an order file needs every step full")
-                out[(rec.step - 1) * batch: rec.step * batch] = idx
-        out.flush()
-        del out
+        with os.fdopen(fd, "wb") as f:
+            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (last * batch,)}
+            np.lib.format.write_array_header_1_0(f, header)  # (steps * batch,): what open_memmap writes
+            for piece in led.kept_order(1, last):
+                _check_full(led.job, piece.first, piece.sizes, batch)
+                f.write(piece.indices.astype(dtype).data)
         os.replace(tmp, target)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
     return Exported(str(target), last, batch, dtype.name)
+
+
+def _check_full(job: str, first: int, sizes: np.ndarray, batch: int) -> None:
+    """Refuses the first of steps `first` .. that is not a full global batch (`sizes`: each one's samples)."""
+    bad = np.flatnonzero(sizes != batch)
+    if bad.size:
+        step, size = first + int(bad[0]), int(sizes[bad[0]])
+        if size == NO_KEPT:
+            raise Refused(f"step {step} of job {job!r} has no kept version: every one was abandoned")
+        raise Refused(f"step {step} of job {job!r} trained {size} samples, not {batch} (an "
+                      "epoch's short last step): an order file needs every step full")
 
 
 # --------------------------------------------------------------------------- the command
@@ -307,15 +312,7 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
     out = sys.stdout if out is None else out
     address = settings.coordinator_address(address)
     try:
-        asked = [a for a, v in (("--step", step), ("--steps", steps), ("--index", index), ("--export", export_to))
-                 if v is not None]
-        if len(asked) > 1:
-            raise ValueError(f"{' and '.join(asked)}: give one question at a time")
-        if source is not None and index is None:
-            raise ValueError(f"--source {source} numbers an index within a source: it needs --index")
-        if logdir is not None and index is None:
-            raise ValueError(f"--logdir {logdir} reads the filtered samples of an index: it needs --index")
-        span = step_range(steps) if steps is not None else None
+        span = _one_question(step, steps, index, source, export_to, logdir)
         named = logdir is not None  # NOTE: CROUPIER_AUDIT_DIR is read when set; a job it holds no log of is no error
         logdir = logdir if named else settings.get("CROUPIER_AUDIT_DIR")
     except ValueError as e:
@@ -323,41 +320,15 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         return 2
     try:
         led = ledger(address, job)
-        doc: Any
         if export_to is not None:
             done = export(led, export_to)
             out.write(f"job {job!r}: wrote {done.path}: {done.steps} steps of {done.batch} samples "
                       f"({done.dtype}; batch N is step N + 1)\n")
             return 0
-        if span is not None:
-            recs = led.steps(span[0], max(led.last_step, span[0]) if span[1] is None else span[1])
-            doc = [step_doc(r, led.spec) for r in recs]
-            lines = [line for k, r in enumerate(recs)
-                     for line in ([""] if k else []) + step_lines(job, r, led.spec.sources is not None, full, led.spec)]
-        elif step is not None:
-            rec = led.step(step)
-            doc, lines = step_doc(rec, led.spec), step_lines(job, rec, led.spec.sources is not None, full, led.spec)
-        elif index is not None:
-            occ = led.index(index, source)
-            doc, lines = [o.to_dict() for o in occ], index_lines(job, index, source, occ)
-            if logdir is not None:
-                from croupier.tools import provenance_filtered as pf
-
-                try:
-                    fl = pf.filtered_at(logdir, job, index, source)
-                except NotFound:
-                    if named:
-                        raise
-                    fl = None
-                except ValueError as e:
-                    raise Refused(f"the audit logs under {logdir}: {e}") from None
-                if fl is not None:
-                    doc = [{**d, "filtered": False} for d in doc] + [f.to_dict() for f in fl]
-                    lines = pf.index_lines(job, index, source, occ, fl, lines)
+        if index is not None:
+            doc, lines = _index_answer(led, job, index, source, logdir, named)
         else:
-            doc = {"job": job, "last_step": led.last_step, "global_batch": led.constant_batch(),
-                   "timeline": led.timeline()}
-            lines = timeline_lines(led)
+            doc, lines = _step_answer(led, job, step, span, full)
     except InvalidArgument as e:
         print(f"croupier provenance: error: {e}", file=sys.stderr)
         return 2
@@ -371,3 +342,68 @@ def main(address: str | None, job: str, *, step: int | None = None, steps: str |
         return 1
     out.write(json.dumps(doc) + "\n" if as_json else "\n".join(lines) + "\n")
     return 0
+
+
+def _one_question(step: int | None, steps: str | None, index: int | None, source: int | None,
+                  export_to: str | None, logdir: str | None) -> tuple[int, int | None] | None:
+    """Checks that the arguments ask one question; returns the range of steps asked (``--steps``), if one is.
+
+    Raises:
+        ValueError: two questions at once, ``--source`` or ``--logdir`` without ``--index``, a malformed range.
+    """
+    asked = [a for a, v in (("--step", step), ("--steps", steps), ("--index", index), ("--export", export_to))
+             if v is not None]
+    if len(asked) > 1:
+        raise ValueError(f"{' and '.join(asked)}: give one question at a time")
+    if source is not None and index is None:
+        raise ValueError(f"--source {source} numbers an index within a source: it needs --index")
+    if logdir is not None and index is None:
+        raise ValueError(f"--logdir {logdir} reads the filtered samples of an index: it needs --index")
+    return step_range(steps) if steps is not None else None
+
+
+def _step_answer(led: History, job: str, step: int | None, span: tuple[int, int | None] | None,
+                 full: bool) -> tuple[Any, list[str]]:
+    """The answer (its JSON document and its lines) of a step, a range of steps, or, with neither, the timeline."""
+    doc: Any
+    if span is not None:
+        recs = led.steps(span[0], max(led.last_step, span[0]) if span[1] is None else span[1])
+        doc = [step_doc(r, led.spec) for r in recs]
+        lines = [line for k, r in enumerate(recs)
+                 for line in ([""] if k else []) + step_lines(job, r, led.spec.sources is not None, full, led.spec)]
+    elif step is not None:
+        rec = led.step(step)
+        doc, lines = step_doc(rec, led.spec), step_lines(job, rec, led.spec.sources is not None, full, led.spec)
+    else:
+        doc = {"job": job, "last_step": led.last_step, "global_batch": led.constant_batch(),
+               "timeline": led.timeline()}
+        lines = timeline_lines(led)
+    return doc, lines
+
+
+def _index_answer(led: History, job: str, index: int, source: int | None, logdir: str | None,
+                  named: bool) -> tuple[Any, list[str]]:
+    """The answer (its JSON document and its lines) of a sample: the steps that trained it, and with the audit
+    logs under `logdir` the epochs in which it was filtered out (`named`: the logdir was asked for, so a job
+    it holds no log of is an error).
+
+    Raises:
+        Refused: the audit logs could not be read.
+        NotFound: `named`, and no audit log of the job there.
+    """
+    occ = led.index(index, source)
+    doc: list[dict[str, Any]] = [o.to_dict() for o in occ]
+    lines = index_lines(job, index, source, occ)
+    if logdir is None:
+        return doc, lines
+    from croupier.tools import provenance_filtered as pf
+
+    try:
+        fl = pf.filtered_at(logdir, job, index, source)
+    except NotFound:
+        if named:
+            raise
+        return doc, lines
+    except ValueError as e:
+        raise Refused(f"the audit logs under {logdir}: {e}") from None
+    return [{**d, "filtered": False} for d in doc] + [f.to_dict() for f in fl], pf.index_lines(job, index, source, occ, fl, lines)

@@ -268,6 +268,7 @@ def _gone(pid: int, within: float) -> bool:
     return False
 
 
+@pytest.mark.e2e  # processes of its own (a trainer, its coordinator), killed with SIGKILL
 def test_the_embedded_coordinator_lives_in_a_process_of_its_own_and_dies_with_its_parent(
         tmp_path: pathlib.Path) -> None:
     """A process given no coordinator starts one in a child process (no coordinator thread in the trainer's

@@ -55,9 +55,9 @@ def test_the_generation_and_incarnation_are_read_only_and_named_once_joined(serv
 
 
 def test_what_both_samplers_share_is_documented() -> None:
-    from croupier.client._base import _Base
+    from croupier.client._base import SamplerBase
 
-    assert _Base.__doc__ is not None and "Counting" in _Base.__doc__, "the docstring must be the class's first statement"
+    assert SamplerBase.__doc__ is not None and "Counting" in SamplerBase.__doc__, "the docstring must be the class's first statement"
     for name in ("state_dict", "load_state_dict", "resume_latest", "resume_from_step", "commit", "set_weights", "grow",
                  "skip", "generation", "incarnation"):
         assert getattr(DistributedBatchSampler, name).__doc__, name

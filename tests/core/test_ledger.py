@@ -10,6 +10,7 @@ records (worlds, resume points and steps, reports); it must agree on every step 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -196,3 +197,17 @@ def test_what_it_stores_does_not_grow_with_steps() -> None:
     occ = [o for o in ledger.index(i) if o.epoch == 0]
     assert [(o.step, o.rank) for o in occ] == [(777_777, 5)]
     assert np.unique(rec.kept.indices).size == rec.kept.indices.size
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("generation", "1", "generation must be an int (got generation='1')"),
+    ("at_ms", True, "at_ms must be an int (got at_ms=True)"),
+    ("step", 2.5, "step must be an int (got step=2.5)"),
+    ("incarnation", 5, "incarnation must be of type str (got int)"),
+])
+def test_a_malformed_segment_is_refused_by_name(field: str, value: object, says: str) -> None:
+    """What GetLedger and a snapshot carry of a segment, read back: a field of the wrong type is named."""
+    d = Segment(1, "a", 2, fresh(Spec(n=50, batch_size=2), 0), 0, None).to_dict()
+    assert Segment.from_dict(d).to_dict() == d
+    with pytest.raises(ValueError, match=re.escape(f"segment is malformed: {says}")):
+        Segment.from_dict({**d, field: value})

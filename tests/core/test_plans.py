@@ -253,3 +253,18 @@ def test_where_the_kinds_differ_a_plan_answers_as_its_leases_deal(name: str, n: 
             assert sorted(hits) == sorted(zip(ranks[k].tolist(), steps[k].tolist(), pos[k].tolist()))
     own = p.own_grant(0, 0, 2)
     assert own == (None if p.coordinator_deals else p.coordinator_grant(0, 0, 2, lambda: ((), True)))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_kinds_stepped_variant_takes_every_position_of_an_epoch_once(name: str) -> None:
+    """A job of torchft-style steps whose spec names a kind takes each epoch's positions in the kind's stepped
+    order (the toy kind has one of its own), once each; its inverse finds each position's place."""
+    for n, batch in ((1, 3), (10, 4), (12, 4), (37, 5)):
+        spec = _spec(name, n, batch, seed=n)
+        kind = kind_of(spec)
+        for epoch in (0, 3):
+            places = kind.stepped_positions(spec, epoch, 0, spec.n)
+            assert sorted(places.tolist()) == list(range(spec.n)), (name, n, batch)
+            assert kind.stepped_positions(spec, epoch, 2, spec.n).tolist() == places[2:].tolist()
+            assert [kind.stepped_place(spec, epoch, int(p)) for p in places] == list(range(spec.n))
+    assert (kind.stepped is None) == (name != "reverse")

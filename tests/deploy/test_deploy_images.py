@@ -149,6 +149,7 @@ def test_trainer_and_audit_run_as_the_images_say(coordinator: Running, tmp_path:
     assert "1 finished epochs audited" in r.stdout and "G1 holds" in r.stdout
 
 
+@pytest.mark.exhaustive  # a wheel built by pip, seconds each: in make test, not in make check
 @pytest.mark.parametrize("name", ["coordinator", "trainer"])
 def test_what_the_image_copies_builds_the_package(name: str, tmp_path: pathlib.Path) -> None:
     """`pip install .` in the image sees only what it COPYs: a wheel built from just that has every package."""

@@ -35,6 +35,8 @@ from _deploy import (
     write_secret_volume,
 )
 
+pytestmark = pytest.mark.e2e  # coordinator processes of their own, as the pods run them
+
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:

@@ -17,18 +17,14 @@ from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
-import accelerate  # type: ignore[import-untyped]
 import pytest
-import ray.train
-import ray.train.torch
 from torch.utils.data import BatchSampler, DataLoader
 
 from croupier.client import DistributedBatchSampler, DistributedSampler, Loader
-from croupier.integrations import ray as croupier_ray
-from croupier.integrations.accelerate import prepare_data_loader
-from croupier.integrations.dcp import SamplerState
-from croupier.integrations.lightning import CroupierCheckpoint
-from croupier.integrations.transformers import CroupierCallback
+
+# NOTE: each trainer's integration (and its framework: Lightning, Ray, Transformers, Accelerate take
+# seconds to import) is imported by the wrapper that drives it, so only the pytest-xdist worker that
+# runs this file pays for them, not every worker that collects it.
 
 N, BATCH = 18, 4  # 5 loader batches an epoch: the last holds 2 indices
 Sampler = DistributedSampler | DistributedBatchSampler
@@ -93,6 +89,8 @@ def _loader(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: py
 
 
 def _dcp(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: pytest.MonkeyPatch) -> None:
+    from croupier.integrations.dcp import SamplerState
+
     loader = Loader(dl)
     state = SamplerState(loader)
     for batch in loader:
@@ -115,6 +113,11 @@ class _ReadAhead:
 
 def _ray(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: pytest.MonkeyPatch) -> None:
     # Ray's side without a Ray session: its prepared loader reads ahead, a worker of rank 1 reports
+    import ray.train
+    import ray.train.torch
+
+    from croupier.integrations import ray as croupier_ray
+
     mp.setattr(ray.train.torch, "prepare_data_loader", lambda loader, **_: _ReadAhead(loader))
     mp.setattr(ray.train, "get_context", lambda: SimpleNamespace(get_world_rank=lambda: 1))
     mp.setattr(ray.train, "report", lambda metrics, checkpoint=None: None)
@@ -125,6 +128,10 @@ def _ray(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: pytes
 
 
 def _accelerate(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: pytest.MonkeyPatch) -> None:
+    import accelerate  # type: ignore[import-untyped]
+
+    from croupier.integrations.accelerate import prepare_data_loader
+
     loader = prepare_data_loader(accelerate.Accelerator(cpu=True), dl, register=False)
     for batch in loader:
         took(batch)
@@ -133,6 +140,11 @@ def _accelerate(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp
 
 def _transformers(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: pytest.MonkeyPatch) -> None:
     # the loader CroupierTrainer.get_train_dataloader makes, saved by its callback's on_save
+    import accelerate  # type: ignore[import-untyped]
+
+    from croupier.integrations.accelerate import prepare_data_loader
+    from croupier.integrations.transformers import CroupierCallback
+
     loader = prepare_data_loader(accelerate.Accelerator(cpu=True), dl, register=False)
     callback, args = CroupierCallback(), SimpleNamespace(should_save=False)
     for step, batch in enumerate(loader, 1):
@@ -143,6 +155,8 @@ def _transformers(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], 
 def _lightning(dl: DataLoader[Any], s: Sampler, took: Callable[[Any], None], mp: pytest.MonkeyPatch,
                more: int = 0) -> None:
     # what CroupierCheckpoint.state_dict reads of the Trainer: its train loaders, the fit loop's batch count
+    from croupier.integrations.lightning import CroupierCheckpoint
+
     current = SimpleNamespace(processed=0)
     callback = CroupierCheckpoint()
     callback._trainer = SimpleNamespace(  # type: ignore[assignment]

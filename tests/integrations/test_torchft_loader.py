@@ -10,9 +10,11 @@ import pytest
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.core import errors as E
+from croupier.core.order import order
 from croupier.integrations.torchft import StepLoader
 from croupier.server._service import Server
 from tests._ft_sim import FtSim
+from tests._reverse_kind import reverse_registered
 
 N, RANKS = 50, 2
 
@@ -37,13 +39,14 @@ def _attempt(sim: FtSim, loaders: dict[int, list[StepLoader]], members: tuple[in
     return got
 
 
-def _run(seed: int, address: str | None, steps: int = 40, mode: str = "global") -> tuple[FtSim, list[list[int]],
-                                                                                       dict[int, list[StepLoader]]]:
+def _run(seed: int, address: str | None, steps: int = 40, mode: str = "global",
+         dealing: str = "static") -> tuple[FtSim, list[list[int]], dict[int, list[StepLoader]]]:
     """Random quorums (groups leave, join, heal), aborts on some or all groups. Returns the samples of each
     committed step, in step order."""
     rnd = random.Random(seed)
     sim = FtSim()
-    kw = {"global_batch": 12} if mode == "global" else {"group_batch": 4}
+    kw: dict[str, object] = {"global_batch": 12} if mode == "global" else {"group_batch": 4}
+    kw["dealing"] = dealing
     loaders = {g: _group(sim, g, address, **kw) for g in (0, 1, 2)}
     sim.every = [lo for group in loaders.values() for lo in group]  # type: ignore[attr-defined]
     trained: dict[int, list[int]] = {}
@@ -267,3 +270,35 @@ def test_a_fault_tolerant_job_and_a_job_of_generations_do_not_share_a_name(serve
     with pytest.raises(E.FailedPrecondition, match="'gen-job' is dealt to ranks by generations"):
         client.commit_step("gen-job", other.spec, "r", "", 0, "global", 12, CommittedStep(1, 0, 12, 1, 1))
     other.close()
+
+
+def _from_the_back(n: int, batch: int) -> list[int]:
+    """The toy kind's batches of an epoch of `n` (tests/_reverse_kind.py) as its stepped variant takes them: every
+    batch but the last from the back, then the last."""
+    batches = [list(range(a, min(a + batch, n))) for a in range(0, n, batch)]
+    return [p for b in batches[-2::-1] + batches[-1:] for p in b]
+
+
+def test_a_toy_kinds_stepped_variant_goes_through_loader_record_and_history(server: Server,
+                                                                          client: CoordinatorClient) -> None:
+    """A way of dealing defined in a test, with a stepped variant (tests/_reverse_kind.py), is a StepLoader's dealing
+    while it is registered: its steps train each epoch's batches from the back, the coordinator records them and
+    the job's history names the samples the groups were dealt, with nothing of it outside its module and entry."""
+    with reverse_registered():
+        sim, steps, loaders = _run(5, server.address, steps=12, dealing="reverse")
+        for loader in sim.every:  # type: ignore[attr-defined]
+            loader.flush()
+        spec = next(iter(loaders.values()))[0].spec
+        places = _from_the_back(N, 12)
+        for s, samples in enumerate(steps):
+            want = [int(order(spec, p // N, np.array([places[p % N]]))[0]) for p in range(s * 12, s * 12 + 12)]
+            assert sorted(samples) == sorted(want), f"step {s + 1}: dealt {samples}, its batches from the back {want}"
+        history, _ = client.history("ft")
+        assert history.spec.dealing == "reverse" and history.last_step == len(steps)
+        for t, samples in enumerate(steps, 1):
+            kept = history.step(t).kept
+            assert kept is not None and sorted(kept.indices.tolist()) == sorted(samples), f"step {t}"
+            i = samples[t % len(samples)]
+            assert any(o.step == t and o.kept for o in history.index(i)), f"index {i} not found at step {t}"
+    with pytest.raises(ValueError, match="reverse"):  # gone with its block
+        StepLoader(FtSim().add_group(0, 1)[0], N, job="ft", address=None, global_batch=12, dealing="reverse")

@@ -1,4 +1,5 @@
-"""The state machine (``Elastic``): one job driven through crashes, restarts, resizes, zombies and amendments, audited after each step."""
+"""A job of generations (``Elastic``) as the state machine (tests/server/_machine_jobs.py) drives it: through crashes,
+restarts, resizes, zombies and amendments, audited after each step."""
 
 from __future__ import annotations
 
@@ -12,10 +13,7 @@ import pytest
 from _machine_steps import Steps, check_index, check_step
 from _machine_world import (
     DEALT,
-    EXAMPLES,
     JOB,
-    MAX_WORLD,
-    STEPS,
     TOTALS,
     ZOMBIE_GENERATIONS,
     Sampler,
@@ -24,18 +22,9 @@ from _machine_world import (
     _decisions,
     _Handle,
     _plain,
-    setups,
 )
 from _sim import Checkpoint, audit_epoch, audit_partial
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-)
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.core.amend import Amendment, sizes_after
@@ -43,14 +32,14 @@ from croupier.core.spec import Spec
 from croupier.server import Server, open_store
 
 
-class Elastic(RuleBasedStateMachine):
-    """Drives one job through everything G1 (docs/guarantees.md) must survive and audits it after each step."""
+class Elastic:
+    """Drives one job of generations through everything G1 (docs/guarantees.md) must survive and audits it after each
+    step: each public method is a rule of the state machine (``Jobs``), with the arguments it draws."""
 
     setup: Setup
 
     # ------------------------------------------------------------------ life cycle
 
-    @initialize(setup=setups(), world=st.integers(1, MAX_WORLD), start=st.one_of(st.none(), st.integers(0, 3)))
     def start(self, setup: Setup, world: int, start: int | None) -> None:
         self.busy = True
         self.setup = setup
@@ -174,13 +163,11 @@ class Elastic(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(k=st.integers(1, 6))
     def train(self, k: int) -> None:
         self.busy = True
         for _ in range(k):
             self.step()
 
-    @rule()
     def checkpoint(self) -> None:
         """The trainer saves rank 0's state_dict(); every rank still in the epoch agrees with it."""
         self.busy = True
@@ -212,8 +199,6 @@ class Elastic(RuleBasedStateMachine):
         self.ck_steps.append((self.model.count, self.stores, self.model.saved(), self.model.missing_to))
         self.model.known = self.model.count
 
-    @precondition(lambda self: bool(self.checkpoints))
-    @rule(data=st.data(), world=st.integers(1, MAX_WORLD))
     def restart_from_any_checkpoint(self, data: st.DataObject, world: int) -> None:
         """Every rank dies (maybe mid-step: only some got the next batch); a new world resumes from any earlier checkpoint."""
         self.busy = True
@@ -228,8 +213,6 @@ class Elastic(RuleBasedStateMachine):
         self._retire(live)
         self._restart(data, world, live.world)
 
-    @precondition(lambda self: bool(self.zombies or self.old_incarnations))
-    @rule(data=st.data())
     def zombie(self, data: st.DataObject) -> None:
         """A process of a replaced generation asks for batches or re-joins: refused, and nothing changes."""
         self.busy = True
@@ -280,7 +263,6 @@ class Elastic(RuleBasedStateMachine):
             return "zombie with an empty share: it got nothing"
         raise AssertionError(f"a zombie of generation {z.incarnation} got {got} items and was not refused")
 
-    @rule()
     def restart_coordinator(self) -> None:
         """The coordinator dies and comes back on the same store and port; live samplers carry on with the same batches."""
         self.busy = True
@@ -343,8 +325,6 @@ class Elastic(RuleBasedStateMachine):
                 got.append(list(next(batches)[3]))
         return got
 
-    @precondition(lambda self: bool(self.checkpoints))
-    @rule(data=st.data(), world=st.integers(1, MAX_WORLD))
     def lose_store(self, data: st.DataObject, world: int) -> None:
         """The coordinator's store is gone: a fresh one, and the job restarts from a checkpoint, which is enough (G6)."""
         self.busy = True
@@ -364,8 +344,6 @@ class Elastic(RuleBasedStateMachine):
         self._restart(data, world, live.world)
         self.model.abandoned.clear()  # what the lost store knew of them
 
-    @precondition(lambda self: bool(self.setup.sources) and self.live is not None)
-    @rule(data=st.data())
     def amend(self, data: st.DataObject) -> None:
         """A change of the running mixture through rank 0's sampler: new weights, samples skipped, or a source
         grown; it holds from the next generation's first position on. A skip names indices as the sampler
@@ -398,8 +376,6 @@ class Elastic(RuleBasedStateMachine):
             return
         self.stats[f"amendments_{kind}"] += 1
 
-    @precondition(lambda self: self.live is not None and self.model.known > 0)
-    @rule(data=st.data())
     def provenance(self, data: st.DataObject) -> None:
         """The ledger says what the loop trained at a step up to the last checkpoint, and finds an index of it there.
         NOTE: who got which batch and how many steps the loop took can depend on timing (dynamic dealing,
@@ -413,7 +389,6 @@ class Elastic(RuleBasedStateMachine):
             rank, b = sorted((batches := self.model.timeline[t][1]).items())[r % len(batches)]
             check_index(ledger, self.model, t, rank, b[i % len(b)])
 
-    @invariant()
     def no_duplicates_so_far(self) -> None:
         if hasattr(self, "setup"):
             self.stats["rule_steps"] += 1
@@ -493,8 +468,5 @@ def _renumbered(log: list[tuple[int, int, int, tuple[int, ...]]], old: Sequence[
 
     return [(e, g, w, tuple(one(i) for i in b)) for e, g, w, b in log]
 
-
-SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

@@ -1,4 +1,5 @@
-"""The state machine of committed steps (``FtSteps``): torchft replica groups that join, die, heal, commit and abort, their reports delivered in any order."""
+"""A job of torchft-style replica-group steps (``FtSteps``) as the state machine (tests/server/_machine_jobs.py) drives it:
+groups that join, die, heal, commit and abort, their reports delivered in any order."""
 
 from __future__ import annotations
 
@@ -10,10 +11,8 @@ import uuid
 from typing import Any
 
 import numpy as np
-from _machine_world import EXAMPLES, STEPS
-from hypothesis import HealthCheck, settings
+from _machine_world import TOTALS
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.core.ftsteps import CommittedStep
@@ -25,9 +24,6 @@ from tests._ft_sim import FakeManager, FtSim
 
 JOB = "ft"
 MAX_GROUPS = 4
-
-#: What the runs of this process did, printed at the end (pytest -s) for the record.
-TOTALS: collections.Counter[str] = collections.Counter()
 
 #: A report's identity in the record: its run and [step, start, stop, quorum, participants].
 Key = tuple[str, tuple[int, ...]]
@@ -92,16 +88,18 @@ class Checkpoint:
     step: int
 
 
-class FtSteps(RuleBasedStateMachine):
-    """Drives one fault-tolerant job's replica groups through a real coordinator on SQLite, and checks its record."""
+class FtSteps:
+    """Drives one fault-tolerant job's replica groups through a real coordinator on SQLite, and checks its record: each
+    public method is a rule of the state machine (``Jobs``), with the arguments it draws."""
 
-    @initialize(mode=st.sampled_from(["global", "group"]), n=st.integers(4, 24), seed=st.integers(0, 3),
-                data=st.data(), ranks=st.integers(1, 2), groups=st.integers(1, 3))
-    def start(self, mode: str, n: int, seed: int, data: st.DataObject, ranks: int, groups: int) -> None:
-        self.mode, self.n, self.seed = mode, n, seed
+    def start(self, dealing: str, mode: str, n: int, seed: int, data: st.DataObject, ranks: int, groups: int) -> None:
+        """A job of `groups` groups of `ranks` ranks whose spec names the way of dealing `dealing` (its stepped variant
+        orders each epoch's positions: tests/_reverse_kind.py has one)."""
+        self.dealing, self.mode, self.n, self.seed = dealing, mode, n, seed
         self.ranks = ranks  # every group's (torchft's replica groups have one shape)
         self.batch = data.draw(st.integers(2, 8) if mode == "global" else st.integers(1, 4), label="batch")
-        self.stats: collections.Counter[str] = collections.Counter(examples=1, **{f"{mode}_examples": 1})
+        self.stats: collections.Counter[str] = collections.Counter(examples=1, **{f"{mode}_examples": 1,
+                                                                                  f"{dealing}_examples": 1})
         self.tmp = tempfile.mkdtemp(prefix="croupier-ft-machine-")
         self.url = f"sqlite:///{self.tmp}/coordinator.db"
         self.server = Server(self.url).start()
@@ -134,7 +132,7 @@ class FtSteps(RuleBasedStateMachine):
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.stats["epochs_finished"] += getattr(self, "epochs", 0)
-            TOTALS.update(self.stats)
+            TOTALS.update({f"ft_{k}": v for k, v in self.stats.items()})
 
     # ------------------------------------------------------------------ groups
 
@@ -144,7 +142,8 @@ class FtSteps(RuleBasedStateMachine):
         self.next_group += 1
         kw = {"global_batch": self.batch} if self.mode == "global" else {"group_batch": self.batch}
         loaders = [StepLoader(m, self.n, job=JOB, address=self.server.address, seed=self.seed, group_rank=r,
-                              group_world=self.ranks, run=self.run if self.named else None, **kw)  # type: ignore[arg-type]
+                              group_world=self.ranks, run=self.run if self.named else None, dealing=self.dealing,
+                              **kw)  # type: ignore[arg-type]
                    for r, m in enumerate(self.sim.add_group(g, self.ranks))]
         for lo in loaders:
             # NOTE: the hook's report is captured where the loader would queue it for its reporting thread;
@@ -177,7 +176,6 @@ class FtSteps(RuleBasedStateMachine):
         resumed = self.runs[self.run][1]
         return any(len(v.history) >= resumed for g, v in self.groups.items() if g not in gone)
 
-    @rule(data=st.data())
     def membership(self, data: st.DataObject) -> None:
         """A replica group (re)joins, fresh, or a group is killed (one holding the job's state stays)."""
         dying = [g for g in sorted(self.groups) if len(self.groups) > 1 and self._holds({g})]
@@ -193,8 +191,6 @@ class FtSteps(RuleBasedStateMachine):
         ahead = {g for g, v in self.groups.items() if len(v.history) == top}
         return ahead if len(ahead) < len(self.groups) and self._holds(ahead) else set()
 
-    @precondition(lambda self: bool(self._ahead()))
-    @rule(data=st.data())
     def ahead_die(self, data: st.DataObject) -> None:
         """The groups at the highest step die with the updates they committed alone (their reports in flight may still
         arrive); the others train the first of those steps again, and their reports may arrive first."""
@@ -220,7 +216,6 @@ class FtSteps(RuleBasedStateMachine):
         self.sim.remove_group(g)
         self.stats["leaves"] += 1
 
-    @rule(data=st.data(), k=st.integers(1, 3))
     def train(self, data: st.DataObject, k: int) -> None:
         """`k` steps attempted, one after the other."""
         for _ in range(k):
@@ -280,17 +275,19 @@ class FtSteps(RuleBasedStateMachine):
         self.stats["steps_committed_again"] += any(commits.values()) and top < self.high.get(self.run, 0)
         self.high[self.run] = max(self.high.get(self.run, 0), top + any(commits.values()))
 
-
     def _stream(self, first: int, last: int) -> list[int]:
-        """The dataset indices at stream positions [first, last): the job's epochs' orders end to end."""
+        """The dataset indices at stream positions [first, last): the job's epochs' orders end to end, each epoch's
+        positions in order, or, for the toy way of dealing, its batches of the spec's from the back, the last one last."""
         spec = Spec(n=self.n, seed=self.seed, permutation="feistel", batch_size=self.batch)
+        places = list(range(self.n))
+        if self.dealing == "reverse":
+            batches = [places[a:a + self.batch] for a in range(0, self.n, self.batch)]
+            places = [p for b in batches[-2::-1] + batches[-1:] for p in b]
         out: list[int] = []
         for p in range(first, last):
-            out += order(spec, p // self.n, np.array([p % self.n], dtype=np.int64)).tolist()
+            out += order(spec, p // self.n, np.array([places[p % self.n]], dtype=np.int64)).tolist()
         return out
 
-    @precondition(lambda self: bool(self.pending))
-    @rule(data=st.data(), k=st.integers(1, 4))
     def deliver(self, data: st.DataObject, k: int) -> None:
         """Reports reach the coordinator (any of those in flight, one at a time); each may come again later (a retry)."""
         way = data.draw(st.sampled_from(["newest", "any", "oldest"]), label="which first")
@@ -310,15 +307,11 @@ class FtSteps(RuleBasedStateMachine):
         if new and rep.run not in self.opened:
             self.opened.append(rep.run)
 
-    @precondition(lambda self: bool(self.pending))
-    @rule(data=st.data())
     def lose(self, data: st.DataObject) -> None:
         """A report never arrives (its group's thread died with it, or the coordinator was down for its retries)."""
         self.pending.remove(data.draw(st.sampled_from(self.pending), label="report lost"))
         self.stats["reports_lost"] += 1
 
-    @precondition(lambda self: bool(self.opened) and self.stats["coordinator_restarts"] < 2)
-    @rule()
     def restart_coordinator(self) -> None:
         """The coordinator dies and comes back on the same SQLite file and port: the record is the same."""
         before = [r.to_dict() for r in self.client.steps(JOB)[1].runs]
@@ -331,8 +324,6 @@ class FtSteps(RuleBasedStateMachine):
         assert after == before, "the restarted coordinator's record differs"
         self.stats["coordinator_restarts"] += 1
 
-    @precondition(lambda self: any(g.history for g in self.groups.values()))
-    @rule(data=st.data())
     def checkpoint(self, data: st.DataObject) -> None:
         """The trainer saves one group's states (after its optimizer step): the loader's and the manager's."""
         g = data.draw(st.sampled_from(sorted(g for g, v in self.groups.items() if v.history)), label="group saved")
@@ -343,8 +334,6 @@ class FtSteps(RuleBasedStateMachine):
         self.checkpoints.append(Checkpoint(state, lo._manager.state_dict(), tuple(self.groups[g].history), self.run, step))
         self.stats["checkpoints"] += 1
 
-    @precondition(lambda self: bool(self.checkpoints))
-    @rule(data=st.data(), groups=st.integers(1, 3))
     def restart_job(self, data: st.DataObject, groups: int) -> None:
         """Every group dies (each report in flight arrives now or never) and the job starts again from any checkpoint."""
         for rep in list(self.pending):
@@ -397,7 +386,6 @@ class FtSteps(RuleBasedStateMachine):
             run = parent
         return None
 
-    @invariant()
     def record_is_the_models(self) -> None:
         """The coordinator's record, read as Steps.kept / .abandoned, is what the model trained and kept."""
         if not hasattr(self, "groups"):
@@ -453,7 +441,6 @@ class FtSteps(RuleBasedStateMachine):
                 assert sorted(v.indices.tolist()) == sorted(trained[key]), f"step {t}: the history's samples"
                 self.stats["history_steps_checked"] += 1
 
-    @invariant()
     def exactly_once_on_the_timeline(self) -> None:
         """Every sample of each finished epoch is in exactly one committed step of the timeline; each step's batch
         is what was promised (the global batch, or the group batch times its participants)."""
@@ -472,5 +459,3 @@ class FtSteps(RuleBasedStateMachine):
         self.epochs = len(stream) // self.n
 
 
-SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

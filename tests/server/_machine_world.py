@@ -164,13 +164,16 @@ class Setup:
                     **mixture_fields(None, **self._mixture()))
 
 
-#: The kinds of job the state machine draws: the index sampler, the batch sampler, and the batch
-#: sampler with dynamic dealing (ranks step together; a checkpoint is rank 0's) or the toy way of dealing
+#: The kinds of job the state machine draws. Jobs of generations: the index sampler, the batch sampler, and the
+#: batch sampler with dynamic dealing (ranks step together; a checkpoint is rank 0's) or the toy way of dealing
 #: that a test registers (tests/_reverse_kind.py: the coordinator deals full batches from the back), and with
 #: token-budget batches (a step takes one batch of varying size); "mixture" makes a third of them (all, alone)
-#: deal a weighted mixture of sources whose weights change and whose sources may be capped.
-KINDS = os.environ.get("CROUPIER_SM_KINDS",
-                       "index,batch,dynamic,reverse,tokens,shards,shards-tokens,shards-dynamic,mixture").split(",")
+#: deal a weighted mixture of sources whose weights change and whose sources may be capped. Jobs of
+#: torchft-style replica-group steps (STEPPED): over the order's positions, or the toy's stepped variant.
+KINDS = os.environ.get("CROUPIER_SM_KINDS", "index,batch,dynamic,reverse,tokens,shards,shards-tokens,shards-dynamic,"
+                       "mixture,steps,reverse-steps").split(",")
+#: The kinds of job of replica-group steps (tests/server/_machine_ft.py), each with its spec's ``dealing``.
+STEPPED = {"steps": "static", "reverse-steps": "reverse"}
 #: The kinds the coordinator deals, each its own spec's ``dealing`` ("reverse" while tests/_reverse_kind.py
 #: registers it) unless DEALINGS names it ("shards-dynamic": a shard order dealt dynamically).
 DEALT = ("dynamic", "reverse", "shards-dynamic")
@@ -185,7 +188,8 @@ SHARDED = ("shards", "shards-tokens", "shards-dynamic")
 def setups(draw: st.DrawFn) -> Setup:
     """A job: either sampler class, any spec of up to 60 samples, and a few small leases kept ahead."""
     # "mixture" in KINDS: a third of the jobs (all of them when it is alone) deal a mixture of sources
-    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture"] or ["index", "batch", *DEALT, *TOKENS, *SHARDED]))
+    kind = draw(st.sampled_from([k for k in KINDS if k != "mixture" and k not in STEPPED]
+                                or ["index", "batch", *DEALT, *TOKENS, *SHARDED]))
     partition = draw(st.sampled_from(["strided", "chunked", "contiguous"]))
     tail = draw(st.sampled_from(["pad", "drop", "uneven", "pad_last"]))
     if kind in DEALT:  # no stripes, no padding: whoever asks gets the next batch
@@ -203,7 +207,8 @@ def setups(draw: st.DrawFn) -> Setup:
         # honest bound for it, and that combination is left out.
         even = draw(st.booleans()) if (partition, tail) != ("chunked", "uneven") else False
     n = draw(st.integers(1, 60))
-    mixed = "mixture" in KINDS and (KINDS == ["mixture"] or draw(st.integers(0, 2)) == 0)
+    mixed = "mixture" in KINDS and ([k for k in KINDS if k not in STEPPED] == ["mixture"]
+                                    or draw(st.integers(0, 2)) == 0)
     mixture = draw(mixtures()) if mixed else {}
     space = sum(mixture["sources"]) if mixture else n
     sharded: dict[str, Any] = {}

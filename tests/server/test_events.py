@@ -33,6 +33,7 @@ from croupier.server._events import (
     BatchesDealt,
     CheckpointRecorded,
     Codec,
+    EpochCut,
     Event,
     EventSchema,
     FormatError,
@@ -90,6 +91,7 @@ GOLDEN: list[tuple[Event, dict[str, Any]]] = [
     (StepCommitted("j", "run-b", "run-a", 7, "global", 12, 9, 108, 120, 4, 3),
      {"type": "StepCommitted", **HEAD, "job": "j", "run": "run-b", "parent": "run-a", "resumed": 7, "mode": "global",
       "batch": 12, "step": 9, "start": 108, "stop": 120, "quorum": 4, "participants": 3}),
+    (EpochCut("j", 2, 1, 7), {"type": "EpochCut", **HEAD, "job": "j", "generation": 2, "epoch": 1, "micro": 7}),
 ]
 
 

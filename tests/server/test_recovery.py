@@ -127,11 +127,11 @@ BAD_RECORDS: dict[str, tuple[bytes, str]] = {
     "not a map": (_packed([1, 2, 3]), r"an event must be a map \(got list\)"),
     "unknown event type": (
         _packed({"type": "JobDeleted", "version": 2, "order": 2, "job": "j"}),
-        r"unknown event type 'JobDeleted' \(known: \['AmendmentRecorded', 'AmendmentsLoaded', 'BatchesCommitted', 'BatchesDealt', 'CheckpointRecorded', 'GenerationAmended', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined', 'StepCommitted'\]\)",
+        r"unknown event type 'JobDeleted' \(known: \['AmendmentRecorded', 'AmendmentsLoaded', 'BatchesCommitted', 'BatchesDealt', 'CheckpointRecorded', 'EpochCut', 'GenerationAmended', 'GenerationOpened', 'GenerationStarted', 'JobRegistered', 'ProgressReported', 'RankJoined', 'StepCommitted'\]\)",
     ),
     "newer format version": (
         _packed({**_rank_1(), "version": FORMAT_VERSION + 1}),
-        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\); a newer croupier wrote it",
+        rf"event format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8, 9\); a newer croupier wrote it",
     ),
     "no format version": (_packed(_without(_rank_1(), "version")), r"the event has no format version"),
     "missing field": (_packed(_without(_rank_1(), "rank")), r"missing \['rank'\], unknown \[\]"),
@@ -164,7 +164,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     "not msgpack": (b"\xc1\xc1\xc1", r"its 3 bytes are not msgpack"),
     "newer format version": (
         _packed({"version": FORMAT_VERSION + 1, "order": 2, "jobs": [], "quotas": {}}),
-        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\)",
+        rf"snapshot format version {FORMAT_VERSION + 1} is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8, 9\)",
     ),
     "no format version": (_packed({"jobs": []}), r"the snapshot has no format version"),
     "unknown field": (_packed({"version": 2, "order": 2, "jobs": [], "quotas": {}}), r"unknown \['quotas'\]"),
@@ -174,7 +174,7 @@ BAD_SNAPSHOTS: dict[str, tuple[bytes, str]] = {
     ),
     "croupier 0.1's snapshot": (
         _packed({"version": 1, "jobs": []}),
-        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\)",
+        r"snapshot format version 1 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8, 9\)",
     ),
     "mistyped job": (
         _packed({"version": 2, "order": 2, "jobs": [{"name": 7, "spec": {}, "generation": None, "tokens": []}]}),
@@ -250,7 +250,7 @@ def _mutated(ev: Any, **changes: Any) -> dict[str, Any]:
     ("d", "why"),
     [
         (_mutated(EVENTS[1], version=True), r"event format version must be an int \(got event format version=True\)"),
-        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8\)$"),
+        (_mutated(EVENTS[1], version=0), r"event format version 0 is not one this croupier reads \(it reads versions 2, 3, 4, 5, 6, 7, 8, 9\)$"),
         (_without(encode_event(EVENTS[1]), "type"), r"unknown event type None"),
         (_mutated(EVENTS[1], type=["RankJoined"]), r"unknown event type \['RankJoined'\]"),
         (_mutated(EVENTS[1], job=7), r"GenerationOpened.job must be a str \(got GenerationOpened.job=7\)"),
@@ -381,5 +381,41 @@ def test_a_coordinator_recovers_the_v4_journal_and_amends_its_mixture(tmp_path: 
     again = Coordinator(open_store(f"sqlite:///{copy}"))
     try:
         assert [a.at for a in again.job("delta").amendments] == [20]
+    finally:
+        again.close()
+
+
+def test_a_coordinator_recovers_the_v8_journal_into_each_generations_segment(tmp_path: Path) -> None:
+    """A journal of format 8 (fixtures/make_journal_v8.py, written by that release) recovers with each generation's
+    progress, deals, commits and held amendments in its segment, the job's view of them as that release had it,
+    and goes on in this release's format."""
+    from croupier.core.amend import Amendment
+    from croupier.core.mixture import parts_of
+
+    copy = tmp_path / "journal-v8.db"
+    shutil.copyfile(FIXTURES / "journal-v8.db", copy)
+    eta = Spec(n=60, seed=9, batch_size=2, sources=(20, 40), weights=((0, parts_of([1, 1])),))
+    core = Coordinator(open_store(f"sqlite:///{copy}"))
+    try:
+        state = State.restore(msgpack.unpackb(core.snapshot_state(), strict_map_key=False))
+        zeta, eta_job, zeta_seg = state.jobs["zeta"], state.jobs["eta"], state.jobs["zeta"].segment
+        assert zeta_seg is not None and zeta_seg.cuts == {} and sorted(zeta_seg.deals) == [0, 1, 2]
+        assert {r: p[:2] for r, p in zeta.progress.items()} == {0: (2, 2), 1: (2, 2)} and zeta.progress is zeta_seg.ranks
+        assert sorted(zeta.deals) == [1, 2]  # epoch 0, all committed, is left behind; its segment keeps it
+        assert zeta.deals[1].committed == {0: 8, 1: 7} and zeta.deals[2].runs == {0: [(0, 2)], 1: [(2, 2)]}
+        assert zeta.deals[1].next == 15 and zeta.deals[1] is zeta_seg.deals[1]
+        skip = (Amendment("skip", (0, 3), 10),)
+        assert eta_job.held == skip and [s.amendments for s in eta_job.ledger] == [(), skip]
+        assert {r: p[:2] for r, p in eta_job.progress.items()} == {0: (0, 2)}
+        assert core.grant("zeta", 1, 0, 2, 0, 2).runs == ((0, 2),)  # the deal on record
+        assert core.step_ledger("eta").step(6).kept is not None
+        # it goes on in this release's format: a checkpoint of epoch 2, recorded, read back
+        core.report("zeta", 1, 0, 2, 2, (99, None, "zeta-1/0/99"), lockstep=False)
+        assert core.job("eta").spec == eta
+    finally:
+        core.close()
+    again = Coordinator(open_store(f"sqlite:///{copy}"))
+    try:
+        assert again.checkpoint("zeta", 99)[1].step == 99
     finally:
         again.close()

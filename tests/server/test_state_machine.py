@@ -1,11 +1,14 @@
-"""G1 through the production path under random crashes, restarts from any checkpoint, resizes, zombies and coordinator loss.
+"""G1 and the job's history through the production path, for both kinds of job, in one state machine.
 
-A hypothesis state machine runs a lockstep data-parallel job: a real coordinator (``Server``,
-gRPC on 127.0.0.1, over a memory store) and one real ``DistributedSampler`` or
-``DistributedBatchSampler`` per rank, each leasing a few batches ahead in its prefetch thread.
-Batches come from ``Coordinator.lease`` over gRPC and checkpoints from the samplers'
-``state_dict``; the test computes neither. It audits G1 (docs/guarantees.md) after every step and at every
-finished epoch, with the allowances of ``_sim.allowance``.
+A hypothesis state machine (tests/server/_machine_jobs.py) draws each example's job of either kind. A job of
+generations is a lockstep data-parallel job under random crashes, restarts from any checkpoint, resizes,
+zombies and coordinator and store loss: a real coordinator (``Server``, gRPC on 127.0.0.1, over a memory
+store) and one real ``DistributedSampler`` or ``DistributedBatchSampler`` per rank, each leasing a few
+batches ahead in its prefetch thread. Batches come from ``Coordinator.lease`` over gRPC and checkpoints from
+the samplers' ``state_dict``; the test computes neither. It audits G1 (docs/guarantees.md) after every step
+and at every finished epoch, with the allowances of ``_sim.allowance``. A job of torchft-style replica-group
+steps is the one of tests/server/test_state_machine_ft.py's planted bugs: its record of committed steps is
+checked against the model after every rule.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Any
 import _machine_world
 import hypothesis.errors
 import pytest
-from _machine import SETTINGS, Elastic
-from _machine_world import EXAMPLES, STEPS, TOTALS
+from _machine_jobs import SETTINGS, Jobs
+from _machine_world import EXAMPLES, KINDS, STEPPED, STEPS, TOTALS
 from _reverse_kind import ReversePlan, reverse_registered
 from hypothesis import Phase, settings
 from hypothesis.stateful import (
@@ -52,24 +55,30 @@ def _report(title: str) -> None:
 
 #: The default run in parts of its own, each drawing its share of the examples, so that pytest-xdist's workers
 #: share it (one run of them all was the last test to end in make test); a short run (make check's 12) is one part.
+#: CROUPIER_SM_EXAMPLES examples of each kind of job: twice that in all (half of each, drawn).
 PARTS = 3 if EXAMPLES >= 60 else 1
+#: The kinds of job of generations (those of the planted bugs in a sampler, a plan or the ledger of generations).
+GENERATIONS = [k for k in KINDS if k not in STEPPED]
 
 
 @pytest.mark.parametrize("part", range(PARTS))
 def test_exactly_once_under_chaos(part: int) -> None:
     TOTALS.clear()
-    share = -(-EXAMPLES // PARTS)
-    run_state_machine_as_test(Elastic, settings=settings(SETTINGS, max_examples=share))
+    share = -(-2 * EXAMPLES // PARTS)
+    run_state_machine_as_test(Jobs, settings=settings(SETTINGS, max_examples=share))
     _report(f"state machine, part {part + 1} of {PARTS} ({share} examples x up to {STEPS} steps)")
-    assert TOTALS["epochs_audited"] > 0 and TOTALS["restarts"] > 0
+    if GENERATIONS:
+        assert TOTALS["epochs_audited"] > 0 and TOTALS["restarts"] > 0
+    if len(GENERATIONS) < len(KINDS):
+        assert TOTALS["ft_steps_kept_checked"] > 0 and TOTALS["ft_attempts_all"] > 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_exactly_once_under_chaos_long() -> None:
     TOTALS.clear()
-    run_state_machine_as_test(Elastic, settings=settings(SETTINGS, max_examples=5000, stateful_step_count=60))
-    _report("state machine (5000 examples x up to 60 steps)")
+    run_state_machine_as_test(Jobs, settings=settings(SETTINGS, max_examples=7000, stateful_step_count=60))
+    _report("state machine (7000 examples x up to 60 steps)")
 
 
 # ---------------------------------------------------------------------- the test can fail
@@ -107,7 +116,7 @@ def test_broken_restriping_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(FixedPlan, "_virtual_left", _forget_one_rank)
     monkeypatch.setattr(_machine_world, "KINDS", ["index", "batch"])  # the plans it breaks
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)
 
 
 @pytest.mark.exhaustive  # in make test, not in make check: its search takes 0.5 to 30 s here
@@ -124,7 +133,7 @@ def test_a_rank_dropped_from_a_dynamic_checkpoint_is_caught(monkeypatch: pytest.
     monkeypatch.setattr(EpochDeals, "credits", credits)
     monkeypatch.setattr(_machine_world, "KINDS", ["dynamic"])
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)
 
 
 def test_a_toy_checkpoint_one_batch_ahead_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,10 +143,12 @@ def test_a_toy_checkpoint_one_batch_ahead_is_caught(monkeypatch: pytest.MonkeyPa
                         lambda self, book, credited: real(self, book, {r: k + 1 for r, k in credited.items()}))
     monkeypatch.setattr(_machine_world, "KINDS", ["reverse"])
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)
 
 
-@pytest.mark.parametrize("kind", ["tokens", "shards-tokens"])
+#: The search over plain token batches takes half a minute here: in make test, not in make check (which keeps the
+#: one over a shard order, a second).
+@pytest.mark.parametrize("kind", [pytest.param("tokens", marks=pytest.mark.exhaustive), "shards-tokens"])
 def test_a_token_checkpoint_one_round_ahead_is_caught(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """The state machine can fail: token-budget batches (over a shard order too) whose checkpoint skips the
     round after it."""
@@ -145,7 +156,7 @@ def test_a_token_checkpoint_one_round_ahead_is_caught(monkeypatch: pytest.Monkey
     monkeypatch.setattr(TokenPlan, "advance", lambda self, j: real(self, j + 1 if j else j))
     monkeypatch.setattr(_machine_world, "KINDS", [kind])
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)
 
 
 @pytest.mark.exhaustive  # in make test, not in make check
@@ -159,22 +170,24 @@ def test_a_shard_deal_reading_past_a_dealt_batch_is_caught(monkeypatch: pytest.M
     monkeypatch.setattr(_Taking, "front", front)
     monkeypatch.setattr(_machine_world, "KINDS", ["shards-dynamic"])
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)
 
 
+@pytest.mark.exhaustive  # 5 to 12 s each: in make test, not in make check
 @pytest.mark.parametrize("off", [1, -1], ids=["one-item-too-many", "one-item-too-few"])
 def test_state_dict_off_by_one_is_caught(monkeypatch: pytest.MonkeyPatch, off: int) -> None:
     """The state machine can fail: a sampler whose state_dict counts one item (index or batch) too many or too few."""
-    real = _sampler._Base.state_dict
+    real = _sampler.SamplerBase.state_dict
 
     def state_dict(self: Any, consumed: int | None = None, *, step: int | None = None) -> dict[str, Any]:
         if consumed is None and self._start is not None and not self._progress.over:
             consumed = max(0, self.items_done + off)
         return real(self, consumed, step=step)
 
-    monkeypatch.setattr(_sampler._Base, "state_dict", state_dict)
+    monkeypatch.setattr(_sampler.SamplerBase, "state_dict", state_dict)
+    monkeypatch.setattr(_machine_world, "KINDS", GENERATIONS)
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)
 
 
 @pytest.mark.exhaustive  # 200 examples each: in make test, not in make check
@@ -188,5 +201,6 @@ def test_a_wrong_step_ledger_is_caught(monkeypatch: pytest.MonkeyPatch, plant: s
                             real(self, spec, world, after, upto) + (upto > after))
     else:
         monkeypatch.setattr(Ledger, "_parent", lambda self, seg: None)
+    monkeypatch.setattr(_machine_world, "KINDS", GENERATIONS)
     with pytest.raises(CAUGHT):
-        run_state_machine_as_test(Elastic, settings=PLANTED)
+        run_state_machine_as_test(Jobs, settings=PLANTED)

@@ -1,41 +1,43 @@
-"""Committed steps through the coordinator under random quorums, commits and aborts, dead groups, lost and repeated reports, restarts.
+"""Committed steps through the coordinator under random quorums, commits and aborts, dead groups, lost and repeated
+reports, restarts: the state machine's planted bugs of a job of replica-group steps.
 
-A hypothesis state machine (tests/server/_machine_ft.py) drives torchft replica groups (the
-stand-in of tests/_ft_sim.py) with real ``StepLoader`` ranks against a real coordinator on a
-SQLite store, and after every rule checks the coordinator's record of committed steps against
-its model, and that every sample of each finished epoch is in exactly one committed step.
+The state machine (tests/server/_machine_jobs.py, run by tests/server/test_state_machine.py) draws jobs of
+generations and jobs of replica-group steps in one model. A job of steps (tests/server/_machine_ft.py) drives
+torchft replica groups (the stand-in of tests/_ft_sim.py) with real ``StepLoader`` ranks against a real
+coordinator on a SQLite store, over the order's positions or the toy way of dealing's stepped variant
+(tests/_reverse_kind.py), and after every rule checks the coordinator's record of committed steps and the
+job's history against its model, and that every sample of each finished epoch is in exactly one committed
+step. Here the machine draws jobs of steps only, each test with a bug planted that it must find.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from typing import Any
 
+import _machine_world
 import hypothesis.errors
 import pytest
-from _machine_ft import SETTINGS, TOTALS, FtSteps
-from _machine_world import EXAMPLES, STEPS
+from _machine_jobs import SETTINGS, Jobs
+from _machine_world import STEPPED, TOTALS
+from _reverse_kind import reverse_registered
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from croupier.core import quorum_ledger
 from croupier.core.errors import FailedPrecondition
 from croupier.core.ftsteps import CommittedStep, StepRun, Steps
+from croupier.core.registry import FIXED
 from croupier.integrations.torchft import StepLoader
 
 
-def test_committed_steps_under_chaos() -> None:
-    TOTALS.clear()
-    run_state_machine_as_test(FtSteps, settings=SETTINGS)
-    print(f"\nft state machine ({EXAMPLES} examples x up to {STEPS} steps): {dict(sorted(TOTALS.items()))}")
-    assert TOTALS["steps_kept_checked"] > 0 and TOTALS["attempts_all"] > 0
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(7200)
-def test_committed_steps_under_chaos_long() -> None:
-    TOTALS.clear()
-    run_state_machine_as_test(FtSteps, settings=settings(SETTINGS, max_examples=2000, stateful_step_count=60))
-    print(f"\nft state machine (2000 examples x up to 60 steps): {dict(sorted(TOTALS.items()))}")
+@pytest.fixture(autouse=True)
+def _steps_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The machine draws jobs of replica-group steps only, the toy way of dealing's stepped variant among them."""
+    monkeypatch.setattr(_machine_world, "KINDS", list(STEPPED))
+    with reverse_registered():
+        yield
 
 
 # ---------------------------------------------------------------------- the test can fail
@@ -53,8 +55,8 @@ class _LoadedStateRefused(Exception):
 def _caught(plant: str, also: tuple[type[BaseException], ...] = ()) -> None:
     TOTALS.clear()
     with pytest.raises(CAUGHT + also) as e:
-        run_state_machine_as_test(FtSteps, settings=PLANTED)
-    print(f"\n{plant}: caught after {TOTALS['examples']} examples: {type(e.value).__name__}: {str(e.value)[:300]}")
+        run_state_machine_as_test(Jobs, settings=PLANTED)
+    print(f"\n{plant}: caught after {TOTALS['ft_examples']} examples: {type(e.value).__name__}: {str(e.value)[:300]}")
 
 
 @pytest.mark.exhaustive  # in make test, not in make check
@@ -127,3 +129,11 @@ def test_superseding_without_dropping_later_records_is_caught(monkeypatch: pytes
 
     monkeypatch.setattr(Steps, "record", record)
     _caught("superseding that keeps later records")
+
+
+def test_a_history_without_the_stepped_variant_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's history reads a toy kind's steps (tests/_reverse_kind.py) in the order's own sequence, not in its
+    stepped variant's: the samples it names for a step are not those its quorum was dealt."""
+    monkeypatch.setattr(quorum_ledger, "kind_of", lambda spec: FIXED)
+    monkeypatch.setattr(_machine_world, "KINDS", ["reverse-steps"])
+    _caught("history without the stepped variant")

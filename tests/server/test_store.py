@@ -480,6 +480,7 @@ def test_acknowledged_appends_survive_kill_9_long(tmp_path: Path) -> None:
 # -- the benchmark -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.exhaustive  # a benchmark's quick run: in make test, not in make check
 @pytest.mark.timeout(120)
 def test_store_bench_quick_runs(tmp_path: Path) -> None:
     out = subprocess.run(

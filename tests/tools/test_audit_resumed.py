@@ -13,7 +13,8 @@ from _ranks import on_ranks
 
 from croupier.client import DistributedSampler
 from croupier.server._service import Server
-from croupier.tools.audit import _read, audit, load
+from croupier.tools.audit import audit, load
+from croupier.tools.audit_log import read_records
 
 N = 101
 
@@ -47,7 +48,7 @@ def _run(server: Server, logdir: pathlib.Path, world: int, incarnation: str, sta
 def _starts(logdir: pathlib.Path, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Rewrites every log's start record with `fn`."""
     for path in logdir.glob("*/*.audit"):
-        recs = _read(path)
+        recs = read_records(path)
         recs[0] = fn(recs[0])
         path.write_bytes(b"".join(msgpack.packb(r) for r in recs))
 

@@ -165,13 +165,14 @@ def test_a_coordinator_that_lost_the_history_says_which_part(history: Any, tmp_p
         other.stop(grace=0.5)
 
 
-def test_a_coordinator_that_does_not_answer(history: Any) -> None:
+def test_a_coordinator_that_does_not_answer(history: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prov, "RETRY_FOR_S", 0.5)  # the command's 3 s, shortened: the message names what it was
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code, out, err = run_cli("provenance", "mix", "--step", "1", "--address", f"127.0.0.1:{port}")
     assert (code, out) == (1, "")
-    assert err.startswith(f"croupier provenance: the coordinator at 127.0.0.1:{port} is unavailable (retried for 3 s)")
+    assert err.startswith(f"croupier provenance: the coordinator at 127.0.0.1:{port} is unavailable (retried for 0.5 s)")
 
 
 def test_the_command_as_a_process_prints_no_traceback(history: Any) -> None:

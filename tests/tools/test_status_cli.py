@@ -199,14 +199,16 @@ def test_status_of_an_unknown_job_names_the_known_ones(job_j: str, capsys: pytes
     assert capsys.readouterr().err == f"croupier status: no job 'nope' at {job_j} (jobs: j)\n"
 
 
-def test_status_of_an_unreachable_coordinator_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_of_an_unreachable_coordinator_says_so_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status, "RETRY_FOR_S", 0.5)  # the command's 3 s, shortened: the message names what it was
     with socket.socket() as s:  # bound, never listening: connections to it are refused
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
         out = io.StringIO()
         assert status.main(address, out=out) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"croupier status: the coordinator at {address} is unavailable (retried for 3 s): ")
+    assert err.startswith(f"croupier status: the coordinator at {address} is unavailable (retried for 0.5 s): ")
     assert err.count("\n") == 1 and out.getvalue() == ""
 
 
