@@ -296,6 +296,7 @@ def _rank_main(cfg_json: str) -> int:
         dist.barrier()
         t0 = time.time()
         loader, save = _make_loader(cfg, rank, world)
+        built = time.time()  # the loader built: the rest of the wait for the first batch is the loop's
         ids: list[int] = []
         first = None
         steps = 0
@@ -307,7 +308,7 @@ def _rank_main(cfg_json: str) -> int:
             if cfg["stop"] is not None and steps == cfg["stop"]:
                 save(steps)
                 break
-        result.update(t0=t0, first=first, end=time.time(), steps=steps, ids=ids)
+        result.update(t0=t0, built=built, first=first, end=time.time(), steps=steps, ids=ids)
         closer = getattr(loader, "close", None)
         if closer is not None:
             closer()
@@ -344,12 +345,15 @@ def _make_loader(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, Any]:
         from torch.utils.data import DataLoader
 
         from croupier.client import DistributedBatchSampler, Loader
-        from croupier.data import ShardedDataset
+        from croupier.data import Manifest, ShardedDataset
 
         opts = ({"key": "testing", "secret": "testing",
                  "client_kwargs": {"endpoint_url": cfg["endpoint"], "region_name": "us-east-1"}}
                 if storage == "s3" else None)
-        ds = ShardedDataset(src, storage_options=opts, cache_dir=cache)
+        # a resumed job opens its dataset from the manifest kept beside its checkpoint (docs/data.md): no listing
+        # of the bucket and no footer read before the first batch asks for its shards
+        saved = state_dir / "manifest.json"
+        ds = ShardedDataset(Manifest.load(saved) if resume else src, storage_options=opts, cache_dir=cache)
         batches = DistributedBatchSampler(ds, b, shard_sizes=ds.shard_sizes, reader_group=cfg["reader_group"], seed=0)
         batches.read_ahead = ds.read_ahead  # the sampler's next leases fetched while the current one trains
         loader = Loader(DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=_collate))
@@ -360,6 +364,7 @@ def _make_loader(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, Any]:
             state = loader.state_dict(step=step)
             if rank == 0:
                 (state_dir / "state.json").write_text(json.dumps(state))
+                ds.manifest.save(saved)
 
         class _Closing:
             def __iter__(self) -> Any:

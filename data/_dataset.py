@@ -19,6 +19,7 @@ import numpy as np
 
 from croupier.client import FILTERED
 from croupier.core.checks import check_bool, check_choice, check_int
+from croupier.data._board import DemandBoard, Eviction, LeastRecentlyUsed, PlanDriven
 from croupier.data._cache import ShardCache
 from croupier.data._formats import FORMATS, Reader
 from croupier.data._index import IndexCache
@@ -29,10 +30,14 @@ from croupier.data._storage import Retry, Storage, transient
 log = logging.getLogger("croupier.data")
 
 ON_ERROR = ("raise", "skip")
+#: What the node's cache evicts first: see :class:`croupier.data._board.PlanDriven` and ``LeastRecentlyUsed``.
+EVICTIONS = ("plan", "lru")
 #: The node's cache bound when none is given, in bytes.
 DEFAULT_CACHE_BYTES = 16 * 2**30
 #: Shards one process keeps open (each with its decoded row groups), the least recently read closed first.
 OPEN_SHARDS = 256
+#: Indices of a lease whose fetches :meth:`ShardedDataset.read_ahead` queues first (then 4 times as many, ...).
+READ_AHEAD_FIRST = 64
 #: Tries at opening a shard the cache fetched, should another process evict it before the open.
 _OPEN_TRIES = 3
 
@@ -96,6 +101,10 @@ class ShardedDataset:
         prefetch_threads: Threads fetching what :meth:`prefetch` and :meth:`read_ahead` name.
         range_reads: Read parquet shards in object storage by row group (ranged reads of the groups a read
             needs); False: fetch each shard whole, its MD5 checked against the etag where the store gives one.
+        eviction: What the node's cache evicts first when it needs room. ``"plan"``: the shards the plan needs
+            no more this epoch (every row read by the node), then those no lease announced to
+            :meth:`read_ahead` needs (least recently used first), then those needed furthest in the future;
+            ``"lru"``: the least recently used.
 
     Raises:
         ShardChanged: a shard is not what the manifest recorded (a ValueError naming its path and both values).
@@ -107,8 +116,9 @@ class ShardedDataset:
                  storage_options: Mapping[str, Any] | None = None, cache_dir: str | os.PathLike[str] | None = None,
                  cache_bytes: int = DEFAULT_CACHE_BYTES, on_error: str = "raise", retry: Retry | None = None,
                  decode: bool = True, verify: bool = True, prefetch_threads: int = 4,
-                 range_reads: bool = True) -> None:
+                 range_reads: bool = True, eviction: str = "plan") -> None:
         self.on_error = check_choice("on_error", on_error, ON_ERROR)
+        self.eviction = check_choice("eviction", eviction, EVICTIONS)
         self.range_reads = check_bool("range_reads", range_reads)
         self.transform = transform
         self.decode = decode
@@ -125,7 +135,13 @@ class ShardedDataset:
         self._sizes = self.manifest.sizes
         self._offsets = tuple(itertools.accumulate(self._sizes, initial=0))  # (shards + 1,)
         self._local = tuple(self._storage.is_local(s.path) for s in self.manifest.shards)
-        self.cache = ShardCache(os.path.join(self.cache_dir, "shards"), cache_bytes)
+        self._remote = ~np.asarray(self._local, dtype=bool)  # (shards,) the shards read through the cache
+        self._board: DemandBoard | None = None
+        policy: Eviction = LeastRecentlyUsed()
+        if self.eviction == "plan" and self._remote.any():
+            self._board = DemandBoard(os.path.join(self.cache_dir, "plan"), self.manifest.fingerprint, self._sizes)
+            policy = PlanDriven(self._board, {shard.key: s for s, shard in enumerate(self.manifest.shards)})
+        self.cache = ShardCache(os.path.join(self.cache_dir, "shards"), cache_bytes, policy)
         largest = max((s for s, local in zip(self.manifest.shards, self._local) if not local),
                       key=lambda s: s.bytes, default=None)
         if largest is not None and largest.bytes > cache_bytes:
@@ -189,6 +205,15 @@ class ShardedDataset:
             ShardError: its shard cannot be read (``on_error="raise"``).
             ShardChanged: its shard is not what the manifest recorded.
         """
+        sample = self._get(index)
+        if self._board is not None:
+            shard = self.shard_of(index)[0]
+            if self._remote[shard]:
+                self._board.consumed(np.array([shard]), np.ones(1, dtype=np.int64))
+        return sample
+
+    def _get(self, index: int) -> Any:
+        """``ds[index]``, not recorded on the demand board."""
         s, r = self.shard_of(index)
         reader = self._reader(s)
         if reader is None:
@@ -229,8 +254,9 @@ class ShardedDataset:
 
     def read_ahead(self, indices: Sequence[int] | np.ndarray) -> list[Future[None]]:
         """Starts fetching what reading `indices` (the sampler's upcoming ones, in the order they come) needs
-        into the node's cache, in background threads: shards in the order of their first index, and of a
-        parquet shard in object storage only the row groups those indices fall in. Local shards and what
+        into the node's cache, in background threads: in stages (the first READ_AHEAD_FIRST indices, then 4
+        times as many, and so on), each stage's shards in the order of their first index, and of a parquet
+        shard in object storage only the row groups those indices fall in. Local shards and what
         the cache holds already cost nothing. A failed fetch is not raised here: the read reports it.
 
         Give it to the sampler (``sampler.read_ahead = ds.read_ahead``): the sampler calls it with each lease
@@ -240,7 +266,8 @@ class ShardedDataset:
         be read.
 
         Returns:
-            One future per shard in object storage, done when its pieces are in the cache or a fetch failed.
+            One future per shard in object storage and stage, done when its pieces are in the cache or a fetch
+            failed.
 
         Raises:
             IndexError: an index is not in ``[0, len(self))`` (nothing is fetched then).
@@ -249,7 +276,19 @@ class ShardedDataset:
         if idx.size and not (0 <= int(idx.min()) and int(idx.max()) < len(self)):
             bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
             raise IndexError(f"read_ahead: dataset index {bad} is not in [0, {len(self)})")
-        return [self._pool().submit(self._fetch, s, rows) for s, rows in self._by_shard(idx) if not self._local[s]]
+        if self._board is not None and idx.size:
+            shards, rows, at = self._demand(idx)
+            self._board.announce(shards, rows, at, idx.size)  # before the fetches: their room spares these
+        # NOTE: in stages of growing length (READ_AHEAD_FIRST indices, then 4 times as many, ...), each stage's
+        # fetches queued before the next's: a lease's first batches (a resumed rank's first batch among them)
+        # wait for their own row groups only, not for those of the whole lease.
+        out = []
+        start, stage = 0, READ_AHEAD_FIRST
+        while start < idx.size:
+            part = idx[start:start + stage]
+            out += [self._pool().submit(self._fetch, s, rows) for s, rows in self._by_shard(part) if not self._local[s]]
+            start, stage = start + stage, 4 * stage
+        return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples of a batch (what a DataLoader's worker asks for): what they need that the node's cache
@@ -269,7 +308,11 @@ class ShardedDataset:
             if len(missing) == 1:
                 with contextlib.suppress(Exception):  # as above
                     self._fetch(*missing[0])
-        return [self[i] for i in indices]
+        out = [self._get(i) for i in indices]
+        if self._board is not None and idx.size:
+            shards, rows, _ = self._demand(idx)
+            self._board.consumed(shards, rows)
+        return out
 
     def close(self) -> None:
         """Closes this process's open shards and stops its prefetch threads."""
@@ -360,6 +403,14 @@ class ShardedDataset:
             s = int(shard[at])
             out.append((s, np.unique(idx[shard == s] - self._offsets[s])))
         return out
+
+    def _demand(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The shards in the cache that dataset indices `idx` (in range) fall in, the indices in each, and the
+        place in `idx` of each one's first."""
+        shard = np.searchsorted(np.asarray(self._offsets, dtype=np.int64), idx, side="right") - 1  # (len,)
+        uniq, first, count = np.unique(shard, return_index=True, return_counts=True)
+        keep = self._remote[uniq]
+        return uniq[keep], count[keep].astype(np.int64), first[keep].astype(np.int64)
 
     def _held(self, s: int, rows: np.ndarray) -> bool:
         """Whether the node's cache holds what reading `rows` of shard `s` needs (as far as this process knows)."""

@@ -4,6 +4,7 @@ fetched into the node's cache with one ranged read."""
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,8 +13,8 @@ import numpy as np
 from croupier.data._cache import ShardCache
 from croupier.data._formats import FORMATS
 from croupier.data._index import IndexCache, Pieces
-from croupier.data._manifest import Manifest, ShardChanged
-from croupier.data._storage import Storage
+from croupier.data._manifest import Manifest, Shard, ShardChanged
+from croupier.data._storage import ContentChanged, Storage
 
 #: Tries at reading a piece the cache fetched, should another process evict it before the read.
 READ_TRIES = 3
@@ -39,9 +40,10 @@ class Ranges:
     """The pieces of a dataset's shards in object storage and their fetches: piece k of shard s is held in the
     node's cache as ``KEY-k`` (KEY: the shard's content key), fetched with one ranged read of its bytes.
 
-    Invariants: a fetch MUST check the shard against its manifest (a stat of the store) before its first
-    ranged read, once for all the pieces it fetches; a shard's pieces MUST come from an index built from the
-    content the manifest names (its key).
+    Invariants: every ranged read MUST be of the content the manifest names: made on the condition of the
+    shard's etag where the store takes one (S3's ``If-Match``: one request, refused by the store when the
+    object changed), else after a check of the shard against its manifest (a stat of the store), once for
+    all the pieces a fetch reads; a shard's pieces MUST come from an index built from that content (its key).
 
     NOTE: no checksum covers a range (a store's etag is the whole object's); parquet pages written with
     checksums are verified when their group is decoded.
@@ -79,10 +81,20 @@ class Ranges:
                     raise Corrupt(e) from e
 
         def build() -> dict[str, Any]:
+            if self._conditional(shard):
+                try:
+                    return fmt.index(_Tail(self._storage, shard))  # type: ignore[arg-type]
+                except (OSError, ContentChanged):
+                    raise
+                except Exception as e:
+                    raise Corrupt(e) from e
             shard.check(self._storage.stat(shard.path))
             return self._storage.retry.run(f"read the index of {shard.path}", read)
 
-        return self._index.get_or_build(shard.key, build, lambda got: fmt.pieces(got) is not None)
+        try:
+            return self._index.get_or_build(shard.key, build, lambda got: fmt.pieces(got) is not None)
+        except ContentChanged as e:
+            raise self._changed(shard, e) from e
 
     def pieces(self, s: int, index: dict[str, Any] | None = None) -> Pieces:
         """The pieces of shard `s`, from `index` or the shard's index (:meth:`index`)."""
@@ -132,16 +144,36 @@ class Ranges:
 
         def fetch(dest: str, k: int) -> None:
             nonlocal checked
-            if not checked:
-                shard.check(self._storage.stat(shard.path))
-                checked = True
-            data = self._storage.read_range(shard.path, *ranges[k])
+            if self._conditional(shard):
+                data = self._storage.read_range(shard.path, *ranges[k], etag=shard.etag)
+            else:
+                if not checked:
+                    shard.check(self._storage.stat(shard.path))
+                    checked = True
+                data = self._storage.read_range(shard.path, *ranges[k])
             with open(dest, "wb") as out:
                 out.write(data)
 
-        for k in sorted(set(ks)):
-            if not self._cache.touch(self.key(s, k)):
-                self._cache.ensure(self.key(s, k), ranges[k][1] - ranges[k][0], functools.partial(fetch, k=k))
+        try:
+            for k in sorted(set(ks)):
+                if not self._cache.touch(self.key(s, k)):
+                    self._cache.ensure(self.key(s, k), ranges[k][1] - ranges[k][0], functools.partial(fetch, k=k))
+        except ContentChanged as e:
+            raise self._changed(shard, e) from e
+
+    def _conditional(self, shard: Shard) -> bool:
+        """Whether the reads of `shard` are made on the condition of its etag (the store takes one, it has one)."""
+        return shard.etag is not None and self._storage.conditional(shard.path)
+
+    def _changed(self, shard: Shard, e: ContentChanged) -> ShardChanged:
+        """The error of a conditional read the store refused: what the store says of the shard now, beside what the
+        manifest recorded."""
+        try:
+            shard.check(self._storage.stat(shard.path))
+        except ShardChanged as changed:
+            return changed
+        return ShardChanged(f"shard {shard.path} changed since the manifest recorded it: {e}; rebuild the manifest "
+                            f"(Manifest.build) to read the shard as it is")
 
     def read(self, s: int, k: int) -> bytes:
         """Piece `k` of shard `s`, from the cache (fetched if need be).
@@ -169,3 +201,27 @@ class Ranges:
         """Drops the copies of shard `s`'s pieces from the cache (one found corrupt)."""
         for k in range(len(self._pieces[s].ranges) if s in self._pieces else 0):
             self._cache.discard(self.key(s, k))
+
+
+class _Tail:
+    """A shard in object storage as a read-only file whose every read is one ranged read on the condition of its
+    etag: what a format reads its index through (parquet: the footer, one read of the file's end)."""
+
+    def __init__(self, storage: Storage, shard: Shard) -> None:
+        self._storage, self._shard, self._pos = storage, shard, 0
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = 0 if whence == os.SEEK_SET else self._pos if whence == os.SEEK_CUR else self._shard.bytes
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._shard.bytes if n is None or n < 0 else min(self._shard.bytes, self._pos + n)
+        if end <= self._pos:
+            return b""
+        data: bytes = self._storage.read_range(self._shard.path, self._pos, end, etag=self._shard.etag)
+        self._pos = end
+        return data

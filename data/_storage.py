@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import fsspec
+import fsspec.asyn
 
 from croupier.core.checks import check_int
 
@@ -98,6 +99,14 @@ def transient(e: BaseException) -> bool:
     return isinstance(e, (ConnectionError, HTTPClientError, ReadTimeoutError))
 
 
+class ContentChanged(ValueError):
+    """A conditional read refused by the store: the object is not the content the condition named."""
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 @dataclasses.dataclass(frozen=True)
 class Stat:
     """What the store says of a file: its size in bytes, its etag (None where the store keeps none) and its
@@ -168,9 +177,7 @@ class Storage:
 
     def is_local(self, url: str) -> bool:
         """Whether `url` is a file on this machine's file system (read in place, not through the cache)."""
-        fs, _ = self.fs(url)
-        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-        return "file" in protocols
+        return "file" in _protocols(self.fs(url)[0])
 
     def local_path(self, url: str) -> str:
         """The path on this machine of a local `url`."""
@@ -234,22 +241,55 @@ class Storage:
 
         self.retry.run(f"fetch {url}", call)
 
-    def read_range(self, url: str, start: int, end: int) -> bytes:
+    def conditional(self, url: str) -> bool:
+        """Whether :meth:`read_range` of `url` can be made on the condition that the object's etag is one given
+        (S3's ``If-Match``): the store then refuses a read of changed content itself, in the same request."""
+        return "s3" in _protocols(self.fs(url)[0])
+
+    def read_range(self, url: str, start: int, end: int, etag: str | None = None) -> bytes:
         """Bytes [`start`, `end`) of `url`, in one ranged read; a read cut short is a transient error, tried
-        again. No checksum: a store's etag covers a whole object, never a range.
+        again. No checksum: a store's etag covers a whole object, never a range. With `etag` (where
+        :meth:`conditional`), the read is made on the condition that the object's etag is `etag`.
 
         Raises:
+            ContentChanged: the store refused the condition (the object's etag is not `etag`).
             OSError: the read failed, the last try's error once the tries are spent.
         """
         fs, path = self.fs(url)
 
         def call() -> bytes:
+            if etag is not None:
+                return self._read_if(fs, path, url, start, end, etag)
             data = bytes(fs.cat_file(path, start=start, end=end))
             if len(data) != end - start:
                 raise OSError(errno.EIO, f"read {len(data)} bytes of [{start}, {end}) of {url}, expected {end - start}")
             return data
 
         return self.retry.run(f"read bytes [{start}, {end}) of {url}", call)
+
+    @staticmethod
+    def _read_if(fs: Any, path: str, url: str, start: int, end: int, etag: str) -> bytes:
+        """One ranged GET of an S3 object on the condition ``If-Match: etag``."""
+        bucket, key, _ = fs.split_path(path)
+
+        async def get() -> bytes:
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                     IfMatch=f'"{etag}"')
+            try:
+                return bytes(await resp["Body"].read())
+            finally:
+                resp["Body"].close()
+
+        try:
+            data: bytes = fsspec.asyn.sync(fs.loop, get)
+        except OSError as e:
+            if e.errno == errno.EINVAL and "pre-condition" in str(e):  # s3fs's translation of 412
+                raise ContentChanged(f"{url} is no longer the content of etag {etag!r} (the store refused a read "
+                                     f"on that condition)") from e
+            raise
+        if len(data) != end - start:
+            raise OSError(errno.EIO, f"read {len(data)} bytes of [{start}, {end}) of {url}, expected {end - start}")
+        return data
 
     def expand(self, source: str) -> tuple[list[tuple[str, Stat]], bool]:
         """The files `source` names, each with its :class:`Stat`, in sorted order: a glob's matches, a

@@ -113,12 +113,31 @@ def test_a_live_fetch_holds_its_room(tmp_path: pathlib.Path) -> None:
     """The bytes a live fetch announces count against the bound: room is made around them."""
     cache = ShardCache(tmp_path / "c", max_bytes=1000)
     cache.ensure("old", 400, lambda dest: pathlib.Path(dest).write_bytes(b"o" * 400))
-    live = pathlib.Path(cache.root) / "busy.500.1.abcd.part"
-    live.write_bytes(b"")
     fd = hold(os.path.join(cache.root, "busy.lock"))
+    live = pathlib.Path(ShardCache(cache.root, max_bytes=1000)._reserve("busy", 500))  # as another process's fetch
     try:
         cache.ensure("new", 400, lambda dest: pathlib.Path(dest).write_bytes(b"n" * 400))
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
     assert live.exists() and not os.path.exists(cache.path("old")) and cache.held_bytes() == 400
+
+
+def test_a_fetch_with_room_does_not_look_at_the_folder(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache's count of its bytes lets a fetch with room reserve it at once; a count too high (left by a
+    process killed mid-change) costs a look at the folder, which sets it right, never the bound."""
+    cache = ShardCache(tmp_path / "c", max_bytes=1000)
+    looks: list[int] = []
+    in_flight = cache._in_flight  # asked once a look at the folder
+    monkeypatch.setattr(cache, "_in_flight", lambda key: (looks.append(1), in_flight(key))[1])
+    cache.ensure("a", 300, lambda dest: pathlib.Path(dest).write_bytes(b"a" * 300))  # no count yet: a look
+    cache.ensure("b", 300, lambda dest: pathlib.Path(dest).write_bytes(b"b" * 300))
+    assert len(looks) == 1 and cache.held_bytes() == 600
+    (pathlib.Path(cache.root) / ".cache.bytes").write_text("900")  # too high: room for b's 300 is not seen
+    cache.ensure("c", 300, lambda dest: pathlib.Path(dest).write_bytes(b"c" * 300))
+    assert len(looks) == 2 and cache.held_bytes() == 900  # looked, found room, evicted nothing
+    cache.ensure("d", 300, lambda dest: pathlib.Path(dest).write_bytes(b"d" * 300))
+    assert len(looks) == 3 and cache.held_bytes() == 900  # the bound: one evicted
+    cache.discard("d")
+    cache.ensure("e", 300, lambda dest: pathlib.Path(dest).write_bytes(b"e" * 300))
+    assert len(looks) == 3 and cache.held_bytes() == 900  # d's bytes taken off the count: room at once

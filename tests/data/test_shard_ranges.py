@@ -16,7 +16,7 @@ from _s3 import S3Server, serve_s3
 from _shard_files import write_parquet
 
 from croupier.client import DistributedBatchSampler
-from croupier.data import Manifest, Retry, ShardedDataset, ShardError
+from croupier.data import Manifest, Retry, ShardChanged, ShardedDataset, ShardError
 from croupier.data._parquet import FOOTER_GUESS
 from croupier.server import Server
 
@@ -169,4 +169,25 @@ def test_the_sampler_hands_its_next_lease_to_read_ahead(s3: S3Server, server: Se
     assert [ds[i]["id"] for i in batch] == batch
     assert s3.get_bytes() == before  # every row of the next batch was in the cache before it was asked for
     sampler.close()
+    ds.close()
+
+
+def test_reads_are_conditional_on_the_etag(s3: S3Server, tmp_path: pathlib.Path) -> None:
+    """A store that takes a condition (S3's If-Match) is asked the reads alone: a footer and a row group cost one
+    request each, no stat before them (what a resumed rank's first batch waits on); a row group of a shard that
+    changed after its footer was read is refused by the store, and the shard named."""
+    files = write_parquet(tmp_path / "d", [40, 40], row_group=10)
+    urls = s3.put(files, "conditional")
+    m = Manifest.build(urls, storage_options=s3.options)
+    ds = ShardedDataset(m, storage_options=s3.options, cache_dir=tmp_path / "node", retry=FAST, verify=False)
+    stats: list[str] = []
+    real = ds._storage.stat
+    ds._storage.stat = lambda url, fresh=True: (stats.append(url), real(url, fresh))[1]  # type: ignore[method-assign]
+    gets = [s3.gets(u) for u in urls]
+    assert [r["id"] for r in ds.__getitems__([3, 45, 47])] == [3, 45, 47]
+    assert stats == [] and [s3.gets(u) - g for u, g in zip(urls, gets)] == [2, 2]  # a footer and a group each
+    pq.write_table(pa.table({"id": list(range(40, 80)), "text": ["other"] * 40}), files[1], row_group_size=10)
+    s3.put([files[1]], "conditional")  # shard 1 changes under the running job
+    with pytest.raises(ShardChanged, match=f"shard {urls[1]} changed since the manifest recorded it"):
+        ds[75]  # another of its row groups
     ds.close()

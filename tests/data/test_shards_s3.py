@@ -68,7 +68,8 @@ def test_the_cache_holds_its_bound_in_bytes(s3: S3Server, tmp_path: pathlib.Path
         assert ds.cache.held_bytes() <= bound
     assert ds.cache.fetches == 6
     ds.close()
-    # Least recently used out first: shard 4 read again (no fetch), then shard 0 (fetched) evicts shard 5.
+    # Every shard read whole (done, to the plan): the least recently used of them out first: shard 4 read again
+    # (no fetch), then shard 0 (fetched) evicts shard 5.
     assert ds[4 * 50]["id"] == 200 and ds.cache.fetches == 6
     assert ds[0]["id"] == 0 and ds.cache.fetches == 7
     ds.close()
