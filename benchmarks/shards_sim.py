@@ -7,10 +7,12 @@ For one dataset in shards (S shards of equal size), every order is asked for the
   position in the epoch, globally and within each shard (row against position), (c) with shards
   that each hold one class (consecutive shards share a class), distinct classes per global batch
   and per rank batch;
-* shard fetches, counted by a least-recently-used cache per node (in shards; a bounded one and an
-  unbounded one), over a steady epoch, resizes (a shrink, a shrink and a grow back) and a rollback
-  (resume from an older checkpoint once the job went further). Nodes keep their cache and their
-  number across a resize; departed nodes' caches are gone, new nodes start empty.
+* shard fetches, counted by a cache per node (in shards; a bounded one that evicts first the shards
+  whose every row the node read, as croupier's reader does, the same bounded one with plain
+  least-recently-used eviction, and an unbounded one), over a steady epoch, resizes (a shrink, a
+  shrink and a grow back) and a rollback (resume from an older checkpoint once the job went
+  further). Nodes keep their cache and their number across a resize; departed nodes' caches are
+  gone, new nodes start empty.
 
 The orders: croupier's shard order (``Spec.with_shards``) at several ``shard_window`` x ``lanes``
 settings, croupier's global permutation (``feistel``, the quality ceiling), MosaicML streaming's
@@ -19,8 +21,8 @@ their own (``--peer-env``, made on first use), and an HF-style shuffle buffer ov
 shuffled shard order. The scale part repeats the fetch count at 1e9 samples in
 1e5 shards on 64 nodes, and MosaicML at the largest N its O(N) arrays allow beside the same shards.
 
-The LRU cache is exact, per access, in a small C routine compiled at run time (``cc``) and called
-through ctypes; without a compiler, a pure-Python LRU (the same rule) is used, and the scale part
+The caches are exact, per access, in small C routines compiled at run time (``cc``) and called
+through ctypes; without a compiler, pure-Python caches (the same rules) are used, and the scale part
 is left out. Both are checked against each other on random sequences at every run.
 """
 
@@ -85,7 +87,8 @@ class Config:
     seed: int = 0
     epoch: int = 0
     classes: int = 1000
-    caches: tuple[int, ...] = (512, UNBOUNDED)
+    #: -512: 512 shards, done shards first (croupier's reader); 512: the same, least recently used; 0: unbounded
+    caches: tuple[int, ...] = (-512, 512, UNBOUNDED)
     windows: tuple[tuple[int, int], ...] = ()
     scenarios: tuple[Scenario, ...] = ()
     hf_buffer: int = 10_000
@@ -121,7 +124,7 @@ def _resize_scenarios(base: int, shrinks: tuple[int, ...], back: int) -> tuple[S
 
 def main_config(quick: bool) -> Config:
     if quick:
-        return Config(shards=64, shard_size=50, nodes=2, ranks_per_node=2, batch=4, classes=8, caches=(8, UNBOUNDED),
+        return Config(shards=64, shard_size=50, nodes=2, ranks_per_node=2, batch=4, classes=8, caches=(-8, 8, UNBOUNDED),
                       windows=((2, 2), (4, 2), (8, 4)), scenarios=_resize_scenarios(2, (1,), 1), hf_buffer=100,
                       chunk_steps=64)
     return Config(shards=10_000, shard_size=1_000, nodes=8, ranks_per_node=8, batch=32, classes=1000,
@@ -135,7 +138,7 @@ def scale_configs(quick: bool, scale_n: int, mosaic_n: int, algos: tuple[str, ..
     if quick:
         scen = (Scenario("steady epoch"), Scenario("4 -> 3 -> 4 nodes (40%, 70%)", 0.4, 0.4, ((3, 0.7), (4, 1.0))),
                 Scenario("rollback: at 50%, resume from the 30% checkpoint", 0.5, 0.3, ((4, 1.0),)))
-        big = Config(shards=256, shard_size=100, nodes=4, ranks_per_node=2, batch=4, caches=(16, UNBOUNDED),
+        big = Config(shards=256, shard_size=100, nodes=4, ranks_per_node=2, batch=4, caches=(-16, 16, UNBOUNDED),
                      windows=((4, 2),), scenarios=scen, quality=False, chunk_steps=256)
         return big, replace(big, shard_size=50, mosaic_algos=algos, mosaic_ncn=4)
     shards = 100_000
@@ -196,6 +199,51 @@ int64_t lru_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap,
     return misses;
 }
 
+/* The same cache with croupier's reader's rule (croupier.data, eviction "plan"): a shard whose every row
+   this node read since its processes started (reads[x] == size: the plan needs it no more this epoch) is
+   evicted first, the least recently used one otherwise. `reads` counts every sample read per shard;
+   `done` is a stack of shards that became done (dhdr[0] entries; stale ones, evicted already, are skipped). */
+int64_t done_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap, int32_t *prv,
+                    int32_t *nxt, uint8_t *present, int64_t *hdr, int32_t *reads, int32_t *done, int64_t *dhdr) {
+    int64_t misses = 0, count = hdr[2], nd = dhdr[0];
+    int32_t head = (int32_t)hdr[0], tail = (int32_t)hdr[1];
+    for (int64_t i = 0; i < n; i++) {
+        if (samples[i] < 0) continue;
+        int32_t x = (int32_t)(samples[i] / size);
+        if (x != head) {
+            if (present[x]) {
+                int32_t p = prv[x], q = nxt[x];
+                nxt[p] = q;
+                if (q >= 0) prv[q] = p; else tail = p;
+            } else {
+                misses++;
+                if (count == cap) {
+                    int32_t v = -1;
+                    while (nd > 0) {
+                        int32_t d = done[--nd];
+                        if (present[d] && reads[d] >= size && d != head) { v = d; break; }
+                    }
+                    if (v < 0) v = tail;
+                    int32_t p = prv[v], q = nxt[v];
+                    if (p >= 0) nxt[p] = q; else head = q;
+                    if (q >= 0) prv[q] = p; else tail = p;
+                    present[v] = 0;
+                    count--;
+                }
+                present[x] = 1;
+                count++;
+            }
+            prv[x] = -1;
+            nxt[x] = head;
+            if (head >= 0) prv[head] = x; else tail = x;
+            head = x;
+        }
+        if (++reads[x] == size) done[nd++] = x;
+    }
+    hdr[0] = head; hdr[1] = tail; hdr[2] = count; dhdr[0] = nd;
+    return misses;
+}
+
 /* counts[x] += 1 for every x >= 0 of samples. */
 void count_add(const int64_t *samples, int64_t n, uint16_t *counts) {
     for (int64_t i = 0; i < n; i++) if (samples[i] >= 0) counts[samples[i]]++;
@@ -224,19 +272,28 @@ def _compile_lru(build: Path) -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dll.lru_access.argtypes = [p, i64, i64, i64, p, p, p, p]
     dll.lru_access.restype = i64
+    dll.done_access.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p]
+    dll.done_access.restype = i64
     dll.count_add.argtypes = [p, i64, p]
     dll.count_add.restype = None
     return dll
 
 
 class NodeCache:
-    """One node's cache: an LRU of `capacity` shards (UNBOUNDED: every shard it read stays)."""
+    """One node's cache: an LRU of `capacity` shards (UNBOUNDED: every shard it read stays); a negative
+    capacity -c: c shards, evicting first the shards whose every row the node read since its processes
+    started (croupier's reader, ``eviction="plan"``), the least recently used otherwise."""
 
     lib: ctypes.CDLL | None = None
 
     def __init__(self, shards: int, capacity: int, shard_size: int) -> None:
-        self.capacity, self.shard_size = capacity, shard_size
+        self.done_first = capacity < 0
+        self.capacity, self.shard_size = abs(capacity), shard_size
         self.fetches = 0
+        if self.done_first:
+            self.reads = np.zeros(shards, dtype=np.int32)
+            self.done = np.zeros(shards, dtype=np.int32)
+            self.dhdr = np.zeros(1, dtype=np.int64)
         if self.lib is not None:
             self.prv = np.full(shards, -1, dtype=np.int32)
             self.nxt = np.full(shards, -1, dtype=np.int32)
@@ -248,6 +305,9 @@ class NodeCache:
     def copy(self) -> NodeCache:
         other = NodeCache.__new__(NodeCache)
         other.capacity, other.fetches, other.shard_size = self.capacity, self.fetches, self.shard_size
+        other.done_first = self.done_first
+        if self.done_first:
+            other.reads, other.done, other.dhdr = self.reads.copy(), self.done.copy(), self.dhdr.copy()
         if self.lib is not None:
             other.prv, other.nxt = self.prv.copy(), self.nxt.copy()
             other.present, other.hdr = self.present.copy(), self.hdr.copy()
@@ -255,16 +315,63 @@ class NodeCache:
             other.od = OrderedDict(self.od)
         return other
 
+    def restart(self) -> None:
+        """The node's processes start again (a resize, a resume): what they read before is forgotten (the
+        reader's board starts at zero), the shards on disk stay."""
+        if self.done_first:
+            self.reads[:] = 0
+            self.dhdr[0] = 0
+
     def access(self, samples: np.ndarray) -> int:
         """Reads the shards of `samples` in order (entries < 0 skipped); returns and counts the fetches."""
         samples = np.ascontiguousarray(samples, dtype=np.int64).reshape(-1)
-        if self.lib is not None:
+        if self.lib is not None and self.done_first:
+            a = [x.ctypes.data for x in (samples, self.prv, self.nxt, self.present, self.hdr, self.reads, self.done,
+                                         self.dhdr)]
+            misses = int(self.lib.done_access(a[0], samples.size, self.shard_size, self.capacity, *a[1:]))
+        elif self.lib is not None:
             a = [x.ctypes.data for x in (samples, self.prv, self.nxt, self.present, self.hdr)]
             misses = int(self.lib.lru_access(a[0], samples.size, self.shard_size, self.capacity, a[1], a[2], a[3], a[4]))
+        elif self.done_first:
+            misses = _done_python(self, np.where(samples >= 0, samples // self.shard_size, -1))
         else:
             misses = _lru_python(self.od, np.where(samples >= 0, samples // self.shard_size, -1), self.capacity)
         self.fetches += misses
         return misses
+
+
+def _done_python(c: NodeCache, seq: np.ndarray) -> int:
+    """The done-first rule of ``done_access``, in Python (the same choices: the last shard that became done
+    goes first; the most recent shard is never evicted)."""
+    misses, od, size = 0, c.od, c.shard_size
+    nd = int(c.dhdr[0])
+    for x in seq.tolist():
+        if x < 0:
+            continue
+        head = next(reversed(od)) if od else -1
+        if x != head:
+            if x in od:
+                od.move_to_end(x)
+            else:
+                misses += 1
+                if len(od) == c.capacity:
+                    v = -1
+                    while nd > 0:
+                        nd -= 1
+                        d = int(c.done[nd])
+                        if d in od and c.reads[d] >= size and d != head:
+                            v = d
+                            break
+                    if v < 0:
+                        v = next(iter(od))
+                    del od[v]
+                od[x] = None
+        c.reads[x] += 1
+        if c.reads[x] == size:
+            c.done[nd] = x
+            nd += 1
+    c.dhdr[0] = nd
+    return misses
 
 
 def _lru_python(od: OrderedDict[int, None], seq: np.ndarray, cap: int) -> int:
@@ -295,6 +402,20 @@ def _check_lru() -> None:
             c += cache.access(samples)
         if py != c:
             raise AssertionError(f"compiled LRU disagrees with the Python one at capacity {cap}: {c} != {py}")
+    if NodeCache.lib is None:
+        return
+    for cap in (1, 3, 17):
+        compiled = NodeCache(128, -cap, 3)
+        NodeCache.lib, lib = None, NodeCache.lib
+        try:
+            python = NodeCache(128, -cap, 3)
+            seqs = [rng.permutation(np.repeat(np.arange(3 * 40 * (1 + part)), 1)) for part in range(3)]
+            py = sum(python.access(x) for x in seqs)
+        finally:
+            NodeCache.lib = lib
+        c = sum(compiled.access(x) for x in seqs)
+        if py != c:
+            raise AssertionError(f"compiled done-first cache disagrees with the Python one at capacity {cap}: {c} != {py}")
 
 
 # --------------------------------------------------------------------------- orders: legs of an epoch
@@ -474,6 +595,8 @@ def _run_leg(cfg: Config, leg: Leg, caches: Caches, steps: int, counts: np.ndarr
     """Runs `steps` steps of `leg` through the caches of the nodes `mine` picks, node by node (the caches are per node)."""
     caches.resize(leg.nodes)
     for g in filter(mine, range(leg.nodes)):
+        for c in caches.node(g):
+            c.restart()
         for first in range(0, steps, cfg.chunk_steps):
             samples = leg.node_samples(g, first, min(cfg.chunk_steps, steps - first))
             caches.read(g, samples)
@@ -872,7 +995,7 @@ def quality_table(cfg: Config, runs: list[OrderRun], ref: OrderRun | None) -> li
 
 
 def _cap(c: int) -> str:
-    return "unbounded cache" if c == UNBOUNDED else f"cache {c}"
+    return "unbounded cache" if c == UNBOUNDED else f"cache {-c}, done first" if c < 0 else f"cache {c}"
 
 
 def fetch_table(cfg: Config, runs: list[OrderRun], scenario: str, ref: OrderRun | None) -> list[str]:
@@ -1196,8 +1319,14 @@ def report(cfg: Config, runs: list[OrderRun], ref: OrderRun | None, scale: list[
         f"stored order). (c) {cfg.classes:,} classes, shard s holding class s x {cfg.classes:,} / S only (consecutive "
         "shards share a class, the worst case for reading in storage order): distinct classes per global batch and "
         "per rank batch.",
-        f"- Fetches: every node has its own LRU cache counted in shards, read in the order its ranks consume their "
-        f"samples (step by step, rank by rank within a step, a batch's samples in order): {lru_method}. A miss is a "
+        f"- Fetches: every node has its own cache counted in shards, read in the order its ranks consume their "
+        f"samples (step by step, rank by rank within a step, a batch's samples in order): {lru_method}. Two rules "
+        "at the bounded size: \"done first\" is croupier's reader (`croupier.data`, `eviction=\"plan\"`): a shard "
+        "whose every row the node read since its processes last started is evicted first (the plan needs it no "
+        "more this epoch), the least recently used otherwise; its count of rows read starts again at every resize "
+        "and resume (the processes restart), so a shard half read before a resize is never \"done\" after it. The "
+        "other is plain LRU (MosaicML's cache evicts the least recently used shards). Every order is shown under "
+        "both. A miss is a "
         "fetch; fetches / S is the shards fetched per epoch over the dataset's shards (all shards are the same size, "
         "so it is also the bytes fetched over the dataset's bytes). Node skew: the most fetches of one node over the "
         "mean per node (nodes that ever took part).",

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.exhaustive  # a benchmark's quick run: in make test, not in make check
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "shards_sim.py"
 
 
