@@ -73,20 +73,41 @@ _M1_INT, _M2_INT = int(_M1), int(_M2)
 SMALL = 16
 
 
+@functools.lru_cache(maxsize=64)
+def _schedule(bits: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Each round's (low width, high width, low mask, high mask) on [0, 2**bits), as :func:`_encrypt` walks them."""
+    out = []
+    lo_bits = bits // 2
+    for _ in range(ROUNDS):
+        hi_bits = bits - lo_bits
+        out.append((lo_bits, hi_bits, (1 << lo_bits) - 1, (1 << hi_bits) - 1))
+        lo_bits = hi_bits
+    return tuple(out)
+
+
+def rounds(n: int, keys: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int, int], int], ...]:
+    """What :func:`walk_one` takes for the domain [0, n): each round's widths, masks and key."""
+    return tuple(zip(_schedule(_domain_bits(n)), keys))
+
+
 def _permute_one(x: int, n: int, bits: int, keys: tuple[int, ...]) -> int:
-    """The same bijection as :func:`permute`, on one Python int (for tiny inputs)."""
+    """The same bijection as :func:`permute`, on one Python int (for tiny inputs): passes of the network
+    from `x` until one lands in [0, n) (so `x` may also be a value part way through the walk)."""
+    return walk_one(x, n, tuple(zip(_schedule(bits), keys)))
+
+
+def walk_one(x: int, n: int, steps: tuple[tuple[tuple[int, int, int, int], int], ...],
+             mix: tuple[int, int] | None = None) -> int:
+    """:func:`_permute_one` with its rounds made (`steps`, from :func:`rounds`): a caller that keeps them per
+    key saves their making. `mix`: the mixing constants (the scalar rounds' own when None)."""
+    m1, m2 = (_M1_INT, _M2_INT) if mix is None else mix
     while True:
-        lo_bits = bits // 2
-        for k in keys:
-            hi_bits = bits - lo_bits
-            lo = x & ((1 << lo_bits) - 1)
-            hi = x >> lo_bits
+        for (lo_bits, hi_bits, lo_mask, hi_mask), k in steps:
+            lo = x & lo_mask
             z = lo ^ k
-            z = ((z ^ (z >> 30)) * _M1_INT) & _MASK64
-            z = ((z ^ (z >> 27)) * _M2_INT) & _MASK64
-            z ^= z >> 31
-            x = (lo << hi_bits) | (hi ^ (z & ((1 << hi_bits) - 1)))
-            lo_bits = hi_bits
+            z = ((z ^ (z >> 30)) * m1) & _MASK64
+            z = ((z ^ (z >> 27)) * m2) & _MASK64
+            x = (lo << hi_bits) | ((x >> lo_bits) ^ ((z ^ (z >> 31)) & hi_mask))
         if x < n:
             return x
 
@@ -115,18 +136,30 @@ def permute(positions: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
             small = [_permute_one(int(p), n, bits, tuple(int(k) for k in keys[:, i])) for i, p in enumerate(flat)]
         return np.array(small, dtype=np.int64).reshape(np.shape(positions))
     x = np.asarray(positions).astype(np.uint64, copy=True)
-    return _walk(_encrypt, x, n, bits, keys)
+    return _walk(_encrypt, x, n, bits, keys, one=True)
 
 
-def _walk(step: Any, x: np.ndarray, n: int, bits: int, keys: np.ndarray) -> np.ndarray:
+def _walk(step: Any, x: np.ndarray, n: int, bits: int, keys: np.ndarray, one: bool = False) -> np.ndarray:
     """`step` (one pass of the network, or of its inverse) applied to `x`, then again to every element
     outside [0, n) until none is: the cycle-walk from a value in [0, n) always returns to [0, n), so
-    this is still a bijection on it. Returns int64."""
+    this is still a bijection on it. `one`: the last few elements of a forward walk are finished by
+    :func:`walk_one` (a pass of numpy calls costs as much on 2 elements as on 64).
+    Returns int64.
+
+    NOTE: the walk's last steps in plain Python take the vectorised rounds' constants (``_M1``,
+    ``_M2``), so that they are one network with its first passes whatever those constants are.
+    """
     un = np.uint64(n)
     x = step(x, bits, keys)
     out = x >= un
     while out.any():
         idx = np.flatnonzero(out)
+        if one and idx.size <= SMALL:
+            own = keys[:, idx].T.tolist() if keys.ndim == 2 else [keys.tolist()] * idx.size  # each one's round keys
+            sched, mix = _schedule(bits), (int(_M1), int(_M2))
+            for i, k, v in zip(idx.tolist(), own, x[idx].tolist()):
+                x[i] = walk_one(v, n, tuple(zip(sched, k)), mix)
+            break
         sub_keys = keys if keys.ndim == 1 else keys[:, idx]
         x[idx] = step(x[idx], bits, sub_keys)
         out[idx] = x[idx] >= un

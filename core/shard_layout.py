@@ -18,6 +18,7 @@ what keeps the cursor topology-free.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -46,9 +47,13 @@ class _Group:
     # round-robin phases: phase p covers rounds x_(p) .. x_(p+1) - 1 with the slots longer than x_(p)
     phase_x: np.ndarray  # (K,) sorted slot lengths, from 0: x_(0) = 0, x_(1), ...
     phase_c: np.ndarray  # (K,) group positions before phase p
-    phase_active: tuple[np.ndarray, ...]  # slot ids (ascending) taking part in phase p
     phase_n: np.ndarray  # (K,) how many take part in phase p
-    phase_table: np.ndarray  # (K, K) phase_active laid out as rows (padded)
+    phase_table: np.ndarray  # (K, K) row p: the slot ids (ascending) taking part in phase p, then 0s
+
+    def active(self, p: int) -> np.ndarray:
+        """The slot ids (ascending) taking part in phase `p`."""
+        row: np.ndarray = self.phase_table[p, :int(self.phase_n[p])]
+        return row
 
     # ---------------------------------------------------------------- u (group stream) <-> virtual
 
@@ -69,7 +74,7 @@ class _Group:
         u = np.empty(t.shape, dtype=np.int64)
         for q in np.unique(p).tolist():
             sel = p == q
-            act = self.phase_active[q]
+            act = self.active(q)
             u[sel] = self.phase_c[q] + (t[sel] - self.phase_x[q]) * act.size + np.searchsorted(act, slot[sel])
         return u
 
@@ -97,29 +102,28 @@ class _Group:
         out: np.ndarray = np.minimum(self.slot_len, t0)
         # the slots before `slot` in round t0 have read their position t0 too
         p = int(np.searchsorted(self.phase_c, u_end, side="right") - 1)
-        act = self.phase_active[p]
+        act = self.active(p)
         before = act[act < int(slot[0])]
         out[before] += 1
         return out
 
 
-def _phases(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
-    """Round-robin phases over slots of lengths `x`: each round every slot with positions left reads one."""
+def _phases(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Round-robin phases over slots of lengths `x`: each round every slot with positions left reads one.
+
+    Returns each phase's rounds before it (K,), positions before it (K,), slots taking part (K,) and
+    those slots (K, K): row p the ids (ascending) of the slots longer than phase p's rounds, then 0s.
+    """
     k = x.size
     srt = np.sort(x)
     px = np.concatenate([[0], srt[:-1]]).astype(np.int64)  # (K,) x_(p): rounds before phase p
     below = np.concatenate([[0], np.cumsum(srt)[:-1]]).astype(np.int64)  # sum of the p shortest
     pc = below + (k - np.arange(k, dtype=np.int64)) * px
-    active = tuple(np.flatnonzero(x > px[p]).astype(np.int64) for p in range(k))
-    return px, pc, active
-
-
-def _table(rows: tuple[np.ndarray, ...], k: int) -> np.ndarray:
-    """Rows of up to `k` ints as one (len(rows), k) array (padded with 0)."""
-    out = np.zeros((len(rows), k), dtype=np.int64)
-    for i, row in enumerate(rows):
-        out[i, :row.size] = row
-    return out
+    taking = x[None, :] > px[:, None]  # (K, K) slot s takes part in phase p
+    n = taking.sum(axis=1).astype(np.int64)  # (K,)
+    ids = np.argsort(~taking, axis=1, kind="stable")  # (K, K) the slots taking part first, each row ascending
+    table = np.where(np.arange(k)[None, :] < n[:, None], ids, 0).astype(np.int64)
+    return px, pc, n, table
 
 
 def _pieces(cum: np.ndarray, left: int, t: int) -> list[tuple[int, int]]:
@@ -198,36 +202,29 @@ def _group(pieces: list[tuple[int, int]], ranks: int, first_rank: int, size: int
            lanes: int) -> _Group:
     """A group's half-lanes and slots from its pieces (cut until there are `half` of them); `pads`: its
     padding's first virtual position and count."""
-    pieces = _cut(pieces, half)
-    head, direction, length = [], [], []
-    for a, b in pieces:
-        m = a + (b - a + 1) // 2
-        if m > a:  # upward from a
-            head.append(a)
-            direction.append(1)
-            length.append(m - a)
-        if b > m:  # downward from b - 1
-            head.append(b - 1)
-            direction.append(-1)
-            length.append(b - m)
-    k = max(1, min(lanes, len(head)))
-    slots: list[list[int]] = [[] for _ in range(k)]
-    for h in range(len(head)):
-        slots[h % k].append(h)
-    order = [h for s in slots for h in s]  # half-lanes slot-major
-    hl_len = np.array([length[h] for h in order], dtype=np.int64)
-    slot_len = np.array([sum(length[h] for h in s) for s in slots], dtype=np.int64)
-    px, pc, act = _phases(slot_len)
+    cut = np.array(_cut(pieces, half), dtype=np.int64).reshape(-1, 2)  # (pieces, 2)
+    a, b = cut[:, 0], cut[:, 1]
+    m = a + (b - a + 1) // 2
+    # each piece's two half-lanes, upward from a then downward from b - 1; the empty ones dropped
+    head = np.stack([a, b - 1], axis=1).reshape(-1)  # (2 * pieces,)
+    direction = np.tile(np.array([1, -1], dtype=np.int64), a.size)
+    length = np.stack([m - a, b - m], axis=1).reshape(-1)
+    keep = length > 0
+    head, direction, length = head[keep], direction[keep], length[keep]
+    k = max(1, min(lanes, length.size))
+    slot = np.arange(length.size, dtype=np.int64) % k  # half-lane h goes to slot h % k
+    order = np.argsort(slot, kind="stable")  # half-lanes slot-major
+    hl_len = length[order]
+    slot_len = np.zeros(k, dtype=np.int64)  # (K,)
+    np.add.at(slot_len, slot, length)
+    px, pc, n, table = _phases(slot_len)
     return _Group(
         ranks=ranks, first_rank=first_rank, size=size, real=size - pads[1], pad_start=pads[0],
-        hl_head=np.array([head[h] for h in order], dtype=np.int64),
-        hl_dir=np.array([direction[h] for h in order], dtype=np.int64),
-        hl_len=hl_len,
+        hl_head=head[order], hl_dir=direction[order], hl_len=hl_len,
         hl_flat=np.concatenate([[0], np.cumsum(hl_len)]).astype(np.int64),
         slot_len=slot_len,
         slot_base=np.concatenate([[0], np.cumsum(slot_len)]).astype(np.int64),
-        phase_x=px, phase_c=pc, phase_active=act, phase_n=np.array([a.size for a in act], dtype=np.int64),
-        phase_table=_table(act, slot_len.size),
+        phase_x=px, phase_c=pc, phase_n=n, phase_table=table,
     )
 
 
@@ -240,16 +237,50 @@ class ShardLayout:
         * :meth:`virtual` is a bijection from {(rank, m): m < n_r[rank]} onto [0, T).
         * :meth:`owner` is its inverse.
         * :meth:`virtual_left` is exactly the positions of [0, R) that no rank consumed.
+
+    NOTE: a group's half-lanes and slots are made when one of its ranks is first asked about (a rank
+    leasing its batches makes its own group only); :meth:`owner` and :meth:`virtual_left` make them all.
     """
 
     world: int
     group_size: int  # L
-    groups: tuple[_Group, ...]
-    hl_lo: np.ndarray  # (all half-lanes,) lowest virtual position, sorted
-    hl_ref: np.ndarray  # (all half-lanes, 2) (group, half-lane) of each, in hl_lo's order
+    lanes: int
+    shares: tuple[list[tuple[int, int]], ...]  # each group's pieces of the virtual positions
+    need: tuple[int, ...]  # each group's positions (padding included)
+    pads: tuple[tuple[int, int], ...]  # each group's padding: its first virtual position and count
+    _made: dict[int, _Group] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def group(self, g: int) -> _Group:
+        """Reader group `g`'s half-lanes and slots (made once)."""
+        got = self._made.get(g)
+        if got is None:
+            ranks = min(self.group_size, self.world - g * self.group_size)
+            got = _group(self.shares[g], ranks, g * self.group_size, self.need[g], self.pads[g], -(-self.lanes // 2),
+                         self.lanes)
+            self._made[g] = got
+        return got
+
+    @functools.cached_property
+    def groups(self) -> tuple[_Group, ...]:
+        """Every reader group's half-lanes and slots."""
+        return tuple(self.group(g) for g in range(len(self.shares)))
+
+    @functools.cached_property
+    def _half_lanes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every half-lane's lowest virtual position, sorted (all half-lanes,), and its (group, half-lane)
+        (all half-lanes, 2) in that order."""
+        groups = self.groups
+        count = np.array([grp.hl_len.size for grp in groups], dtype=np.int64)  # (groups,)
+        head = np.concatenate([grp.hl_head for grp in groups])  # (all half-lanes,)
+        length = np.concatenate([grp.hl_len for grp in groups])
+        lo = np.where(np.concatenate([grp.hl_dir for grp in groups]) > 0, head, head - length + 1)
+        gid = np.repeat(np.arange(count.size, dtype=np.int64), count)
+        hid = np.arange(gid.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        order = np.argsort(lo, kind="stable")
+        return lo[order], np.stack([gid, hid], axis=1)[order]
 
     def _group_of(self, rank: int) -> _Group:
-        return self.groups[rank // self.group_size]
+        return self.group(rank // self.group_size)
 
     def virtual(self, rank: int, local: np.ndarray) -> np.ndarray:
         """Virtual positions of `rank`'s local positions."""
@@ -264,7 +295,7 @@ class ShardLayout:
         gid = ranks // self.group_size
         for q in np.unique(gid).tolist():
             sel = gid == q
-            g = self.groups[q]
+            g = self.group(q)
             out[sel] = g.virtual((ranks[sel] - g.first_rank) + g.ranks * local[sel])
         return out
 
@@ -274,8 +305,9 @@ class ShardLayout:
             if g.pad_start <= v < g.pad_start + g.size - g.real:  # padding: the last of the group's stream
                 u = g.real + v - g.pad_start
                 return g.first_rank + u % g.ranks, u // g.ranks
-        i = int(np.searchsorted(self.hl_lo, v, side="right")) - 1
-        gi, h = (int(x) for x in self.hl_ref[i])
+        hl_lo, hl_ref = self._half_lanes
+        i = int(np.searchsorted(hl_lo, v, side="right")) - 1
+        gi, h = (int(x) for x in hl_ref[i])
         g = self.groups[gi]
         off = (v - int(g.hl_head[h])) * int(g.hl_dir[h])
         flat = int(g.hl_flat[h]) + off
@@ -329,12 +361,13 @@ def shard_layout(spec: Spec, world: int, left: int, t: int, n_r: np.ndarray, cum
     """The layout of a generation of `world` ranks dealing a cursor whose intervals lie end to end at
     `cum` (R = `left` positions, T = `t` virtual ones, `n_r` each rank's count).
 
-    Cost: O(world + intervals of the cursor + lanes) to make; nothing is O(n).
+    Cost: O(world + intervals of the cursor) to make, and O(lanes) a reader group when first asked about;
+    nothing is O(n).
     """
     size = spec.reader_group
     groups_n = -(-world // size)
     half = -(-spec.lanes // 2)
-    need = [int(n_r[g * size:(g + 1) * size].sum()) for g in range(groups_n)]
+    need: list[int] = np.add.reduceat(n_r, np.arange(0, world, size)).tolist()  # (groups,) positions each
     # NOTE: the padding (T > R: fewer than `world` positions) is read last, as the stripes read it: one
     # at the end of a rank's share, from the last group back.
     pads = [0] * groups_n
@@ -344,20 +377,5 @@ def shard_layout(spec: Spec, world: int, left: int, t: int, n_r: np.ndarray, cum
         extra -= pads[g]
     pad_at = np.concatenate([[0], np.cumsum(pads)]).astype(np.int64) + min(left, t)
     shares = _balance(_pieces(cum, left, t), [need[g] - pads[g] for g in range(groups_n)], half)
-    groups = []
-    for g in range(groups_n):
-        ranks = min(size, world - g * size)
-        groups.append(_group(shares[g], ranks, g * size, need[g], (int(pad_at[g]), pads[g]), half, spec.lanes))
-    lo, ref = [], []
-    for gi, grp in enumerate(groups):
-        for h in range(grp.hl_len.size):
-            n = int(grp.hl_len[h])
-            head = int(grp.hl_head[h])
-            lo.append(head if grp.hl_dir[h] > 0 else head - n + 1)
-            ref.append((gi, h))
-    order = np.argsort(np.array(lo, dtype=np.int64), kind="stable")
-    return ShardLayout(
-        world=world, group_size=size, groups=tuple(groups),
-        hl_lo=np.array(lo, dtype=np.int64)[order] if lo else np.zeros(0, dtype=np.int64),
-        hl_ref=np.array(ref, dtype=np.int64).reshape(-1, 2)[order],
-    )
+    return ShardLayout(world=world, group_size=size, lanes=spec.lanes, shares=tuple(shares), need=tuple(need),
+                       pads=tuple((int(pad_at[g]), pads[g]) for g in range(groups_n)))

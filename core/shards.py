@@ -8,8 +8,10 @@ The order (:func:`order_positions`, the ``shards`` permutation)
     Epoch ``e``'s shards are put in a keyed order (a Feistel bijection of [0, S)), cut into
     **windows** of ``spec.shard_window`` consecutive shards, and the samples of each window are
     permuted by a keyed Feistel bijection of the window's samples. Position ``p`` of the epoch is
-    found in O(log S) (two binary searches over the epoch's table) with O(S) memory: 16 bytes a
-    shard (each slot's first index and the running sample count), no O(N) array anywhere.
+    found in O(log S) (two binary searches over the epoch's table) with O(S) memory: each slot's
+    first index and the running sample count, 8 bytes a shard below 2**32 samples (uint32), 16
+    above; no O(N) array anywhere. One position takes a plain-Python path (:meth:`ShardOrder.index`),
+    many a vectorised one; both are the same bijection.
 
 How a generation deals the positions of this order is a way of dealing of its own:
 :mod:`croupier.core.shard_layout` (static dealing: each reader group its own pieces, read by
@@ -20,8 +22,10 @@ budgets over this order's positions; docs/orders.md states what that costs in lo
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+from typing import Any
 
 import numpy as np
 
@@ -45,11 +49,17 @@ def shard_sizes(spec: Spec) -> np.ndarray:
     return np.frombuffer(spec.shards, dtype="<i8")
 
 
+def _dtype(total: int) -> np.dtype[Any]:
+    """The narrowest of uint32 and int64 holding [0, `total`]: a shard's table costs half below 2**32 samples."""
+    return np.dtype(np.uint32 if total < 2**32 else np.int64)
+
+
 @functools.lru_cache(maxsize=128)  # one a dataset, or a sharded source of a mixture
 def _offsets(sizes: bytes) -> np.ndarray:
-    """Each shard's first index; (S + 1,) with the total last."""
-    out = np.zeros(len(sizes) // 8 + 1, dtype=np.int64)
-    np.cumsum(np.frombuffer(sizes, dtype="<i8"), out=out[1:])
+    """Each shard's first index; (S + 1,) with the total last, in :func:`_dtype` of the total."""
+    counts = np.frombuffer(sizes, dtype="<i8")
+    out = np.zeros(counts.size + 1, dtype=_dtype(int(counts.sum())))
+    np.cumsum(counts, out=out[1:], dtype=out.dtype)
     out.flags.writeable = False
     return out
 
@@ -58,8 +68,8 @@ def shard_of(spec: Spec, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(shard, row) of dataset indices."""
     idx = np.asarray(indices, dtype=np.int64)
     off = _offsets(spec.shards or b"")
-    shard = np.searchsorted(off, idx, side="right") - 1
-    return shard, idx - off[shard]
+    shard = np.searchsorted(off, idx.astype(off.dtype), side="right") - 1  # the table's dtype: no O(S) cast
+    return shard, idx - off[shard].astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,26 +86,40 @@ class ShardOrder:
         """The indices (numbered within this dataset) of positions of `epoch`'s order.
 
         A position's window is found by binary search, its place in the window by the window's keyed
-        Feistel bijection, and its slot (a shard in the epoch's order) by a second binary search.
+        Feistel bijection, and its slot (a shard in the epoch's order) by a second binary search. One
+        position takes :meth:`index` (plain Python: numpy's per-call cost is most of the work).
         """
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size == 0:
             return np.zeros(pos.shape, dtype=np.int64)
-        first, cum = _epoch_table(self, epoch)
-        w, s = self.window, first.size
-        win = np.searchsorted(cum[::w], pos, side="right") - 1  # (len,) each position's window
-        lo = cum[win * w]
-        size = cum[np.minimum(win * w + w, s)] - lo  # (len,) samples of each position's window
-        out = np.empty(pos.shape, dtype=np.int64)
+        if pos.size == 1:
+            return np.full(pos.shape, self.index(epoch, int(pos.flat[0])), dtype=np.int64)
+        table = _epoch_table(self, epoch)
+        flat = pos.reshape(-1)
+        win = np.searchsorted(table.wins, flat, side="right") - 1  # (len,) each position's window
+        lo = table.wins[win]
+        size = table.wins[win + 1] - lo  # (len,) samples of each position's window
         # NOTE: windows of one size share a Feistel domain: one pass with a key per element covers them
         # all (a batch touches about one window per reading head).
+        q = np.empty(flat.shape, dtype=np.int64)  # (len,) each position's place in the epoch after its window's shuffle
         one_size = size.min() == size.max()
-        for n in ([int(size.flat[0])] if one_size else np.unique(size).tolist()):
+        for n in ([int(size[0])] if one_size else np.unique(size).tolist()):
             sel = slice(None) if one_size else size == n
-            q = lo[sel] + _feistel.permute(pos[sel] - lo[sel], int(n), self._keys(epoch, win[sel]))
-            slot = np.searchsorted(cum, q, side="right") - 1
-            out[sel] = first[slot] + (q - cum[slot])
-        return out
+            q[sel] = lo[sel] + _feistel.permute(flat[sel] - lo[sel], int(n), self._keys(epoch, win[sel]))
+        slot = np.searchsorted(table.cum, q.astype(table.cum.dtype), side="right") - 1  # (len,) each one's slot
+        out: np.ndarray = (table.first[slot] + (q - table.cum[slot])).astype(np.int64, copy=False)
+        return out.reshape(pos.shape)
+
+    def index(self, epoch: int, position: int) -> int:
+        """:meth:`indices` of one position, in plain Python: the same bijection (O(log S), no numpy call)."""
+        table = _epoch_table(self, epoch)
+        wins, cum = table.wins_at, table.cum_at
+        win = bisect.bisect_right(wins, position) - 1
+        lo = wins[win]
+        n = wins[win + 1] - lo
+        q = lo if n == 1 else lo + _feistel.walk_one(position - lo, n, _window_rounds(self.seed, epoch, win, n))
+        slot = bisect.bisect_right(cum, q) - 1
+        return int(table.first_at[slot] + (q - cum[slot]))
 
     def positions(self, epoch: int, indices: np.ndarray) -> np.ndarray:
         """The inverse of :meth:`indices`: the positions of `epoch`'s order that hold `indices`."""
@@ -104,13 +128,13 @@ class ShardOrder:
             return np.zeros(idx.shape, dtype=np.int64)
         off = _offsets(self.sizes)
         s = off.size - 1
-        shard = np.searchsorted(off, idx, side="right") - 1
+        shard = np.searchsorted(off, idx.astype(off.dtype), side="right") - 1
         slot = _feistel.unpermute(shard, s, _feistel.round_keys(self._shard_key(epoch)))  # inverse shard order
-        _, cum = _epoch_table(self, epoch)
+        table = _epoch_table(self, epoch)
         win = slot // self.window
-        lo = cum[win * self.window]
-        size = cum[np.minimum(win * self.window + self.window, s)] - lo
-        q = cum[slot] + (idx - off[shard]) - lo  # the place in the window, after its shuffle
+        lo = table.wins[win]
+        size = table.wins[win + 1] - lo
+        q = table.cum[slot] + (idx - off[shard]) - lo  # the place in the window, after its shuffle
         out = np.empty(idx.shape, dtype=np.int64)
         for n in np.unique(size).tolist():
             sel = size == n
@@ -119,7 +143,7 @@ class ShardOrder:
 
     def window_starts(self, epoch: int) -> np.ndarray:
         """The first position of each of `epoch`'s windows, ascending; (ceil(S / window),)."""
-        starts: np.ndarray = _epoch_table(self, epoch)[1][:-1:self.window]
+        starts: np.ndarray = _epoch_table(self, epoch).wins[:-1]
         return starts
 
     def _shard_key(self, epoch: int) -> int:
@@ -132,21 +156,41 @@ class ShardOrder:
         return keys[:, 0] if uniq.size == 1 and not full else keys[:, inv]
 
 
-# NOTE: one table a dataset and epoch in use: a mixture of sharded sources holds one a source (16 bytes a
-# shard; a single dataset of 1e5 shards: 1.6 MB), and a lease of a mixture touches every source.
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """One epoch of one shard order: its shards in their keyed order (slots) and its windows.
+
+    Held: ``first`` and ``cum`` (a shard each), in the narrowest of uint32 and int64 that holds the
+    dataset's total (8 bytes a shard below 2**32 samples, 16 above), and ``wins`` (int64, a window
+    each). The ``*_at`` views read them as Python ints (for :meth:`ShardOrder.index`), copying nothing.
+    """
+
+    first: np.ndarray  # (S,) the first index of each slot's shard
+    cum: np.ndarray  # (S + 1,) the samples before each slot
+    wins: np.ndarray  # (W + 1,) the samples before each window (cum at every window's first slot), the total last
+    first_at: memoryview
+    cum_at: memoryview
+    wins_at: memoryview
+
+
+# NOTE: one table a dataset and epoch in use: a mixture of sharded sources holds one a source (8 bytes a
+# shard below 2**32 samples; a single dataset of 1e5 shards: 0.8 MB), and a lease of a mixture touches
+# every source.
 @functools.lru_cache(maxsize=128)
-def _epoch_table(order: ShardOrder, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """The epoch's shards in their keyed order: each slot's first index (S,) and the samples before each
-    slot (S + 1,). 16 bytes a shard."""
+def _epoch_table(order: ShardOrder, epoch: int) -> _Table:
+    """The epoch's shards in their keyed order: each slot's first index and the samples before each slot."""
     sizes = np.frombuffer(order.sizes, dtype="<i8")
     s = sizes.size
     perm = _feistel.permute(np.arange(s, dtype=np.int64), s, _feistel.round_keys(order._shard_key(epoch)))  # (S,)
-    first = _offsets(order.sizes)[:-1][perm]  # (S,) the first index of each slot's shard
-    cum = np.zeros(s + 1, dtype=np.int64)
-    np.cumsum(sizes[perm], out=cum[1:])
-    first.flags.writeable = False
-    cum.flags.writeable = False
-    return first, cum
+    off = _offsets(order.sizes)
+    first = off[:-1][perm]  # (S,) the first index of each slot's shard, in the offsets' dtype
+    cum = np.zeros(s + 1, dtype=off.dtype)
+    np.cumsum(sizes[perm], out=cum[1:], dtype=off.dtype)
+    del perm
+    wins = np.append(cum[:-1:order.window], cum[-1]).astype(np.int64)  # (W + 1,)
+    for a in (first, cum, wins):
+        a.flags.writeable = False
+    return _Table(first, cum, wins, first.data, cum.data, wins.data)
 
 
 def order_positions(spec: Spec, epoch: int, positions: np.ndarray) -> np.ndarray:
@@ -160,7 +204,8 @@ def source_orders(spec: Spec) -> tuple[ShardOrder, ...]:
     cut the spec's shards, as ``ConcatDataset`` numbers them) and a seed of its own."""
     assert spec.shards is not None and spec.sources is not None  # checked by Spec
     sizes = shard_sizes(spec)
-    cut = np.searchsorted(_offsets(spec.shards), np.cumsum([0, *spec.sources]))  # (sources + 1,) shard bounds
+    off = _offsets(spec.shards)
+    cut = np.searchsorted(off, np.cumsum([0, *spec.sources]).astype(off.dtype))  # (sources + 1,) shard bounds
     return tuple(ShardOrder(sizes[a:b].astype("<i8").tobytes(), _feistel.derive_key(spec.seed, k, _SOURCE_TAG),
                             spec.shard_window) for k, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist())))
 
@@ -183,3 +228,9 @@ def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=4096)
 def _window_keys(seed: int, epoch: int, window: int) -> np.ndarray:
     return _feistel.round_keys(_feistel.derive_key(seed, epoch, window, _WINDOW_TAG))
+
+
+@functools.lru_cache(maxsize=4096)
+def _window_rounds(seed: int, epoch: int, window: int, n: int) -> tuple[tuple[tuple[int, int, int, int], int], ...]:
+    """The rounds of a window of `n` samples for :func:`croupier.core.feistel.walk_one` (the scalar path's)."""
+    return _feistel.rounds(n, tuple(int(k) for k in _window_keys(seed, epoch, window)))

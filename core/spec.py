@@ -31,7 +31,7 @@ TOKEN_WINDOW = 4096
 _LATER_FIELDS = {"max_tokens": None, "cost": "sum", "token_window": TOKEN_WINDOW, "dealing": "static",
                  "sources": None, "weights": None, "max_epochs": None, "shards": None, "shard_window": 32, "lanes": 16,
                  "reader_group": 1}
-#: Most shards one dataset may have (a shard order's table costs 16 bytes a shard an epoch).
+#: Most shards one dataset may have (a shard order's table costs 8 bytes a shard an epoch below 2**32 samples, 16 above).
 MAX_SHARDS = 2**27
 #: Most sources one mixture may have.
 MAX_SOURCES = 100_000

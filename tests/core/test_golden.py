@@ -14,6 +14,7 @@ from _sim import batches_of
 from croupier.core import ORDER_VERSION, registry
 from croupier.core import feistel as _feistel
 from croupier.core import permute as _permute
+from croupier.core import shards as _shards
 from croupier.core.order import Cursor, order
 from croupier.core.spec import PARTITIONS, PERMUTATIONS, SCOPES, TAILS, Spec
 
@@ -27,6 +28,9 @@ _CACHES: tuple[Callable[[], None], ...] = (
     _permute._window_key.cache_clear,
     _permute._bucket_window.cache_clear,
     _permute._torch_randperm.cache_clear,
+    _shards._epoch_table.cache_clear,  # the shard order's tables and window keys
+    _shards._window_keys.cache_clear,
+    _shards._window_rounds.cache_clear,
     registry.cache_clear,
 )
 
