@@ -24,7 +24,7 @@ test: lint site  ## everything CI runs: lint, types, the docs site, and the whol
 	$(PY) -m pytest -q -n 2 -m "e2e and paired and not slow" --durations=25
 	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25
 
-check: lint site  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machines 12 examples)
+check: lint site  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machine 12 examples of each kind of job, one fixed search)
 	CROUPIER_QUICK=1 CROUPIER_SM_EXAMPLES=12 $(PY) -m pytest -q -x -n 3 -m "not slow and not e2e and not exhaustive"
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)

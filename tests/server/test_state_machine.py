@@ -20,6 +20,7 @@ from typing import Any
 import _machine_world
 import hypothesis.errors
 import pytest
+from _budget import quick
 from _machine_jobs import SETTINGS, Jobs
 from _machine_world import EXAMPLES, KINDS, STEPPED, STEPS, TOTALS
 from _reverse_kind import ReversePlan, reverse_registered
@@ -55,20 +56,32 @@ def _report(title: str) -> None:
 
 #: The default run in parts of its own, each drawing its share of the examples, so that pytest-xdist's workers
 #: share it (one run of them all was the last test to end in make test); a short run (make check's 12) is one part.
-#: CROUPIER_SM_EXAMPLES examples of each kind of job: twice that in all (half of each, drawn).
+#: CROUPIER_SM_EXAMPLES examples of each kind of job: twice that in all.
 PARTS = 3 if EXAMPLES >= 60 else 1
 #: The kinds of job of generations (those of the planted bugs in a sampler, a plan or the ledger of generations).
 GENERATIONS = [k for k in KINDS if k not in STEPPED]
 
 
 @pytest.mark.parametrize("part", range(PARTS))
-def test_exactly_once_under_chaos(part: int) -> None:
+def test_exactly_once_under_chaos(part: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one machine, its share of the examples given to each kind of job in turn.
+
+    NOTE: a draw of the kind (``Jobs.start``) is not even: one part of 67 examples drew 16 jobs of generations,
+    15 of them mixtures, and no restart among them. So each part runs the machine over the kinds of generations,
+    then over the stepped ones, half its examples each (`make slow`'s long run draws them mixed). make check's
+    short run (CROUPIER_QUICK) is one fixed search: the edit loop must not fail by an unlucky draw; make test
+    draws anew every run.
+    """
     TOTALS.clear()
-    share = -(-2 * EXAMPLES // PARTS)
-    run_state_machine_as_test(Jobs, settings=settings(SETTINGS, max_examples=share))
-    _report(f"state machine, part {part + 1} of {PARTS} ({share} examples x up to {STEPS} steps)")
-    if GENERATIONS:
-        assert TOTALS["epochs_audited"] > 0 and TOTALS["restarts"] > 0
+    share = -(-EXAMPLES // PARTS)
+    for kinds in (GENERATIONS, [k for k in KINDS if k in STEPPED]):
+        if kinds:
+            monkeypatch.setattr(_machine_world, "KINDS", kinds)
+            run_state_machine_as_test(Jobs, settings=settings(SETTINGS, max_examples=share, derandomize=quick()))
+    _report(f"state machine, part {part + 1} of {PARTS} ({share} examples of each kind x up to {STEPS} steps)")
+    if GENERATIONS:  # the generations' faults were exercised
+        assert TOTALS["epochs_audited"] > 0
+        assert TOTALS["restarts"] + TOTALS["resizes"] + TOTALS["coordinator_restarts"] > 0, dict(TOTALS)
     if len(GENERATIONS) < len(KINDS):
         assert TOTALS["ft_steps_kept_checked"] > 0 and TOTALS["ft_attempts_all"] > 0
 
