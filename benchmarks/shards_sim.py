@@ -160,57 +160,24 @@ _LRU_C = r"""
    (every shard holds `size` samples; samples < 0 are padding and are skipped).
    hdr = {head (most recent), tail (least recent), count}; -1 is no shard.
    cap <= 0: unbounded (only `present` is kept; head is the last shard seen).
+   With `reads` (not NULL) it is croupier's reader's rule (croupier.data, eviction "plan"): a shard whose
+   every row this node read since its processes started (reads[x] == size: the plan needs it no more this
+   epoch) is evicted first, the least recently used one otherwise; `reads` counts every sample read per
+   shard, `done` is a stack of shards that became done (dhdr[0] entries; stale ones are skipped).
    Returns the misses (fetches). */
 int64_t lru_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap, int32_t *prv,
-                   int32_t *nxt, uint8_t *present, int64_t *hdr) {
-    int64_t misses = 0, count = hdr[2];
-    int32_t head = (int32_t)hdr[0], tail = (int32_t)hdr[1];
-    for (int64_t i = 0; i < n; i++) {
-        if (samples[i] < 0) continue;
-        int32_t x = (int32_t)(samples[i] / size);
-        if (x == head) continue;
-        if (cap <= 0) {
-            if (!present[x]) { present[x] = 1; misses++; count++; }
-            head = x;
-            continue;
-        }
-        if (present[x]) {
-            int32_t p = prv[x], q = nxt[x];
-            nxt[p] = q;
-            if (q >= 0) prv[q] = p; else tail = p;
-        } else {
-            misses++;
-            if (count == cap) {
-                int32_t t = tail;
-                tail = prv[t];
-                if (tail >= 0) nxt[tail] = -1; else head = -1;
-                present[t] = 0;
-                count--;
-            }
-            present[x] = 1;
-            count++;
-        }
-        prv[x] = -1;
-        nxt[x] = head;
-        if (head >= 0) prv[head] = x; else tail = x;
-        head = x;
-    }
-    hdr[0] = head; hdr[1] = tail; hdr[2] = count;
-    return misses;
-}
-
-/* The same cache with croupier's reader's rule (croupier.data, eviction "plan"): a shard whose every row
-   this node read since its processes started (reads[x] == size: the plan needs it no more this epoch) is
-   evicted first, the least recently used one otherwise. `reads` counts every sample read per shard;
-   `done` is a stack of shards that became done (dhdr[0] entries; stale ones, evicted already, are skipped). */
-int64_t done_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap, int32_t *prv,
-                    int32_t *nxt, uint8_t *present, int64_t *hdr, int32_t *reads, int32_t *done, int64_t *dhdr) {
-    int64_t misses = 0, count = hdr[2], nd = dhdr[0];
+                   int32_t *nxt, uint8_t *present, int64_t *hdr, int32_t *reads, int32_t *done, int64_t *dhdr) {
+    int64_t misses = 0, count = hdr[2], nd = reads ? dhdr[0] : 0;
     int32_t head = (int32_t)hdr[0], tail = (int32_t)hdr[1];
     for (int64_t i = 0; i < n; i++) {
         if (samples[i] < 0) continue;
         int32_t x = (int32_t)(samples[i] / size);
         if (x != head) {
+            if (cap <= 0) {
+                if (!present[x]) { present[x] = 1; misses++; count++; }
+                head = x;
+                continue;
+            }
             if (present[x]) {
                 int32_t p = prv[x], q = nxt[x];
                 nxt[p] = q;
@@ -219,7 +186,7 @@ int64_t done_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap
                 misses++;
                 if (count == cap) {
                     int32_t v = -1;
-                    while (nd > 0) {
+                    while (nd > 0) {  /* done first (reads given): the last shard that became done */
                         int32_t d = done[--nd];
                         if (present[d] && reads[d] >= size && d != head) { v = d; break; }
                     }
@@ -238,9 +205,10 @@ int64_t done_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap
             if (head >= 0) prv[head] = x; else tail = x;
             head = x;
         }
-        if (++reads[x] == size) done[nd++] = x;
+        if (reads && ++reads[x] == size) done[nd++] = x;
     }
-    hdr[0] = head; hdr[1] = tail; hdr[2] = count; dhdr[0] = nd;
+    hdr[0] = head; hdr[1] = tail; hdr[2] = count;
+    if (reads) dhdr[0] = nd;
     return misses;
 }
 
@@ -270,10 +238,8 @@ def _compile_lru(build: Path) -> ctypes.CDLL | None:
         tmp.replace(lib)
     dll = ctypes.CDLL(str(lib))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.lru_access.argtypes = [p, i64, i64, i64, p, p, p, p]
+    dll.lru_access.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p]
     dll.lru_access.restype = i64
-    dll.done_access.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p]
-    dll.done_access.restype = i64
     dll.count_add.argtypes = [p, i64, p]
     dll.count_add.restype = None
     return dll
@@ -325,13 +291,11 @@ class NodeCache:
     def access(self, samples: np.ndarray) -> int:
         """Reads the shards of `samples` in order (entries < 0 skipped); returns and counts the fetches."""
         samples = np.ascontiguousarray(samples, dtype=np.int64).reshape(-1)
-        if self.lib is not None and self.done_first:
-            a = [x.ctypes.data for x in (samples, self.prv, self.nxt, self.present, self.hdr, self.reads, self.done,
-                                         self.dhdr)]
-            misses = int(self.lib.done_access(a[0], samples.size, self.shard_size, self.capacity, *a[1:]))
-        elif self.lib is not None:
-            a = [x.ctypes.data for x in (samples, self.prv, self.nxt, self.present, self.hdr)]
-            misses = int(self.lib.lru_access(a[0], samples.size, self.shard_size, self.capacity, a[1], a[2], a[3], a[4]))
+        if self.lib is not None:
+            done = (self.reads, self.done, self.dhdr) if self.done_first else ()
+            a = [x.ctypes.data for x in (samples, self.prv, self.nxt, self.present, self.hdr, *done)]
+            misses = int(self.lib.lru_access(*a[:1], samples.size, self.shard_size, self.capacity, *a[1:],
+                                             *([None] * (3 - len(done)))))
         elif self.done_first:
             misses = _done_python(self, np.where(samples >= 0, samples // self.shard_size, -1))
         else:
@@ -341,7 +305,7 @@ class NodeCache:
 
 
 def _done_python(c: NodeCache, seq: np.ndarray) -> int:
-    """The done-first rule of ``done_access``, in Python (the same choices: the last shard that became done
+    """The done-first rule of ``lru_access`` (given `reads`), in Python (the same choices: the last shard that became done
     goes first; the most recent shard is never evicted)."""
     misses, od, size = 0, c.od, c.shard_size
     nd = int(c.dhdr[0])
@@ -409,7 +373,7 @@ def _check_lru() -> None:
         NodeCache.lib, lib = None, NodeCache.lib
         try:
             python = NodeCache(128, -cap, 3)
-            seqs = [rng.permutation(np.repeat(np.arange(3 * 40 * (1 + part)), 1)) for part in range(3)]
+            seqs = [rng.permutation(3 * 40 * (1 + part)) for part in range(3)]
             py = sum(python.access(x) for x in seqs)
         finally:
             NodeCache.lib = lib
