@@ -3,29 +3,50 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Python writes each module's bytecode when it first imports it (the install compiles nothing ahead:
+# it is the longest part of a fresh install, and most of what the packages hold is never imported);
+# every process after the first then loads it instead of compiling the module again.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test check lint site docs slow chaos soak soak-replicas bench bench-scale fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-compile -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
-# NOTE: the in-process tests run in three workers on the two cores (pytest-xdist: they wait on
-# fsyncs, PostgreSQL and timeouts for a third of their time, and three finish sooner than two or
-# four here); the end-to-end runs, which start processes of their own, run two at a time (each takes
-# the next when it is done; three at a time took longer), but for those that assert a stall, a
-# latency or a duration (SERIAL in tests/conftest.py), which run alone.
-test: lint site  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
-	$(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10
-	$(PY) -m pytest -q -n 2 -m "e2e and paired and not slow" --durations=25
-	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25
+# NOTE: make test runs in two parts. First the end-to-end runs that assert a stall, a latency or a
+# duration, and Ray's (SERIAL in tests/conftest.py), one at a time at the normal priority; beside
+# them, at a lower one (nice 10: they take about a tenth of a core that the runs alone want, and the
+# rest of what those runs leave idle, which is most of the time, since they mostly wait), lint,
+# types, the docs site, then the in-process tests in three pytest-xdist workers (they wait on fsyncs,
+# PostgreSQL and timeouts for a third of their time); their output is in out/test-beside.log, printed
+# when both are done. Then the other end-to-end runs, which start processes of their own, two at a
+# time (each takes the next when it is done; three at a time took longer; the tests of a file that
+# resume one shared run go to one worker: ONE_WORKER in tests/conftest.py).
+test: $(STAMP)  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
+	@mkdir -p out
+	@( nice -n 10 $(MAKE) --no-print-directory lint site \
+	   && nice -n 10 $(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10 ) >out/test-beside.log 2>&1 & \
+	beside=$$!; \
+	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25; alone=$$?; \
+	wait $$beside; rc=$$?; \
+	echo "== lint, types, the docs site and the in-process tests (beside the runs above, at nice 10):"; \
+	cat out/test-beside.log; \
+	[ $$alone -eq 0 ] && [ $$rc -eq 0 ]
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "e2e and paired and not slow" --durations=25
 
-check: lint site  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machine 12 examples of each kind of job, one fixed search)
-	CROUPIER_QUICK=1 CROUPIER_SM_EXAMPLES=12 $(PY) -m pytest -q -x -n 3 -m "not slow and not e2e and not exhaustive"
+# NOTE: make check runs lint, types and the docs site beside its tests (out/check-lint.log, printed after them).
+check: $(STAMP)  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machine 12 examples of each kind of job, one fixed search)
+	@mkdir -p out
+	@$(MAKE) --no-print-directory lint site >out/check-lint.log 2>&1 & lint=$$!; \
+	CROUPIER_QUICK=1 CROUPIER_SM_EXAMPLES=12 $(PY) -m pytest -q -x -n 3 -m "not slow and not e2e and not exhaustive"; \
+	tests=$$?; wait $$lint; rc=$$?; \
+	echo "== lint, types and the docs site (beside the tests above):"; cat out/check-lint.log; \
+	[ $$tests -eq 0 ] && [ $$rc -eq 0 ]
 
 lint: $(STAMP)  ## ruff and mypy (strict on core, server, client)
 	$(VENV)/bin/ruff check .

@@ -13,8 +13,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "packing_bench.py"
 
 # NOTE: end to end: its throughput part runs a DataLoader with 4 worker processes (make test, not make check).
 @pytest.mark.e2e
+@pytest.mark.slow  # make slow; the packing stage's resumes are tests/e2e/test_packing_e2e.py and test_packing_peers_e2e.py
 def test_packing_bench_quick_prints_its_tables() -> None:
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick"], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     rows = [line.split("|") for line in lines if line.startswith("| 1.0 |")]

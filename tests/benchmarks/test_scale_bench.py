@@ -61,6 +61,7 @@ def test_the_storm_table_says_missed_beside_each_figure_over_its_target() -> Non
 
 
 @pytest.mark.e2e  # processes: two coordinators (this tree's, the old commit's), the ceiling's server, drivers
+@pytest.mark.slow  # make slow; tests/e2e/test_scale.py runs the storm on this tree in the suite
 def test_the_storm_runs_quick_on_both_servings(tmp_path: Path) -> None:
     ref = _threaded_ref()
     out = tmp_path / "scale.md"
@@ -77,6 +78,7 @@ def test_the_storm_runs_quick_on_both_servings(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e  # processes: two coordinators, drivers of 200 waiting ranks
+@pytest.mark.slow  # make slow
 def test_the_waiting_joins_run_quick_on_both_servings(tmp_path: Path) -> None:
     ref = _threaded_ref()
     out = tmp_path / "waiting.md"

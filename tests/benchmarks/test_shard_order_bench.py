@@ -17,7 +17,7 @@ BOUNDS = {"<= 50 ms": 50.0, "<= 16 B": 16.0, "<= 5 us": 5.0, "<= 50 us": 50.0}
 
 def test_shard_order_bench_quick_writes_every_target(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=180, check=False)
+                          text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "shard_order.md").read_text()
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| ")]

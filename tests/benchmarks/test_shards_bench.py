@@ -14,6 +14,7 @@ pytestmark = pytest.mark.e2e  # torchrun ranks with DataLoader workers
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "shards_bench.py"
 
 
+@pytest.mark.slow  # make slow: 20 s of torchrun ranks; tests/e2e/test_shard_reads.py runs the same reads in the suite
 def test_shards_bench_quick_writes_its_table(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=180, check=False)

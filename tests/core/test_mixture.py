@@ -157,6 +157,7 @@ def test_a_batch_is_each_source_epoch_permutation_element_by_element() -> None:
 
 
 @pytest.mark.e2e  # the benchmark program, in fresh processes
+@pytest.mark.slow  # make slow
 def test_the_benchmark_runs_quick(tmp_path: object) -> None:
     import subprocess
     import sys

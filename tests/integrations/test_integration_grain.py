@@ -111,7 +111,7 @@ def preempted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # the same world: in make slow
 def test_resume_on_any_process_count_exactly_once(preempted: pathlib.Path, tmp_path: pathlib.Path, nproc: int) -> None:
     out = tmp_path / "run"
     shutil.copytree(preempted, out)

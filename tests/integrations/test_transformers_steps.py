@@ -9,11 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import TrainingArguments
 
 from croupier.client._rpc import CoordinatorClient
 from croupier.core.schedule import Schedule
-from croupier.integrations.transformers import STATE_FILE, CroupierTrainer
 from croupier.server._service import Server
 
 N, BATCH, ACCUMULATION, STEPS = 40, 4, 3, 4  # 10 batches an epoch: 4 steps, the last one of one batch
@@ -41,6 +39,12 @@ class Model(nn.Module):
 
 
 def test_the_trainers_steps_are_the_ledgers(server: Server, client: CoordinatorClient, tmp_path: pathlib.Path) -> None:
+    # NOTE: imported here, not at the top: transformers takes seconds to import, and every pytest-xdist
+    # worker imports every test module to collect it, where only the one that runs this test needs it.
+    from transformers import TrainingArguments
+
+    from croupier.integrations.transformers import STATE_FILE, CroupierTrainer
+
     model = Model()
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=STEPS,
                              gradient_accumulation_steps=ACCUMULATION, save_strategy="steps", save_steps=2,
