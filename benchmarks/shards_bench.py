@@ -140,7 +140,7 @@ def _litdata_rows(path: str) -> Any:
 
 
 def _bytes_of(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.name.startswith("_config"))
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.name.startswith("_"))
 
 
 def _drop_page_cache(folder: Path) -> None:
@@ -220,7 +220,7 @@ class S3Server:
 
     def put(self, folder: Path, prefix: str) -> None:
         for f in sorted(folder.rglob("*")):
-            if f.is_file() and not f.name.startswith("_config"):
+            if f.is_file() and not f.name.startswith("_"):  # not the stamp, nor a manifest kept for the local files
                 self.client.upload_file(str(f), BUCKET, f"{prefix}/{f.relative_to(folder).as_posix()}")
 
     def counts(self) -> dict[str, int]:
@@ -345,15 +345,15 @@ def _make_loader(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, Any]:
         from torch.utils.data import DataLoader
 
         from croupier.client import DistributedBatchSampler, Loader
-        from croupier.data import Manifest, ShardedDataset
+        from croupier.data import ShardedDataset
 
         opts = ({"key": "testing", "secret": "testing",
                  "client_kwargs": {"endpoint_url": cfg["endpoint"], "region_name": "us-east-1"}}
                 if storage == "s3" else None)
-        # a resumed job opens its dataset from the manifest kept beside its checkpoint (docs/data.md): no listing
-        # of the bucket and no footer read before the first batch asks for its shards
-        saved = state_dir / "manifest.json"
-        ds = ShardedDataset(Manifest.load(saved) if resume else src, storage_options=opts, cache_dir=cache)
+        # every run opens the dataset from its folder, as a user would: the first run on the data builds its manifest
+        # and keeps it beside the data (docs/data.md), every later one (a resumed job's fresh nodes among them)
+        # finds it there in one read after one listing, and reads no footer
+        ds = ShardedDataset(src, storage_options=opts, cache_dir=cache)
         batches = DistributedBatchSampler(ds, b, shard_sizes=ds.shard_sizes, reader_group=cfg["reader_group"], seed=0)
         batches.read_ahead = ds.read_ahead  # the sampler's next leases fetched while the current one trains
         loader = Loader(DataLoader(ds, batch_sampler=batches, num_workers=workers, collate_fn=_collate))
@@ -364,7 +364,6 @@ def _make_loader(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, Any]:
             state = loader.state_dict(step=step)
             if rank == 0:
                 (state_dir / "state.json").write_text(json.dumps(state))
-                ds.manifest.save(saved)
 
         class _Closing:
             def __iter__(self) -> Any:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import heapq
 import json
 import math
 import os
@@ -51,6 +52,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 MOSAIC_PACKAGE = "mosaicml-streaming==0.13.0"
 MOSAIC_ALGOS = ("py1e", "py1br", "py1s", "py2s")
+#: What --orders picks from: croupier's global permutation, its shard order, MosaicML's, the HF-style buffer.
+ORDER_FAMILIES = ("global", "croupier", "mosaic", "hf")
 UNBOUNDED = 0  # a cache capacity of 0 stands for an unbounded cache
 
 
@@ -98,6 +101,7 @@ class Config:
     coverage: bool = True
     global_perm: bool = True
     chunk_steps: int = 2048
+    belady: bool = False  # also the steady epoch's fetches under Belady's rule (croupier's shard orders)
     jobs: int = 1  # processes the nodes are split over
 
     @property
@@ -160,13 +164,14 @@ _LRU_C = r"""
    (every shard holds `size` samples; samples < 0 are padding and are skipped).
    hdr = {head (most recent), tail (least recent), count}; -1 is no shard.
    cap <= 0: unbounded (only `present` is kept; head is the last shard seen).
-   With `reads` (not NULL) it is croupier's reader's rule (croupier.data, eviction "plan"): a shard whose
-   every row this node read since its processes started (reads[x] == size: the plan needs it no more this
-   epoch) is evicted first, the least recently used one otherwise; `reads` counts every sample read per
-   shard, `done` is a stack of shards that became done (dhdr[0] entries; stale ones are skipped).
+   With `reads` (not NULL) it is croupier's reader's rule (croupier.data, eviction "plan"): the shards whose
+   every row of the epoch was read (reads[x] >= size: the plan needs them no more this epoch) are evicted
+   first, the least recently used of them first, then the least recently used of the others; the shard
+   read last is never evicted. `reads` counts every sample read per shard (from the board's seed at the
+   last resume); dhdr[0] is how many shards held are done (none: no walk for one).
    Returns the misses (fetches). */
 int64_t lru_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap, int32_t *prv,
-                   int32_t *nxt, uint8_t *present, int64_t *hdr, int32_t *reads, int32_t *done, int64_t *dhdr) {
+                   int32_t *nxt, uint8_t *present, int64_t *hdr, int32_t *reads, int64_t *dhdr) {
     int64_t misses = 0, count = hdr[2], nd = reads ? dhdr[0] : 0;
     int32_t head = (int32_t)hdr[0], tail = (int32_t)hdr[1];
     for (int64_t i = 0; i < n; i++) {
@@ -186,11 +191,12 @@ int64_t lru_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap,
                 misses++;
                 if (count == cap) {
                     int32_t v = -1;
-                    while (nd > 0) {  /* done first (reads given): the last shard that became done */
-                        int32_t d = done[--nd];
-                        if (present[d] && reads[d] >= size && d != head) { v = d; break; }
+                    if (nd > 0) {  /* done first (reads given): the least recently used done shard */
+                        v = tail;
+                        while (v >= 0 && (reads[v] < size || v == head)) v = prv[v];
                     }
                     if (v < 0) v = tail;
+                    if (reads && reads[v] >= size) nd--;
                     int32_t p = prv[v], q = nxt[v];
                     if (p >= 0) nxt[p] = q; else head = q;
                     if (q >= 0) prv[q] = p; else tail = p;
@@ -199,13 +205,14 @@ int64_t lru_access(const int64_t *samples, int64_t n, int64_t size, int64_t cap,
                 }
                 present[x] = 1;
                 count++;
+                if (reads && reads[x] >= size) nd++;  /* a shard done before it came back (a seed's) */
             }
             prv[x] = -1;
             nxt[x] = head;
             if (head >= 0) prv[head] = x; else tail = x;
             head = x;
         }
-        if (reads && ++reads[x] == size) done[nd++] = x;
+        if (reads && ++reads[x] == size) nd++;
     }
     hdr[0] = head; hdr[1] = tail; hdr[2] = count;
     if (reads) dhdr[0] = nd;
@@ -238,7 +245,7 @@ def _compile_lru(build: Path) -> ctypes.CDLL | None:
         tmp.replace(lib)
     dll = ctypes.CDLL(str(lib))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    dll.lru_access.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p]
+    dll.lru_access.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
     dll.lru_access.restype = i64
     dll.count_add.argtypes = [p, i64, p]
     dll.count_add.restype = None
@@ -258,8 +265,7 @@ class NodeCache:
         self.fetches = 0
         if self.done_first:
             self.reads = np.zeros(shards, dtype=np.int32)
-            self.done = np.zeros(shards, dtype=np.int32)
-            self.dhdr = np.zeros(1, dtype=np.int64)
+            self.dhdr = np.zeros(1, dtype=np.int64)  # the done shards held
         if self.lib is not None:
             self.prv = np.full(shards, -1, dtype=np.int32)
             self.nxt = np.full(shards, -1, dtype=np.int32)
@@ -273,7 +279,7 @@ class NodeCache:
         other.capacity, other.fetches, other.shard_size = self.capacity, self.fetches, self.shard_size
         other.done_first = self.done_first
         if self.done_first:
-            other.reads, other.done, other.dhdr = self.reads.copy(), self.done.copy(), self.dhdr.copy()
+            other.reads, other.dhdr = self.reads.copy(), self.dhdr.copy()
         if self.lib is not None:
             other.prv, other.nxt = self.prv.copy(), self.nxt.copy()
             other.present, other.hdr = self.present.copy(), self.hdr.copy()
@@ -281,21 +287,23 @@ class NodeCache:
             other.od = OrderedDict(self.od)
         return other
 
-    def restart(self) -> None:
-        """The node's processes start again (a resize, a resume): what they read before is forgotten (the
-        reader's board starts at zero), the shards on disk stay."""
+    def restart(self, read: np.ndarray | None) -> None:
+        """The node's processes start again (a resize, a resume), the shards on disk stay. The reader's board
+        starts from `read`, each shard's rows the epoch consumed before the resume point (``ShardedDataset.resume``
+        seeds it so for a shard order), or from zero (None: an order whose board is not seeded)."""
         if self.done_first:
-            self.reads[:] = 0
-            self.dhdr[0] = 0
+            self.reads[:] = 0 if read is None else read
+            held = self.present.astype(bool) if self.lib is not None else np.isin(np.arange(self.reads.size), list(self.od))
+            self.dhdr[0] = np.count_nonzero(held & (self.reads >= self.shard_size))  # evicted first from now on
 
     def access(self, samples: np.ndarray) -> int:
         """Reads the shards of `samples` in order (entries < 0 skipped); returns and counts the fetches."""
         samples = np.ascontiguousarray(samples, dtype=np.int64).reshape(-1)
         if self.lib is not None:
-            done = (self.reads, self.done, self.dhdr) if self.done_first else ()
+            done = (self.reads, self.dhdr) if self.done_first else ()
             a = [x.ctypes.data for x in (samples, self.prv, self.nxt, self.present, self.hdr, *done)]
             misses = int(self.lib.lru_access(*a[:1], samples.size, self.shard_size, self.capacity, *a[1:],
-                                             *([None] * (3 - len(done)))))
+                                             *([None] * (2 - len(done)))))
         elif self.done_first:
             misses = _done_python(self, np.where(samples >= 0, samples // self.shard_size, -1))
         else:
@@ -305,10 +313,9 @@ class NodeCache:
 
 
 def _done_python(c: NodeCache, seq: np.ndarray) -> int:
-    """The done-first rule of ``lru_access`` (given `reads`), in Python (the same choices: the last shard that became done
-    goes first; the most recent shard is never evicted)."""
+    """The done-first rule of ``lru_access`` (given `reads`), in Python (the same choices: the least recently used done
+    shard goes first, else the least recently used; the most recent shard is never evicted)."""
     misses, od, size = 0, c.od, c.shard_size
-    nd = int(c.dhdr[0])
     for x in seq.tolist():
         if x < 0:
             continue
@@ -319,22 +326,10 @@ def _done_python(c: NodeCache, seq: np.ndarray) -> int:
             else:
                 misses += 1
                 if len(od) == c.capacity:
-                    v = -1
-                    while nd > 0:
-                        nd -= 1
-                        d = int(c.done[nd])
-                        if d in od and c.reads[d] >= size and d != head:
-                            v = d
-                            break
-                    if v < 0:
-                        v = next(iter(od))
+                    v = next((d for d in od if c.reads[d] >= size and d != head), next(iter(od)))
                     del od[v]
                 od[x] = None
         c.reads[x] += 1
-        if c.reads[x] == size:
-            c.done[nd] = x
-            nd += 1
-    c.dhdr[0] = nd
     return misses
 
 
@@ -371,13 +366,20 @@ def _check_lru() -> None:
     for cap in (1, 3, 17):
         compiled = NodeCache(128, -cap, 3)
         NodeCache.lib, lib = None, NodeCache.lib
+        seqs = [rng.permutation(3 * 40 * (1 + part)) for part in range(3)]
+        seeds = [rng.integers(0, 4, 128) for _ in seqs]  # a resume's seed before each part (rows read, up to 3)
         try:
             python = NodeCache(128, -cap, 3)
-            seqs = [rng.permutation(3 * 40 * (1 + part)) for part in range(3)]
-            py = sum(python.access(x) for x in seqs)
+            py = 0
+            for x, seed in zip(seqs, seeds):
+                python.restart(seed)
+                py += python.access(x)
         finally:
             NodeCache.lib = lib
-        c = sum(compiled.access(x) for x in seqs)
+        c = 0
+        for x, seed in zip(seqs, seeds):
+            compiled.restart(seed)
+            c += compiled.access(x)
         if py != c:
             raise AssertionError(f"compiled done-first cache disagrees with the Python one at capacity {cap}: {c} != {py}")
 
@@ -399,6 +401,12 @@ class Leg:
         """The resume point once every rank took `j` steps of this leg."""
         raise NotImplementedError
 
+    def consumed(self) -> np.ndarray | None:
+        """What the node's reader starts its board from when this leg's processes start: each shard's rows the
+        epoch consumed before the leg (None: the board starts at zero, as for every order but croupier's shard
+        order, whose ``ShardedDataset.resume`` seeds it)."""
+        return None
+
 
 class CroupierLeg(Leg):
     def __init__(self, spec: Any, cursor: Any, nodes: int, rpn: int) -> None:
@@ -407,8 +415,9 @@ class CroupierLeg(Leg):
         self.nodes, self.rpn, self.batch = nodes, rpn, spec.batch_size
         plan = plan_epoch(spec, cursor, nodes * rpn, cursor.epoch)
         assert plan is not None
-        self.plan = plan
+        self.plan, self.spec, self.cursor = plan, spec, cursor
         self.steps = max(plan.steps(r) for r in range(nodes * rpn))
+        self._consumed: np.ndarray | None = None
 
     def node_samples(self, g: int, first: int, count: int) -> np.ndarray:
         out = np.full((count, self.rpn, self.batch), -1, dtype=np.int64)
@@ -426,6 +435,15 @@ class CroupierLeg(Leg):
 
     def resume(self, j: int) -> Any:
         return self.plan.advance(j)
+
+    def consumed(self) -> np.ndarray | None:
+        from croupier.core.shards import consumed_rows
+
+        if self.spec.permutation != "shards":
+            return None  # the reader seeds no board for another order (croupier.data._board.seed_at)
+        if self._consumed is None:  # the same for every node: computed once
+            self._consumed = consumed_rows(self.spec, self.cursor).astype(np.int32)
+        return self._consumed
 
 
 class ArrayLeg(Leg):
@@ -560,7 +578,7 @@ def _run_leg(cfg: Config, leg: Leg, caches: Caches, steps: int, counts: np.ndarr
     caches.resize(leg.nodes)
     for g in filter(mine, range(leg.nodes)):
         for c in caches.node(g):
-            c.restart()
+            c.restart(leg.consumed())
         for first in range(0, steps, cfg.chunk_steps):
             samples = leg.node_samples(g, first, min(cfg.chunk_steps, steps - first))
             caches.read(g, samples)
@@ -719,9 +737,41 @@ def run_croupier(cfg: Config, window: tuple[int, int] | None) -> OrderRun:
     start = fresh(spec, cfg.epoch)
     if cfg.quality:
         run.quality = quality(cfg, _complete_epoch(make(start, cfg.nodes, None), cfg))
+    if cfg.belady and window is not None:
+        run.notes["belady"], run.notes["floor"] = (f"{x:.3f}" for x in belady(cfg, make(start, cfg.nodes, None)))
     simulate(cfg, run, make, start, cfg.jobs)
     run.seconds = time.perf_counter() - t0
     return run
+
+
+def belady(cfg: Config, leg: Leg) -> tuple[float, float]:
+    """The steady epoch's fetches / S at the bounded cache size if each node evicted the shard its plan reads
+    next furthest in the future (Belady's rule, the least possible: the plan knows the node's whole epoch), and
+    the floor no rule beats: the shards each node reads at all, added over the nodes."""
+    cap = abs(cfg.caches[0])
+    fetched = floor = 0
+    for g in range(leg.nodes):
+        x = leg.node_samples(g, 0, leg.steps).reshape(-1)
+        seq = x[x >= 0] // cfg.shard_size
+        seq = seq[np.concatenate([[True], seq[1:] != seq[:-1]])]  # (accesses,) runs of one shard as one
+        n = seq.size
+        order = np.lexsort((np.arange(n), seq))
+        nxt = np.full(n, n, dtype=np.int64)  # (accesses,) the next access of the same shard (n: none)
+        same = seq[order[1:]] == seq[order[:-1]]
+        nxt[order[:-1][same]] = order[1:][same]
+        held: dict[int, int] = {}  # shard -> its next access
+        heap: list[tuple[int, int]] = []  # (-next access, shard), stale entries skipped
+        for shard, nu in zip(seq.tolist(), nxt.tolist()):
+            if shard not in held:
+                fetched += 1
+                while len(held) >= cap:
+                    far, y = heapq.heappop(heap)
+                    if held.get(y) == -far:
+                        del held[y]
+            held[shard] = nu
+            heapq.heappush(heap, (-nu, shard))
+        floor += np.unique(seq).size
+    return fetched / cfg.shards, floor / cfg.shards
 
 
 # --------------------------------------------------------------------------- the HF-style buffer
@@ -1122,6 +1172,10 @@ def targets(cfg: Config, runs: list[OrderRun], ref: OrderRun | None, scale: list
                    f"{worst:.3f} x S (target <= 1.25): **{'met' if ok else 'missed'}**"
                    + ("" if ok else " (" + ", ".join(f"{k}: {v:.3f}" for k, v in resizes.items() if v > 1.25) + ")")
                    + ".")
+        if "belady" in r.notes:
+            out.append(f"  - steady under Belady's rule (each node evicts the shard its plan reads next furthest "
+                       f"ahead): {r.notes['belady']} x S; no rule fetches fewer than the shards each node reads at "
+                       f"all, {r.notes['floor']} x S (windows that two reader groups share are fetched by both).")
     for scfg, sruns in scale:
         for r in sruns:
             if r.family != "croupier":
@@ -1207,6 +1261,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="samples of MosaicML's scale run, same shard count (default 1e8)")
     parser.add_argument("--scale-algos", default="py1e,py1s", help="MosaicML algorithms of the scale run")
     parser.add_argument("--windows", default=None, help="croupier settings, shard_window x lanes: '8x16,32x16'")
+    parser.add_argument("--orders", default=",".join(ORDER_FAMILIES),
+                        help="the orders to run, of " + ",".join(ORDER_FAMILIES) + " (default all; mosaic also needs "
+                             "--mosaic): a rerun of some rows")
+    parser.add_argument("--belady", action="store_true",
+                        help="also count the steady epoch's fetches of croupier's shard orders under Belady's rule")
+    parser.add_argument("--no-main", action="store_true", help="leave out the main run (items 3 and 4's first part)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="processes the fetch simulation splits the nodes over (default 1)")
     parser.add_argument("--peer-request", help=argparse.SUPPRESS)
@@ -1228,18 +1288,29 @@ def main(argv: list[str] | None = None) -> int:
     cfg = main_config(args.quick)
     if args.windows:
         cfg = replace(cfg, windows=tuple(tuple(int(v) for v in w.split("x")) for w in args.windows.split(",")))  # type: ignore[misc]
-    cfg = replace(cfg, jobs=args.jobs)
-    use_mosaic = args.mosaic == "on" or (args.mosaic == "auto" and not args.quick)
+    picked = tuple(o for o in args.orders.split(",") if o)
+    unknown = sorted(set(picked) - set(ORDER_FAMILIES))
+    if unknown:
+        parser.error(f"--orders {args.orders!r}: {unknown} are not orders of {','.join(ORDER_FAMILIES)}")
+
+    def pick(c: Config) -> Config:
+        return replace(c, jobs=args.jobs, global_perm="global" in picked, belady=args.belady,
+                       windows=c.windows if "croupier" in picked else (),
+                       mosaic_algos=c.mosaic_algos if "mosaic" in picked else (),
+                       hf_buffer=c.hf_buffer if "hf" in picked else 0)
+
+    cfg = pick(cfg)
+    use_mosaic = "mosaic" in picked and (args.mosaic == "on" or (args.mosaic == "auto" and not args.quick))
     peer_py = ensure_peer_env(args.peer_env) if use_mosaic else None
     work = Path(tempfile.mkdtemp(prefix="shards_sim_", dir=out))
     try:
-        runs = run_all(cfg, peer_py, work, "main")
+        runs = [] if args.no_main else run_all(cfg, peer_py, work, "main")
         ref = next((r for r in runs if r.family == "global"), None)
         scale: list[tuple[Config, list[OrderRun]]] = []
         if not args.no_scale and (lib is not None or args.quick):
             algos = tuple(a for a in args.scale_algos.split(",") if a)
             big, small = scale_configs(args.quick, int(args.scale_n), int(args.mosaic_scale_n), algos)
-            big, small = replace(big, jobs=args.jobs), replace(small, jobs=args.jobs)
+            big, small = pick(big), pick(small)
             scale.append((big, run_all(big, None, work, "scale")))
             scale.append((small, run_all(small, peer_py, work, "scale, MosaicML's N")))
     finally:
@@ -1286,9 +1357,12 @@ def report(cfg: Config, runs: list[OrderRun], ref: OrderRun | None, scale: list[
         f"- Fetches: every node has its own cache counted in shards, read in the order its ranks consume their "
         f"samples (step by step, rank by rank within a step, a batch's samples in order): {lru_method}. Two rules "
         "at the bounded size: \"done first\" is croupier's reader (`croupier.data`, `eviction=\"plan\"`): a shard "
-        "whose every row the node read since its processes last started is evicted first (the plan needs it no "
-        "more this epoch), the least recently used otherwise; its count of rows read starts again at every resize "
-        "and resume (the processes restart), so a shard half read before a resize is never \"done\" after it. The "
+        "whose every row of the epoch was read is evicted first (the plan needs it no more this epoch), the least "
+        "recently used otherwise. The node counts the rows it reads; at every resize and resume (the processes "
+        "restart) its count starts from the resume point, as `ShardedDataset.resume` seeds the reader's board: "
+        "each shard's rows the epoch consumed before it (`croupier.core.shards.consumed_rows`), so a shard half read "
+        "before a resize is \"done\" once the node reads its last rows after it. Orders other than croupier's shard "
+        "order get no seed (their count starts at zero, as the reader's does). The "
         "other is plain LRU (MosaicML's cache evicts the least recently used shards). Every order is shown under "
         "both. A miss is a "
         "fetch; fetches / S is the shards fetched per epoch over the dataset's shards (all shards are the same size, "

@@ -25,14 +25,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from croupier.core import feistel as _feistel
 from croupier.core.spec import Spec
 
-__all__ = ["ShardOrder", "order_positions", "shard_of", "shard_sizes", "source_orders"]
+if TYPE_CHECKING:
+    from croupier.core.cursor import Cursor
+
+__all__ = ["ShardOrder", "consumed_rows", "order_positions", "shard_of", "shard_sizes", "source_orders"]
 
 #: Tells the shard order's keys apart from every other key croupier derives (the bytes of "croupier/shards").
 _SHARD_TAG = int.from_bytes(b"croupier/shards", "little")
@@ -197,6 +200,67 @@ def order_positions(spec: Spec, epoch: int, positions: np.ndarray) -> np.ndarray
     """Dataset indices of positions of `epoch`'s shard order (the ``shards`` permutation's kernel)."""
     assert spec.shards is not None  # checked by Spec
     return ShardOrder(spec.shards, spec.seed, spec.shard_window).indices(epoch, positions)
+
+
+def consumed_rows(spec: Spec, cursor: Cursor) -> np.ndarray:
+    """The rows of each shard that `cursor`'s epoch consumed: its positions outside ``cursor.remaining``,
+    counted by the shard that holds them; (S,) int64, in the dataset's shard order.
+
+    A window with no position left counts its shards whole and one with every position left counts
+    none; only the windows the cursor cuts have positions mapped, each on its smaller side (its
+    consumed positions, or those left), a window at a time by its own keyed bijection. Cost O(S +
+    half the samples of the windows the cursor cuts, at most): a cursor of a generation cuts about
+    ``lanes`` windows a reader group.
+
+    Raises:
+        ValueError: `spec` has no shard order of its own (no ``shards``, another permutation, or a
+            mixture, whose positions are the mixture's).
+    """
+    if spec.shards is None or spec.permutation != "shards" or spec.sources is not None:
+        raise ValueError(f"consumed_rows needs a spec with a shard order over one dataset (got permutation="
+                         f"{spec.permutation!r}, shards={'set' if spec.shards else None}, sources={spec.sources!r})")
+    order = ShardOrder(spec.shards, spec.seed, spec.shard_window)
+    table = _epoch_table(order, cursor.epoch)
+    off = _offsets(spec.shards)
+    sizes = shard_sizes(spec)
+    rem = np.array(cursor.remaining, dtype=np.int64).reshape(-1, 2)  # (intervals, 2) sorted, disjoint
+    if rem.size == 0:
+        return sizes.astype(np.int64)  # the epoch consumed whole
+    before = np.concatenate([[0], np.cumsum(rem[:, 1] - rem[:, 0])])  # (intervals + 1,) positions left before each
+
+    def left_below(x: np.ndarray) -> np.ndarray:
+        """Positions of `remaining` below each of `x`."""
+        k = np.searchsorted(rem[:, 0], x, side="right") - 1  # (len,) the last interval starting at or below x
+        j = np.maximum(k, 0)
+        got: np.ndarray = np.where(k >= 0, before[j] + np.minimum(x - rem[j, 0], rem[j, 1] - rem[j, 0]), 0)
+        return got
+
+    wins = table.wins  # (W + 1,)
+    left = left_below(wins[1:]) - left_below(wins[:-1])  # (W,) positions left in each window
+    span = wins[1:] - wins[:-1]
+    cut = (left > 0) & (left < span)
+    # NOTE: a window the cursor cuts is walked on its smaller side: its consumed runs, or its runs left
+    # (counted off the window's shards counted whole)
+    by_left = cut & (2 * left < span)  # (W,)
+    slot_shard = np.searchsorted(off, table.first, side="right") - 1  # (S,) the shard in each slot
+    out = np.zeros(sizes.size, dtype=np.int64)
+    whole = np.repeat((left == 0) | by_left, order.window)[:sizes.size]  # (S,) the slots counted whole
+    out[slot_shard[whole]] = sizes[slot_shard[whole]]
+    gaps = np.stack([np.concatenate([[0], rem[:, 1]]), np.concatenate([rem[:, 0], wins[-1:]])], axis=1)
+    for runs_of, windows, sign in ((gaps, cut & ~by_left, 1), (rem, by_left, -1)):
+        for w in np.flatnonzero(windows).tolist():
+            lo, hi = int(wins[w]), int(wins[w + 1])
+            k = int(np.searchsorted(runs_of[:, 1], lo, side="right"))  # the first run ending past lo
+            local = []
+            while k < runs_of.shape[0] and runs_of[k, 0] < hi:
+                local.append(np.arange(max(lo, int(runs_of[k, 0])), min(hi, int(runs_of[k, 1])), dtype=np.int64) - lo)
+                k += 1
+            # the window's places of those positions (its keyed bijection), then their slots among its shards
+            q = lo + _feistel.permute(np.concatenate(local), hi - lo, _window_keys(order.seed, cursor.epoch, w))
+            slots = table.cum[w * order.window:(w + 1) * order.window + 1].astype(np.int64)  # (shards + 1,)
+            counts = np.bincount(np.searchsorted(slots, q, side="right") - 1, minlength=slots.size - 1)
+            out[slot_shard[w * order.window:w * order.window + counts.size]] += sign * counts
+    return out
 
 
 def source_orders(spec: Spec) -> tuple[ShardOrder, ...]:

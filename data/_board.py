@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import numpy as np
 
-#: The board's header: its format, then the clock (indices announced by every process so far).
+from croupier.core.checks import check_int
+from croupier.core.cursor import Cursor
+from croupier.core.shards import consumed_rows
+from croupier.core.spec import Spec
+
+#: The board's header: its format, the clock (indices announced by every process so far), the resume point it was
+#: seeded at (0: none; see DemandBoard.seed), a spare field.
 _HEADER = 4
 _VERSION = 1
+_CLOCK, _SEEDED = 1, 2
 #: Per shard: rows announced and not yet read, the clock when the first of them was announced, rows read
 #: in this pass over the shard, and a spare field.
 _PENDING, _NEED, _READ = 0, 1, 2
@@ -60,7 +68,10 @@ class DemandBoard:
       own, and a lock of the process's threads): the counts are exact however many processes update;
     - the first process to open a board that no live process holds (``KEY.live``, which every process that
       opened the board holds shared until it exits) starts it at zero: a board left by a killed run does
-      not steer the next one.
+      not steer the next one;
+    - a resume point is seeded once (:meth:`seed`): the first process to seed it sets every shard's rows read
+      to what the epoch consumed before it; the node's other processes, seeding the same point, change
+      nothing, so the reads counted since stay.
 
     NOTE: readers of the board (eviction) take no lock: a stale value only makes a worse choice of what to
     evict, never a wrong read. The board counts shards, not row groups: a shard order reads a window's
@@ -133,18 +144,51 @@ class DemandBoard:
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
+    def seed(self, point: int, read: Callable[[], np.ndarray]) -> bool:
+        """Starts the board at the resume point `point` (an int in [1, 2**63) naming it), unless it was seeded there
+        already: each shard's rows read become ``read()`` (the rows of the point's epoch consumed before it, in
+        the dataset's shard order), nothing is announced. ``read`` is called only when the board is seeded, under
+        the board's lock (the node's other processes wait, then find it seeded).
+
+        Returns:
+            Whether this call seeded the board (False: a process had seeded it at `point` before).
+
+        Raises:
+            TypeError: `point` is not an int.
+            ValueError: `point` is out of its range, or ``read()`` is not one count in [0, rows] a shard (the
+                board is left as it was).
+        """
+        point = check_int("resume point", point, 1, 2**63)
+        with self._locked():
+            if int(self._head[_SEEDED]) == point:
+                return False
+            got = np.asarray(read())
+            if got.shape != self._sizes.shape or not np.issubdtype(got.dtype, np.integer):
+                raise ValueError(f"seed: rows read must be {self._sizes.size} ints, one a shard (got dtype={got.dtype}, "
+                                 f"shape={got.shape})")
+            bad = np.flatnonzero((got < 0) | (got > self._sizes))
+            if bad.size:
+                s = int(bad[0])
+                raise ValueError(f"seed: shard {s} holds {int(self._sizes[s])} rows, so its rows read must be in "
+                                 f"[0, {int(self._sizes[s])}] (got {int(got[s])}; {bad.size} shards out of range)")
+            self._shards[:, _PENDING] = 0
+            self._shards[:, _NEED] = 0
+            self._shards[:, _READ] = got
+            self._head[_SEEDED] = point
+            return True
+
     def announce(self, shards: np.ndarray, rows: np.ndarray, at: np.ndarray, total: int) -> None:
         """Records a lease of `total` indices: `rows[i]` of them in shard `shards[i]`, the first at place `at[i]`
         of the lease."""
         with self._locked():
-            clock = int(self._head[1])
+            clock = int(self._head[_CLOCK])
             t = self._shards
             idle = t[shards, _PENDING] == 0  # (len,)
             t[shards[idle], _NEED] = clock + at[idle]
             done = idle & (t[shards, _READ] >= self._sizes[shards])
             t[shards[done], _READ] = 0  # the shard's next pass
             t[shards, _PENDING] += rows
-            self._head[1] = clock + total
+            self._head[_CLOCK] = clock + total
 
     def consumed(self, shards: np.ndarray, rows: np.ndarray) -> None:
         """Records `rows[i]` rows of shard `shards[i]` read (each shard once in `shards`)."""
@@ -161,7 +205,27 @@ class DemandBoard:
 
     def clock(self) -> int:
         """Indices announced by every process so far."""
-        return int(self._head[1])
+        return int(self._head[_CLOCK])
+
+
+def seed_at(board: DemandBoard, spec: Spec, cursor: Cursor) -> bool:
+    """Seeds `board` at the resume point `cursor` of a shard order (:meth:`DemandBoard.seed`): each shard's rows
+    read are those the cursor's epoch consumed (:func:`croupier.core.shards.consumed_rows`: whole windows before
+    the cursor count whole, the windows it cuts are counted position by position).
+
+    NOTE: the rows counted are what the epoch consumed, whoever read them: a shard whose last rows the node reads
+    after the resume is finished then, even if another node (of the generation before) read its first rows. A
+    spec that is not a shard order of one dataset (another permutation; a mixture, whose positions are the
+    mixture's) is not seeded: its board counts reads from zero.
+
+    Returns:
+        Whether this call seeded the board.
+    """
+    if spec.shards is None or spec.permutation != "shards" or spec.sources is not None:
+        return False
+    text = f"{spec.fingerprint}/{cursor.epoch}/{cursor.remaining}".encode()
+    point = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1 or 1  # names the point: [1, 2**63)
+    return board.seed(point, lambda: consumed_rows(spec, cursor))
 
 
 def _close_fds(fds: list[int]) -> None:

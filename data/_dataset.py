@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from croupier.client import FILTERED
+from croupier.core.checkpoint import from_state
 from croupier.core.checks import check_bool, check_choice, check_int
-from croupier.data._board import DemandBoard, Eviction, LeastRecentlyUsed, PlanDriven
+from croupier.core.spec import Spec
+from croupier.data._board import DemandBoard, Eviction, LeastRecentlyUsed, PlanDriven, seed_at
 from croupier.data._cache import ShardCache
 from croupier.data._formats import FORMATS, Reader
 from croupier.data._index import IndexCache
@@ -130,8 +132,8 @@ class ShardedDataset:
             if verify:
                 self._verify()
         else:
-            self.manifest = Manifest.build(shards, format=format, storage_options=storage_options,
-                                           cache_dir=self.cache_dir, retry=retry)
+            self.manifest = Manifest.find_or_build(shards, format=format, storage_options=storage_options,
+                                                   cache_dir=self.cache_dir, retry=retry)
         self._sizes = self.manifest.sizes
         self._offsets = tuple(itertools.accumulate(self._sizes, initial=0))  # (shards + 1,)
         self._local = tuple(self._storage.is_local(s.path) for s in self.manifest.shards)
@@ -289,6 +291,25 @@ class ShardedDataset:
             out += [self._pool().submit(self._fetch, s, rows) for s, rows in self._by_shard(part) if not self._local[s]]
             start, stage = start + stage, 4 * stage
         return out
+
+    def resume(self, spec: Spec, state: Mapping[str, Any]) -> bool:
+        """Seeds the node's demand board at the checkpoint `state` the sampler resumes from (True if this call seeded it):
+        each shard counts as read the rows the epoch consumed before it, so a shard whose last rows are read after the
+        resume is finished (evicted first) as in a run never stopped. Call it in every reading process once the sampler
+        loaded `state`, before the loop (``ds.resume(sampler.spec, state)``): the node's first call seeds, the others
+        change nothing. No board (``eviction="lru"``, all shards local), another order or a mixture, no state: a no-op.
+
+        Raises:
+            TypeError: `spec` is not a :class:`croupier.core.spec.Spec` (``sampler.spec``).
+            ValueError: the spec's shards are not this dataset's, or `state` is not the spec's.
+        """
+        if not isinstance(spec, Spec):
+            raise TypeError(f"resume: spec must be a croupier Spec, the sampler's spec (got {type(spec).__name__})")
+        if spec.shards is not None and spec.shards != np.asarray(self._sizes, dtype="<i8").tobytes():
+            raise ValueError(f"resume: the spec's {len(spec.shards) // 8} shards of {spec.n} samples are not this dataset's "
+                             f"{len(self._sizes)} of {len(self)}: build the sampler with shard_sizes=ds.shard_sizes")
+        cursor = from_state(str(state.get("job")) if isinstance(state, Mapping) else "", spec, state) if state else None
+        return self._board is not None and cursor is not None and seed_at(self._board, spec, cursor)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The samples of a batch (what a DataLoader's worker asks for): what they need that the node's cache

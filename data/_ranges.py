@@ -60,8 +60,8 @@ class Ranges:
         self._pieces: dict[int, Pieces] = {}
 
     def index(self, s: int) -> dict[str, Any]:
-        """The index of shard `s`, naming its pieces: the node's, or read from the shard's metadata (a parquet
-        footer: one ranged read) and kept for the node.
+        """The index of shard `s`, naming its pieces: the manifest's (:meth:`Manifest.index`), the node's, or read
+        from the shard's metadata (a parquet footer: one ranged read) and kept for the node.
 
         Raises:
             ShardChanged: the shard is not what the manifest names.
@@ -70,6 +70,9 @@ class Ranges:
         """
         shard = self._manifest.shards[s]
         fmt = FORMATS[shard.format]
+        carried = self._manifest.index(s)
+        if carried is not None and fmt.pieces(carried) is not None:
+            return carried  # the manifest's, built from the content it names: no footer read
 
         def read() -> dict[str, Any]:
             with self._storage.open(shard.path, block_size=2**16, size=shard.bytes) as f:

@@ -241,6 +241,25 @@ class Storage:
 
         self.retry.run(f"fetch {url}", call)
 
+    def read_all(self, url: str) -> bytes:
+        """The whole of the (small) file `url`, in one read, retried.
+
+        Raises:
+            FileNotFoundError: there is no such file.
+            OSError: the read failed, the last try's error once the tries are spent.
+        """
+        fs, path = self.fs(url)
+        return self.retry.run(f"read {url}", lambda: bytes(fs.cat_file(path)))
+
+    def write_all(self, url: str, data: bytes) -> None:
+        """Writes `data` as the file `url` in one request (an object store's put: whole or not at all), retried.
+
+        Raises:
+            OSError: the store refused the write (PermissionError) or it failed, the last try's error.
+        """
+        fs, path = self.fs(url)
+        self.retry.run(f"write {url}", lambda: fs.pipe_file(path, data))
+
     def conditional(self, url: str) -> bool:
         """Whether :meth:`read_range` of `url` can be made on the condition that the object's etag is one given
         (S3's ``If-Match``): the store then refuses a read of changed content itself, in the same request."""
