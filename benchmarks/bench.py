@@ -468,10 +468,11 @@ async def _drive_forever() -> None:
                     got["indices"] += (g.batches - 1) * 1 + g.last_size if g.batches else 0  # batch_size 1
                     j, epoch = (0, epoch + 1) if g.end_of_epoch else (j + g.batches, epoch)
                 else:
+                    # as croupier's client asks: fixed batches named by their count and sizes, not size by size
                     resp = await stub.Lease(pb.LeaseRequest(job=cmd["job"], generation=cmd["generation"], rank=r, epoch=0,
-                                                            first_batch=j, count=LEASE_INDICES))
+                                                            first_batch=j, count=LEASE_INDICES, fixed_sizes=True))
                     got["indices"] += unpack_indices(resp.indices, resp.itemsize).size if not untimed else 0
-                    j = 0 if resp.end_of_epoch else j + len(resp.sizes)
+                    j = 0 if resp.end_of_epoch else j + (resp.batches or len(resp.sizes))
                 if untimed:
                     untimed -= 1
                     continue

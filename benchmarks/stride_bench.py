@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baseline  # noqa: E402  (an older commit's coordinator, --baseline)
 import bench  # noqa: E402  (the suite's shared helpers: coordinators, datasets, load drivers)
 
 WORLD, RANK, BATCH = 8, 3, 256
@@ -41,6 +42,8 @@ TARGET_RANK_MS, TARGET_WORLD_MS, TARGET_START_X = 10.0, 20.0, 100.0
 TARGET_STRIDE_X = 1.0
 TARGET_LEASE_X, TARGET_LEASES_OF_FLOOR = bench.TARGET_LEASE_X, bench.TARGET_LEASES_OF_FLOOR
 TORCH_START_N = 5 * 10**7
+#: The benchmark's parts, in the order they run (``--parts``).
+PARTS = ("start", "stride", "leases")
 
 
 # --------------------------------------------------------------------------- start
@@ -197,24 +200,33 @@ def measure_stride(n: int, epochs: int, rounds: int) -> dict[str, list[float]]:
 # --------------------------------------------------------------------------- leases
 
 
-def measure_leases(seconds: float, paced_s: float, ranks: int) -> dict[str, Any]:
-    """The Lease RPC beside an empty call on one `croupier serve`: one rank, `ranks` paced, `ranks` saturated."""
+def measure_leases(seconds: float, paced_s: float, ranks: int,
+                   servings: tuple[baseline.Serving, ...] = (baseline.CURRENT,)) -> dict[str, dict[str, Any]]:
+    """The Lease RPC beside an empty call on a `croupier serve` of each serving: one rank, `ranks` paced,
+    `ranks` saturated; each phase run on every serving in turn (the same drivers), by serving name."""
     from croupier.core.spec import Spec
 
     spec = Spec(n=bench.CAPACITY_N, seed=0, permutation="feistel", batch_size=1)
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp, bench._serve_process(f"sqlite:///{tmp}/leases.db") as address:
+    out: dict[str, dict[str, Any]] = {s.name: {} for s in servings}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        where = {s.name: stack.enter_context(bench._serve_process(f"sqlite:///{tmp}/leases-{s.name}.db", env=s.env))
+                 for s in servings}
         drivers = bench.Drivers(2)
         try:
-            gen1 = asyncio.run(bench._join_job(address, "one", spec, 1))
-            gen = asyncio.run(bench._join_job(address, "many", spec, ranks))
-            paced = asyncio.run(bench._join_job(address, "paced", spec, ranks))
-            out["empty1"] = drivers.run(address, "empty", 1, seconds, ranks=[0])
-            out["lease1"] = drivers.run(address, "lease", 1, seconds, "one", gen1, ranks=[0])
-            out["paced_empty"] = drivers.run(address, "empty", ranks, paced_s, interval=paced_s)
-            out["paced_lease"] = drivers.run(address, "lease", ranks, paced_s, "paced", paced, interval=paced_s, warm=True)
-            out["empty"] = drivers.run(address, "empty", ranks, seconds)
-            out["lease"] = drivers.run(address, "lease", ranks, seconds, "many", gen)
+            gens = {name: [asyncio.run(bench._join_job(address, job, spec, w))
+                           for job, w in (("one", 1), ("many", ranks), ("paced", ranks))] for name, address in where.items()}
+            phases: list[tuple[str, Callable[[str, list[int]], dict[str, Any]]]] = [
+                ("empty1", lambda a, g: drivers.run(a, "empty", 1, seconds, ranks=[0])),
+                ("lease1", lambda a, g: drivers.run(a, "lease", 1, seconds, "one", g[0], ranks=[0])),
+                ("paced_empty", lambda a, g: drivers.run(a, "empty", ranks, paced_s, interval=paced_s)),
+                ("paced_lease", lambda a, g: drivers.run(a, "lease", ranks, paced_s, "paced", g[2], interval=paced_s,
+                                                         warm=True)),
+                ("empty", lambda a, g: drivers.run(a, "empty", ranks, seconds)),
+                ("lease", lambda a, g: drivers.run(a, "lease", ranks, seconds, "many", g[1])),
+            ]
+            for key, phase in phases:
+                for name, address in where.items():
+                    out[name][key] = phase(address, gens[name])
         finally:
             drivers.close()
     return out
@@ -231,9 +243,22 @@ def _ms(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} ms (worst {max(xs):.1f})"
 
 
-def report(start: dict[str, Any], stride: dict[str, list[float]], n: int, leases: dict[str, Any]) -> list[str]:
-    """The table's rows (Markdown), and the verdicts in them."""
+def report(start: dict[str, Any] | None, stride: dict[str, list[float]] | None, n: int,
+           leases: dict[str, dict[str, Any]] | None, labels: dict[str, str] | None = None) -> list[str]:
+    """The table's rows (Markdown), and the verdicts in them, of the parts measured (None: not measured); the
+    leases by serving, each named by `labels` (by serving name) when there are several."""
     rows = ["| what | setting | croupier | peer | peer's | ratio | target |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    if start is not None:
+        rows += _start_rows(start)
+    if stride is not None:
+        rows += _stride_rows(stride, n)
+    for name, measured in (leases or {}).items():
+        rows += _lease_rows(measured, f"{labels[name]}: " if labels and len(leases or {}) > 1 else "")
+    return rows
+
+
+def _start_rows(start: dict[str, Any]) -> list[str]:
+    rows: list[str] = []
     torch_ms = statistics.median(start["torch"]["ms"])
     torch_n = start["torch"]["n"]
     for key, v in start.items():
@@ -253,6 +278,11 @@ def report(start: dict[str, Any], stride: dict[str, list[float]], n: int, leases
                     f"{_ms(v['rank'])} / {_ms(v['every'])} | torch DistributedSampler | "
                     f"{peer[0] if at else '-'} | {every_x if at else '-'} | "
                     f"<= {TARGET_WORLD_MS:g} ms: {_verdict(statistics.median(v['every']) <= TARGET_WORLD_MS)} |")
+    return rows
+
+
+def _stride_rows(stride: dict[str, list[float]], n: int) -> list[str]:
+    rows: list[str] = []
     for mine, peer, how in (("embedded", "torch", "sampler="), ("standalone", "torch", "sampler="),
                             ("embedded_batch", "torch_batch", "batch_sampler="),
                             ("standalone_batch", "torch_batch", "batch_sampler=")):
@@ -264,17 +294,22 @@ def report(start: dict[str, Any], stride: dict[str, list[float]], n: int, leases
                     f"{statistics.median(stride[peer]) / 1e6:.2f} M/s | median round {med:.2f}x, worst {worst:.2f}x "
                     f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)}) | >= {TARGET_STRIDE_X:g}x: "
                     f"{_verdict(med >= TARGET_STRIDE_X)} (median round) |")
+    return rows
+
+
+def _lease_rows(leases: dict[str, Any], serving: str) -> list[str]:
+    rows: list[str] = []
     e1, l1 = leases["empty1"], leases["lease1"]
-    rows.append(f"| leases: latency p50 / p99, one rank back to back | 65,536 indices of N=1e8 | {l1['p50']:.2f} / "
+    rows.append(f"| leases: latency p50 / p99, one rank back to back | {serving}65,536 indices of N=1e8 | {l1['p50']:.2f} / "
                 f"{l1['p99']:.2f} ms | empty gRPC call | {e1['p50']:.2f} / {e1['p99']:.2f} ms | "
                 f"{l1['p50'] / e1['p50']:.1f}x / {l1['p99'] / e1['p99']:.1f}x the floor |  |")
     pe, pl = leases["paced_empty"], leases["paced_lease"]
-    rows.append(f"| leases: latency p50 / p99, paced (each rank's next lease) | {pl['calls']} ranks asking once each, "
+    rows.append(f"| leases: latency p50 / p99, paced (each rank's next lease) | {serving}{pl['calls']} ranks asking once each, "
                 f"spread evenly | {pl['p50']:.2f} / {pl['p99']:.2f} ms | empty gRPC call, same pace | {pe['p50']:.2f} / "
                 f"{pe['p99']:.2f} ms | {pl['p50'] / pe['p50']:.1f}x / {pl['p99'] / pe['p99']:.1f}x the floor | "
                 f"p50 <= {TARGET_LEASE_X:g}x: {_verdict(pl['p50'] <= TARGET_LEASE_X * pe['p50'])} |")
     em, le = leases["empty"], leases["lease"]
-    rows.append(f"| leases: rate, saturated | same ranks, back to back | {le['per_s']:,.0f} leases/s "
+    rows.append(f"| leases: rate, saturated | {serving}same ranks, back to back | {le['per_s']:,.0f} leases/s "
                 f"({le['indices_per_s'] / 1e6:.1f} M indices/s), p50 {le['p50']:.1f} ms | empty gRPC call, same load | "
                 f"{em['per_s']:,.0f} calls/s, p50 {em['p50']:.1f} ms | {le['per_s'] / em['per_s']:.0%} of the floor | "
                 f">= {TARGET_LEASES_OF_FLOOR:.0%}: {_verdict(le['per_s'] >= TARGET_LEASES_OF_FLOOR * em['per_s'])} |")
@@ -286,7 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, one round, short runs")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the start and of the stride")
     parser.add_argument("--out", type=Path, default=Path("out/stride"), help="where stride.md goes")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"the parts measured, comma-separated, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--baseline", metavar="REF",
+                        help="also: the leases on REF's coordinator, each phase beside this tree's (benchmarks/baseline.py)")
     args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or any(p not in PARTS for p in parts):
+        parser.error(f"--parts must name some of {', '.join(PARTS)} (got {args.parts!r})")
     quick = args.quick
     begin, load = time.perf_counter(), bench._load()
     versions = bench._import_all()
@@ -295,20 +337,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - begin:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     rounds = 1 if quick else args.rounds
-    step("start")
-    start = measure_start([10**4, 10**5] if quick else [5 * 10**5, 5 * 10**7, 5 * 10**8], rounds, 1 if quick else 2)
-    step("stride")
     n = 10**5 if quick else 10**6
-    stride = measure_stride(n, 1 if quick else 4, rounds)
-    step("leases")
-    # paced as bench.py paces: a lease of 65,536 indices every 256 steps of 100 ms (25.6 s) per rank
-    leases = measure_leases(0.5 if quick else 5.0, 0.5 if quick else bench.PACED_STEP_S * bench.STEPS_PER_LEASE,
-                            8 if quick else 64)
-    rows = report(start, stride, n, leases)
+    start = stride = leases = None
+    if "start" in parts:
+        step("start")
+        start = measure_start([10**4, 10**5] if quick else [5 * 10**5, 5 * 10**7, 5 * 10**8], rounds, 1 if quick else 2)
+    if "stride" in parts:
+        step("stride")
+        stride = measure_stride(n, 1 if quick else 4, rounds)
+    labels = {baseline.CURRENT.name: "this tree"}
+    if "leases" in parts:
+        step("leases")
+        with contextlib.ExitStack() as stack:
+            servings = [baseline.CURRENT]
+            if args.baseline:
+                old = stack.enter_context(baseline.baseline(args.baseline))
+                servings.insert(0, old)
+                labels[old.name] = f"{old.ref} (before)"
+            # paced as bench.py paces: a lease of 65,536 indices every 256 steps of 100 ms (25.6 s) per rank
+            leases = measure_leases(0.5 if quick else 5.0, 0.5 if quick else bench.PACED_STEP_S * bench.STEPS_PER_LEASE,
+                                    8 if quick else 64, tuple(servings))
+    rows = report(start, stride, n, leases, labels)
     took = time.perf_counter() - begin
     text = "\n".join([
         "# The start and the stride, and leases", "",
-        f"`python benchmarks/stride_bench.py{' --quick' if quick else ''}`: {took:.0f} s; machine: {bench._machine(versions)}; "
+        f"`python benchmarks/stride_bench.py{' --quick' if quick else ''}"
+        f"{'' if parts == list(PARTS) else ' --parts ' + ','.join(parts)}"
+        f"{' --baseline ' + args.baseline if args.baseline else ''}`: {took:.0f} s; machine: {bench._machine(versions)}; "
         f"load average {load} before, {bench._load()} after (other processes share these cores).", "",
         *rows, ""])
     print(text)

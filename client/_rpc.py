@@ -113,8 +113,8 @@ class LeaseReply:
 
     def __init__(self, indices: np.ndarray, sizes: list[int], end_of_epoch: bool, epoch_samples: int,
                  checked: bool = False, tags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
-        # `checked`: the sizes come from the plan that computed the indices (the prefetcher's
-        # leases), so summing 65,536 sizes of 1 again would only cost the loop's process time.
+        # `checked`: the sizes come from the plan that computed the indices (the prefetcher's leases) or were
+        # checked in O(1) (a Lease answer's fixed batches): summing 65,536 sizes of 1 again would only cost time.
         if not checked and indices.size != sum(sizes):
             raise ValueError(f"lease holds {indices.size} indices but its batch sizes add up to {sum(sizes)}")
         self.indices = indices
@@ -374,12 +374,20 @@ class CoordinatorClient:
         With `timeout`, asks once: no answer within it raises :class:`Unreachable` (not retried).
         `progress` (epoch, batches) reports how far the rank's loop got (see :meth:`report`).
         """
-        m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count)
+        m = pb.LeaseRequest(job=job, generation=generation, rank=rank, epoch=epoch, first_batch=first, count=count,
+                            fixed_sizes=True)
         if progress is not None:
             m.progress.epoch, m.progress.batches = progress
         r = self._call("lease", lambda: self.stub.Lease(m, timeout=self.call_timeout if timeout is None else timeout),
                        retry_for=None if timeout is None else 0.0)
-        return LeaseReply(unpack_indices(r.indices, r.itemsize), list(r.sizes), r.end_of_epoch, r.epoch_samples)
+        indices = unpack_indices(r.indices, r.itemsize)
+        if r.sizes or not r.batches:  # each size on the wire: batches that vary, or a coordinator older than fixed_sizes
+            return LeaseReply(indices, list(r.sizes), r.end_of_epoch, r.epoch_samples)
+        size, last = r.batch_size, r.last_size  # fixed batches, named by three numbers: checked in O(1)
+        if indices.size != (r.batches - 1) * size + last:
+            raise ValueError(f"lease holds {indices.size} indices but its {r.batches} batches of {size} "
+                             f"(the last {last}) hold {(r.batches - 1) * size + last}")
+        return LeaseReply(indices, [size] * (r.batches - 1) + [last], r.end_of_epoch, r.epoch_samples, checked=True)
 
     def grant(self, job: str, generation: int, rank: int, epoch: int, first: int, count: int,
               timeout: float = 1.0, progress: tuple[int, int] | None = None) -> Grant:

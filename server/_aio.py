@@ -2,7 +2,8 @@
 
 Admission is ``croupier.server._admission``'s, a join's wait for its generation's other ranks
 ``croupier.server._join_wait``'s; every call's work runs on a worker thread with its budget
-(``croupier.server._deadline.Budget``: its deadline, passed as a value down to the store).
+(``croupier.server._deadline.Budget``: its deadline, passed as a value down to the store), but for a grant
+or a lease that can be answered at once (``AT_ONCE``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ T = TypeVar("T")
 
 #: A join refused for a limit that does not pass with time is answered after this long, up to _HELD_REFUSALS at a time.
 _HOLD_REFUSAL_S, _HELD_REFUSALS = 0.25, 16
+#: The RPCs answered on the event loop when they need not wait (``Budget.at_once``); the rest run on a thread.
+AT_ONCE = frozenset({"Grant", "Lease"})
 #: The deadline of a call whose client set none, or a longer one (seconds): a join's wait (30 s at most) and its work.
 CALL_DEADLINE_S = 120.0
 
@@ -96,17 +99,21 @@ class Serving:
             return await self._join(m, who, _budget_of(context))
         job = job_of(m)
         self.admission.enter(job)
+        # NOTE: a lease's answer is made and handed to gRPC without the leases computed ahead taking the GIL
+        # from it: they are held back until then (the callback runs once this task has handed the answer
+        # over and waits for its sending).
+        release = self.core.hold_leases() if method == "Lease" else None
         try:
-            if method == "Grant":
+            if method in AT_ONCE:
                 # NOTE: a grant of a plan the ranks compute asks the store nothing and waits for nothing
                 # on a single writer's store, nor on a shared one whose watch confirmed the journal's end
                 # within the staleness bound (its progress report is journaled later): it is answered
                 # here, on the loop, without the hop to a thread and back that would cost it more than
-                # the grant itself. The rest (dynamic dealing, a journal to read) is handed to a thread,
-                # changed nothing.
-                assert isinstance(m, pb.GrantRequest)
+                # the grant itself; so is a lease computed ahead. The rest (dynamic dealing, a journal to
+                # read, a lease to compute) is handed to a thread, changed nothing.
                 try:
-                    return self.servicer.Grant(m, who, _budget_of(context, at_once=True))
+                    answer: Message = getattr(self.servicer, method)(m, who, _budget_of(context, at_once=True))
+                    return answer
                 except WouldWait:
                     pass
             budget = _budget_of(context)
@@ -114,6 +121,8 @@ class Serving:
             return out
         finally:
             self.admission.leave(job)
+            if release is not None:
+                asyncio.get_running_loop().call_soon(release)
 
     async def _join(self, m: pb.JoinRequest, who: Credential | None, budget: Budget) -> pb.JoinResponse:
         try:

@@ -318,8 +318,14 @@ class Coordinator:
         with their indices computed here (the Lease RPC; samplers ask for grants instead).
 
         `progress` (epoch, batches) is the rank's report of how far its loop got (see :meth:`report`).
+
+        With a `budget` answered at once (``Budget.at_once``), a lease computed ahead is answered from there
+        without leaving the caller's thread; where answering would compute the lease, wait for the store or
+        ask it, raises :class:`~croupier.server._deadline.WouldWait` instead, as :meth:`grant` does.
         """
         spec, p = self._request_plan("lease", job, generation, rank, epoch, first, count, budget)
+        if budget.at_once and p is not None:
+            return self._lease_kept(spec, p, job, generation, rank, first, count, progress, budget)
         if progress is not None:
             self.report(job, generation, rank, *progress, budget=budget)
         if p is None:
@@ -327,6 +333,28 @@ class Coordinator:
         g = self._grant(p, job, generation, rank, epoch, first, count, budget)
         idx, sizes = self._leases.lease(p, rank, first, count, g)
         return Lease(idx, sizes, p.ends(rank, first, count, len(sizes), g), p.known_samples(rank), spec.space)
+
+    def _lease_kept(self, spec: Spec, p: EpochPlan, job: str, generation: int, rank: int, first: int, count: int,
+                    progress: tuple[int, int] | None, budget: Budget) -> Lease:
+        """:meth:`lease` answered at once: the lease computed ahead, else WouldWait with the state unchanged.
+
+        NOTE: the grant and the lease kept are asked before the report, so that a call that would wait
+        raises having changed nothing; one whose report would wait (a shared store) has taken the lease
+        kept, which its thread then computes again, the same.
+        """
+        g = p.coordinator_grant(rank, first, count, _deal_waits)  # a plan the coordinator deals: WouldWait
+        got = self._leases.ready(p, rank, first, count, g)
+        if got is None:
+            raise WouldWait("compute a lease")
+        if progress is not None:
+            self.report(job, generation, rank, *progress, budget=budget)
+        idx, sizes = got
+        return Lease(idx, sizes, p.ends(rank, first, count, len(sizes), g), p.known_samples(rank), spec.space)
+
+    def hold_leases(self) -> Callable[[], None]:
+        """Holds back the leases computed ahead while a lease's answer is made and sent; the function returned
+        ends the hold (see ``LeaseAhead.hold``)."""
+        return self._leases.hold()
 
     def deal(self, job: str, generation: int, rank: int, epoch: int, first: int,
              count: int, budget: Budget = UNBOUNDED) -> tuple[tuple[tuple[int, int], ...], bool]:

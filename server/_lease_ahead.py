@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,7 @@ class LeaseAhead:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._computing: Key | None = None  # the lease the thread is computing
+        self._held = 0  # answers on their way out (see hold): nothing starts to be computed ahead meanwhile
         self.hits = 0  # calls answered from what was computed ahead (for tests and metrics)
 
     def lease(self, plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | None) -> Computed:
@@ -69,18 +71,44 @@ class LeaseAhead:
             with self._cond:
                 # being computed ahead now: wait for it rather than compute it twice
                 self._cond.wait_for(lambda: self._computing != key)
-                got = self._ready.pop(key, None)
+                got = self._take(key)
                 self._waiting.pop(key, None)  # asked before it was computed ahead: it is computed here
-                if got is not None:
-                    self._bytes -= got[0].nbytes
-                    self.hits += 1
         if got is None:
             with self._compute:
                 got = plan.lease(rank, first, count, grant)
+        self._next(key, plan, rank, first, count, grant, got)
+        return got
+
+    def ready(self, plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | None) -> Computed | None:
+        """:meth:`lease` when it was computed ahead and is there now, else None: never computes, never waits.
+
+        What an event loop's thread may ask (a lease answered there costs no hop to a worker thread);
+        with None it hands the call to a thread, which asks :meth:`lease`.
+        """
+        key = _key(plan, rank, first, count)
+        if key is None:
+            return None
+        with self._cond:
+            got = None if self._computing == key else self._take(key)
+        if got is not None:
+            self._next(key, plan, rank, first, count, grant, got)
+        return got
+
+    def _take(self, key: Key) -> Computed | None:
+        """The lease kept under `key`, no longer kept, or None (the caller holds the lock)."""
+        got = self._ready.pop(key, None)
+        if got is not None:
+            self._bytes -= got[0].nbytes
+            self.hits += 1
+        return got
+
+    def _next(self, key: Key | None, plan: EpochPlan, rank: int, first: int, count: int, grant: Grant | None,
+              got: Computed) -> None:
+        """Has the lease after `got` (kept under `key`) computed ahead, when `plan`'s leases are kept and the
+        rank has batches after it."""
         sizes = got[1]
         if key is not None and sizes and not plan.ends(rank, first, count, len(sizes), grant):
             self._ahead(plan, rank, first + len(sizes), count)
-        return got
 
     def _ahead(self, plan: EpochPlan, rank: int, first: int, count: int) -> None:
         key = _key(plan, rank, first, count)
@@ -100,7 +128,7 @@ class LeaseAhead:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while (not self._waiting or self._held) and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
@@ -127,6 +155,29 @@ class LeaseAhead:
         while self._bytes > BUDGET_BYTES and self._ready:
             _, old = self._ready.popitem(last=False)
             self._bytes -= old[0].nbytes
+
+    def hold(self) -> Callable[[], None]:
+        """Holds back computing ahead until the function returned is called (again: no-op): an answer is on its way.
+
+        NOTE: computing ahead is numpy work that takes the GIL back after each of its ~150 steps; begun
+        while an answer of 256 KiB is made, serialized and handed to gRPC, it makes each of those steps
+        wait for the GIL (measured: a paced lease's p50 2-4 ms longer). The serving layer holds it for
+        each Lease call until the call's answer is handed to gRPC; a lease being computed ahead when the
+        hold begins is finished.
+        """
+        with self._cond:
+            self._held += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._cond:
+                if not released:
+                    released = True
+                    self._held -= 1
+                    self._cond.notify_all()
+
+        return release
 
     def idle(self, timeout: float) -> bool:
         """Waits up to `timeout` s until nothing is waiting to be computed ahead; whether that is so."""

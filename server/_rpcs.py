@@ -120,8 +120,14 @@ class CoordinatorServicer:
         _allow(who, "Lease", m.job)
         lease = self.core.lease(m.job, m.generation, m.rank, m.epoch, m.first_batch, m.count, _progress(m), budget)
         data, itemsize = pack_indices(lease.indices, lease.n)
-        return _with_sizes(pb.LeaseResponse(indices=data, itemsize=itemsize, end_of_epoch=lease.end_of_epoch,
-                                            epoch_samples=lease.epoch_samples), lease.sizes)
+        out = pb.LeaseResponse(indices=data, itemsize=itemsize, end_of_epoch=lease.end_of_epoch,
+                               epoch_samples=lease.epoch_samples)
+        fixed = fixed_sizes(lease.sizes)
+        if fixed is not None:
+            out.batches, out.batch_size, out.last_size = fixed
+            if m.fixed_sizes:
+                return out  # the caller reads them from these three
+        return _with_sizes(out, lease.sizes)
 
     def Grant(self, m: pb.GrantRequest, who: Credential | None, budget: Budget = UNBOUNDED) -> pb.GrantResponse:
         """A grant; with a budget ``at_once``, WouldWait where it would wait for the store (see ``Coordinator.grant``)."""
@@ -204,6 +210,17 @@ def _progress(m: pb.LeaseRequest | pb.GrantRequest) -> tuple[int, int] | None:
     return (m.progress.epoch, m.progress.batches) if m.HasField("progress") else None
 
 
+def fixed_sizes(sizes: list[int]) -> tuple[int, int, int] | None:
+    """Batch sizes as fixed batches: (how many, each one's size, the last one's), or None when they are not
+    (an empty lease, or batches of sizes that vary, as token budgets make)."""
+    if not sizes:
+        return None
+    same = sizes.count(sizes[0])
+    if same == len(sizes) or (same == len(sizes) - 1 and sizes[-1] != sizes[0]):
+        return len(sizes), sizes[0], sizes[-1]
+    return None
+
+
 def _with_sizes(m: pb.LeaseResponse, sizes: list[int]) -> pb.LeaseResponse:
     """`m` with a lease's batch sizes.
 
@@ -211,11 +228,11 @@ def _with_sizes(m: pb.LeaseResponse, sizes: list[int]) -> pb.LeaseResponse:
     more than the rest of the answer. Fixed batches (every size the same but perhaps the last) are
     merged in from their encoding instead, made once for each (size, count, last).
     """
-    if sizes:
-        same = sizes.count(sizes[0])
-        if same == len(sizes) or (same == len(sizes) - 1 and sizes[-1] != sizes[0]):
-            m.MergeFromString(_sizes_encoded(sizes[0], len(sizes), sizes[-1]))
-            return m
+    fixed = fixed_sizes(sizes)
+    if fixed is not None:
+        count, size, last = fixed
+        m.MergeFromString(_sizes_encoded(size, count, last))
+        return m
     m.sizes.extend(sizes)
     return m
 

@@ -412,12 +412,17 @@ class LeaseRequest(_message.Message):
     FIRST_BATCH_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    FIXED_SIZES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     generation: _builtins.int
     rank: _builtins.int
     epoch: _builtins.int
     first_batch: _builtins.int
     count: _builtins.int
+    fixed_sizes: _builtins.bool
+    """The caller reads fixed batches from `batches`, `batch_size` and `last_size`: for them, the
+    answer leaves `sizes` empty. A caller that does not set it gets `sizes` for every lease.
+    """
     @_builtins.property
     def progress(self) -> Global___Progress:
         """How far the rank's loop got when it asked (optional)."""
@@ -432,10 +437,11 @@ class LeaseRequest(_message.Message):
         first_batch: _builtins.int = ...,
         count: _builtins.int = ...,
         progress: Global___Progress | None = ...,
+        fixed_sizes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "generation", b"generation", "job", b"job", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_progress", b"_progress", "count", b"count", "epoch", b"epoch", "first_batch", b"first_batch", "fixed_sizes", b"fixed_sizes", "generation", b"generation", "job", b"job", "progress", b"progress", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__progress: _TypeAlias = _typing.Literal["progress"]  # noqa: Y015
     _WhichOneofArgType__progress: _TypeAlias = _typing.Literal["_progress", b"_progress"]  # noqa: Y015
@@ -452,6 +458,9 @@ class LeaseResponse(_message.Message):
     ITEMSIZE_FIELD_NUMBER: _builtins.int
     END_OF_EPOCH_FIELD_NUMBER: _builtins.int
     EPOCH_SAMPLES_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    LAST_SIZE_FIELD_NUMBER: _builtins.int
     indices: _builtins.bytes
     """The batches' indices laid end to end, `itemsize` bytes each, little-endian."""
     itemsize: _builtins.int
@@ -459,9 +468,17 @@ class LeaseResponse(_message.Message):
     """True when the rank has no batch after the last one returned in this epoch."""
     epoch_samples: _builtins.int
     """How many indices the rank gets in this epoch in all (what len(sampler) says)."""
+    batches: _builtins.int
+    """Fixed batches (every one `batch_size` indices but the last, `last_size`): how many were
+    returned. Set, with `batch_size` and `last_size`, whenever the batches are fixed; 0 otherwise.
+    """
+    batch_size: _builtins.int
+    last_size: _builtins.int
     @_builtins.property
     def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The size of each batch, in order; fewer than `count` when the rank's epoch ends."""
+        """The size of each batch, in order; fewer than `count` when the rank's epoch ends. Empty when
+        the request set `fixed_sizes` and the batches are fixed (see `batches`).
+        """
 
     def __init__(
         self,
@@ -471,10 +488,13 @@ class LeaseResponse(_message.Message):
         itemsize: _builtins.int = ...,
         end_of_epoch: _builtins.bool = ...,
         epoch_samples: _builtins.int = ...,
+        batches: _builtins.int = ...,
+        batch_size: _builtins.int = ...,
+        last_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "indices", b"indices", "itemsize", b"itemsize", "sizes", b"sizes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "batches", b"batches", "end_of_epoch", b"end_of_epoch", "epoch_samples", b"epoch_samples", "indices", b"indices", "itemsize", b"itemsize", "last_size", b"last_size", "sizes", b"sizes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
