@@ -19,25 +19,24 @@ demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
 # NOTE: make test runs in two parts. First the end-to-end runs that assert a stall, a latency or a
-# duration, and Ray's (SERIAL in tests/conftest.py), one at a time at the normal priority; beside
-# them, at a lower one (nice 10: they take about a tenth of a core that the runs alone want, and the
-# rest of what those runs leave idle, which is most of the time, since they mostly wait), lint,
-# types, the docs site, then the in-process tests in three pytest-xdist workers (they wait on fsyncs,
-# PostgreSQL and timeouts for a third of their time); their output is in out/test-beside.log, printed
-# when both are done. Then the other end-to-end runs, which start processes of their own, two at a
-# time (each takes the next when it is done; three at a time took longer; the tests of a file that
-# resume one shared run go to one worker: ONE_WORKER in tests/conftest.py).
+# duration, and Ray's (SERIAL in tests/conftest.py), one at a time and alone. Then the other end-to-end
+# runs, which start processes of their own and assert counts and orders only, two at a time (each
+# takes the next when it is done; three at a time took longer; the tests of a file that resume one
+# shared run go to one worker: ONE_WORKER in tests/conftest.py), and beside them, at a lower priority
+# (nice 10: they take the CPU time those runs leave idle while they wait on their processes, and about
+# a tenth of a core more), lint, types, the docs site, then the in-process tests in three pytest-xdist
+# workers; their output is in out/test-beside.log, printed when both are done.
 test: $(STAMP)  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
+	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25
 	@mkdir -p out
 	@( nice -n 10 $(MAKE) --no-print-directory lint site \
 	   && nice -n 10 $(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10 ) >out/test-beside.log 2>&1 & \
 	beside=$$!; \
-	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25; alone=$$?; \
-	wait $$beside; rc=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "e2e and paired and not slow" --durations=25; \
+	paired=$$?; wait $$beside; rc=$$?; \
 	echo "== lint, types, the docs site and the in-process tests (beside the runs above, at nice 10):"; \
 	cat out/test-beside.log; \
-	[ $$alone -eq 0 ] && [ $$rc -eq 0 ]
-	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "e2e and paired and not slow" --durations=25
+	[ $$paired -eq 0 ] && [ $$rc -eq 0 ]
 
 # NOTE: make check runs lint, types and the docs site beside its tests (out/check-lint.log, printed after them).
 check: $(STAMP)  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machine 12 examples of each kind of job, one fixed search)

@@ -12,8 +12,7 @@ from croupier.client._rpc import CoordinatorClient
 from croupier.server._service import Server
 from croupier.tools import serve
 
-#: End-to-end tests that run one at a time, with nothing beside them but make test's lint and in-process tests
-#: at a lower priority (nice 10; make test runs the other end-to-end tests two at a time): those that assert a
+#: End-to-end tests that run alone (make test runs the others two at a time): those that assert a
 #: stall, a latency or a duration (partitions, pauses, clock jumps, an outage, a full disk, the
 #: admission limits), which a neighbour's load on the shared cores would move, and Ray's, whose
 #: restart resumes from the checkpoints Ray's controller took in before the worker's kill (it polls
