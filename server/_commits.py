@@ -23,7 +23,8 @@ from typing import Protocol, TypeVar
 from croupier.core.errors import Unavailable
 from croupier.server._deadline import Budget
 from croupier.server._events import Event
-from croupier.server._journal import pack_event, pack_snapshot, recover
+from croupier.server._journal import pack_event, recover
+from croupier.server._snapshots import SnapshotPacker
 from croupier.server._state import State
 from croupier.server._store import Recovered, Store, StoreError, StoreFull
 
@@ -136,6 +137,8 @@ class Journaled:
         self._since_snapshot = len(rec.records)
         self._snapshot_every = snapshot_every
         self._changed = changed
+        #: Packs the snapshots from each job's encoding kept since the job last changed: told of every apply.
+        self._packer = SnapshotPacker()
         self.failed: str | None = None
         #: Why the store takes no writes for now (it is full), or None: calls are UNAVAILABLE meanwhile.
         self._outage: str | None = None
@@ -230,13 +233,14 @@ class WriterCommits(Journaled):
 
     def _queue(self, events: list[Event]) -> None:
         """Under the lock: applies `events` in order and queues them for the writer, which keeps that order."""
+        self._packer.changed(ev.job for ev in events)
         for ev in events:
             self._pending.append(pack_event(ev))
             self.state.apply(ev)
             self.seq += 1
         self._since_snapshot += len(events)
         if events and self._since_snapshot >= self._snapshot_every:
-            self._snapshots.append((self.seq, pack_snapshot(self.state)))
+            self._snapshots.append((self.seq, self._packer.pack(self.state)))
             self._since_snapshot = 0
         if events:
             self._changed({ev.job for ev in events})
@@ -265,6 +269,14 @@ class WriterCommits(Journaled):
                     self._fail(e)
                 return
             self._outages = 0
+            if batch:  # before anyone is answered: an acknowledged event is counted
+                self._timed(took, len(batch))
+            with cond:
+                # NOTE: only here, once the append returned (the batch is fsync'd), are its callers
+                # answered; the snapshots come after: they only shorten recovery, so no caller
+                # waits for one's fsync.
+                self._durable = last
+                cond.notify_all()
             try:
                 for seq, blob in snaps:
                     store.write_snapshot(seq, blob)
@@ -272,14 +284,8 @@ class WriterCommits(Journaled):
                 log.warning("store %s: snapshot not written: %s", store.url, e)
             except StoreError as e:
                 with cond:
-                    self._durable = last
                     self._fail(e)
                 return
-            if batch:  # before anyone is answered: an acknowledged event is counted
-                self._timed(took, len(batch))
-            with cond:
-                self._durable = last
-                cond.notify_all()
 
     def _outage_of(self, e: StoreFull) -> None:
         """The store had no room: what was decided and not durable is dropped (the state goes back to
@@ -304,6 +310,7 @@ class WriterCommits(Journaled):
             return
         with cond:
             self.state = state
+            self._packer.changed(None)
             self.seq = self._durable = rec.last_seq
             self._since_snapshot = len(rec.records)
             self._rollbacks += 1

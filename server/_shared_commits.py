@@ -13,7 +13,7 @@ from croupier.server._commits import Changed, Journaled, T
 from croupier.server._deadline import UNBOUNDED, Budget
 from croupier.server._decide import decide_report
 from croupier.server._events import Event
-from croupier.server._journal import pack_event, pack_snapshot, replay
+from croupier.server._journal import pack_event, replay
 from croupier.server._state import State
 from croupier.server._store import Recovered, Store, StoreConflict, StoreError, StoreUnavailable, Watched
 from croupier.server._turns import FairLock
@@ -86,6 +86,7 @@ class SharedCommits(Journaled):
                 except StoreError as e:
                     raise self._unavailable(e) from None
                 with self._cond:
+                    self._packer.changed(ev.job for ev in events)
                     for ev in events:
                         self.state.apply(ev)
                     self.seq = self._durable = last
@@ -93,7 +94,7 @@ class SharedCommits(Journaled):
                     snapshot = None
                     if self._since_snapshot >= self._snapshot_every:
                         self._since_snapshot = 0
-                        snapshot = pack_snapshot(self.state)
+                        snapshot = self._packer.pack(self.state)
                     self._changed({ev.job for ev in events})
                     self._cond.notify_all()
                 if snapshot is not None:
@@ -145,6 +146,7 @@ class SharedCommits(Journaled):
         except StoreError as e:
             raise self._unavailable(e) from None
         with self._cond:
+            self._packer.changed(None)  # the replay changes the state in place, or replaces it
             try:
                 self.state = replay(self.store, rec, self.state)
             except StoreError as e:

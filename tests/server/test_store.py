@@ -490,6 +490,10 @@ def test_store_bench_quick_runs(tmp_path: Path) -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    rows = [line.split() for line in out.stdout.splitlines() if len(line.split()) == 10 and line.split()[0].isdigit()]
     assert [row[0] for row in rows] == ["1", "8", "64"], out.stdout
     assert "p99 ms" in out.stdout
+    # the joins table: its floor, this tree's coordinator at 1 and 32 joins in flight, the empty calls' ceiling
+    lines = out.stdout.splitlines()
+    assert [line.split()[2] for line in lines if line.startswith("this tree ")] == ["1", "32"], out.stdout
+    assert [line.split()[0] for line in lines if line.startswith(("floor ", "empty "))] == ["floor", "empty"], out.stdout
