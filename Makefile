@@ -18,25 +18,18 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## the main job (see README)
 	$(VENV)/bin/croupier demo
 
-# NOTE: make test runs in two parts. First the end-to-end runs that assert a stall, a latency or a
-# duration, and Ray's (SERIAL in tests/conftest.py), one at a time and alone. Then the other end-to-end
-# runs, which start processes of their own and assert counts and orders only, two at a time (each
-# takes the next when it is done; three at a time took longer; the tests of a file that resume one
-# shared run go to one worker: ONE_WORKER in tests/conftest.py), and beside them, at a lower priority
-# (nice 10: they take the CPU time those runs leave idle while they wait on their processes, and about
-# a tenth of a core more), lint, types, the docs site, then the in-process tests in three pytest-xdist
-# workers; their output is in out/test-beside.log, printed when both are done.
-test: $(STAMP)  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
+# NOTE: the in-process tests run in three workers on the two cores (pytest-xdist: they wait on
+# fsyncs, PostgreSQL and timeouts for a third of their time, and three finish sooner than two or
+# four here); the end-to-end runs, which start processes of their own, run two at a time (each takes
+# the next when it is done; three at a time took longer; the tests of a file that resume one
+# module-scoped run are one xdist_group, run by one worker), but for those that assert a stall, a
+# latency or a duration (SERIAL in tests/conftest.py), which run alone. The suite is bound by CPU
+# (about 1,450 s of it on 2 cores): running the in-process tests at a lower priority beside the
+# end-to-end runs saved nothing, and beside those that run alone it failed them.
+test: lint site  ## everything CI runs: lint, types, the docs site, and the whole default suite (end-to-end runs included)
+	$(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "e2e and paired and not slow" --durations=25
 	$(PY) -m pytest -q -m "e2e and not paired and not slow" --durations=25
-	@mkdir -p out
-	@( nice -n 10 $(MAKE) --no-print-directory lint site \
-	   && nice -n 10 $(PY) -m pytest -q -n 3 -m "not slow and not e2e" --durations=10 ) >out/test-beside.log 2>&1 & \
-	beside=$$!; \
-	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "e2e and paired and not slow" --durations=25; \
-	paired=$$?; wait $$beside; rc=$$?; \
-	echo "== lint, types, the docs site and the in-process tests (beside the runs above, at nice 10):"; \
-	cat out/test-beside.log; \
-	[ $$paired -eq 0 ] && [ $$rc -eq 0 ]
 
 # NOTE: make check runs lint, types and the docs site beside its tests (out/check-lint.log, printed after them).
 check: $(STAMP)  ## the fast lane for the edit loop: lint, types, the in-process tests (property tests draw a fifth of their cases, the state machine 12 examples of each kind of job, one fixed search)

@@ -30,25 +30,14 @@ LONG_FIRST = ("test_state_machine.py", "test_state_machine_ft.py", "test_chaos_d
               "test_chaos.py", "test_torchft.py", "test_integration_lightning.py", "test_shard_reads.py")
 
 
-#: The files whose tests share a module fixture that runs a whole job first (the preempted run they
-#: resume from): their tests go to one pytest-xdist worker (`--dist loadgroup`), or each worker that
-#: took one of them would run that job again.
-ONE_WORKER = ("test_integration_lightning.py", "test_integration_grain.py", "test_integration_accelerate.py",
-              "test_integration_transformers.py", "test_integration_dcp.py", "test_infer_demo.py")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that starts `croupier serve` processes is an end-to-end test (not in `make check`); an
-    end-to-end test not in a :data:`SERIAL` file is `paired`; the tests of a :data:`ONE_WORKER` file are one
-    group; the files of :data:`LONG_FIRST` come first."""
+    end-to-end test not in a :data:`SERIAL` file is `paired`; the files of :data:`LONG_FIRST` come first."""
     for item in items:
         if "serve_process" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.e2e)
         if item.path.name not in SERIAL and item.get_closest_marker("e2e") is not None:
             item.add_marker(pytest.mark.paired)
-        if item.path.name in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: the order within each part is kept
 
 

@@ -40,6 +40,9 @@ def _left_behind(workdir: pathlib.Path) -> list[str]:
     return found
 
 
+pytestmark = pytest.mark.xdist_group("infer_demo")  # its end-to-end tests resume one module-scoped run: one worker runs them all (make test's --dist loadgroup)
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, subprocess.CompletedProcess[str], float]:
     """One short run of the demo (5 faults: worker kills, resizes and a coordinator kill -9); its workdir, output, seconds."""

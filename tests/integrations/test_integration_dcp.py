@@ -37,6 +37,9 @@ def torchrun(nproc: int, workdir: pathlib.Path, *extra: str) -> str:
     return run_example(EXAMPLE, nproc, workdir, args, timeout=TIMEOUT)[0]
 
 
+pytestmark = pytest.mark.xdist_group("dcp")  # its end-to-end tests resume one module-scoped run: one worker runs them all (make test's --dist loadgroup)
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """2 ranks (2 DataLoader workers each, so the save passes `consumed`), a DCP checkpoint at step 13, then stop."""

@@ -29,7 +29,8 @@ from _torchrun import exactly_once
 
 from croupier.core.mixture import sample_seed
 
-pytestmark = pytest.mark.e2e  # several processes
+pytestmark = [pytest.mark.e2e,  # several processes
+              pytest.mark.xdist_group("grain")]  # its end-to-end tests resume one module-scoped run: one worker runs them all (make test's --dist loadgroup)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECORDS, BATCH, EPOCHS, SEED, SAVE, STOP = 36, 6, 2, 7, 3, 5

@@ -22,7 +22,8 @@ from _torchrun import torchrun as run_example
 
 from croupier.tools.audit import audit, render, verdict
 
-pytestmark = pytest.mark.e2e  # several processes
+pytestmark = [pytest.mark.e2e,  # several processes
+              pytest.mark.xdist_group("lightning")]  # its end-to-end tests resume one module-scoped run: one worker runs them all (make test's --dist loadgroup)
 
 EXAMPLE = "lightning_train.py"
 EPOCHS, SAVE_AT, STOP_AT = 3, 5, 7

@@ -42,6 +42,9 @@ def exactly_once(seen: dict[int, collections.Counter[int]]) -> bool:
     return each_once(seen, EPOCHS, SAMPLES)
 
 
+pytestmark = pytest.mark.xdist_group("transformers")  # its end-to-end tests resume one module-scoped run: one worker runs them all (make test's --dist loadgroup)
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """2 ranks, checkpoint-11 (with croupier_sampler.json), then stop."""
