@@ -71,6 +71,7 @@ def train(folder: str, epochs: int, batch_size: int, workers: int, checkpoint: p
     state = json.loads(checkpoint.read_text()) if checkpoint.exists() else None
     if state:
         loader.load_state_dict(state["loader"])
+        ds.resume(batches.spec, state["loader"])  # the node's cache counts the rows read before the checkpoint
     step, start = (state["step"], state["epoch"]) if state else (0, 0)
     for epoch in range(start, epochs):
         batches.set_epoch(epoch)
