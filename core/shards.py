@@ -35,7 +35,8 @@ from croupier.core.spec import Spec
 if TYPE_CHECKING:
     from croupier.core.cursor import Cursor
 
-__all__ = ["ShardOrder", "consumed_rows", "order_positions", "shard_of", "shard_sizes", "source_orders"]
+__all__ = ["ShardOrder", "consumed_rows", "has_own_shard_order", "order_positions", "shard_of", "shard_sizes",
+           "source_orders"]
 
 #: Tells the shard order's keys apart from every other key croupier derives (the bytes of "croupier/shards").
 _SHARD_TAG = int.from_bytes(b"croupier/shards", "little")
@@ -202,6 +203,12 @@ def order_positions(spec: Spec, epoch: int, positions: np.ndarray) -> np.ndarray
     return ShardOrder(spec.shards, spec.seed, spec.shard_window).indices(epoch, positions)
 
 
+def has_own_shard_order(spec: Spec) -> bool:
+    """Whether `spec` deals one dataset in a shard order of its own: shard sizes, the ``shards`` permutation, no
+    mixture (a mixture's positions are the mixture's, not one dataset's)."""
+    return spec.shards is not None and spec.permutation == "shards" and spec.sources is None
+
+
 def consumed_rows(spec: Spec, cursor: Cursor) -> np.ndarray:
     """The rows of each shard that `cursor`'s epoch consumed: its positions outside ``cursor.remaining``,
     counted by the shard that holds them; (S,) int64, in the dataset's shard order.
@@ -216,12 +223,13 @@ def consumed_rows(spec: Spec, cursor: Cursor) -> np.ndarray:
         ValueError: `spec` has no shard order of its own (no ``shards``, another permutation, or a
             mixture, whose positions are the mixture's).
     """
-    if spec.shards is None or spec.permutation != "shards" or spec.sources is not None:
+    shards = spec.shards
+    if shards is None or not has_own_shard_order(spec):  # (the first test narrows the type)
         raise ValueError(f"consumed_rows needs a spec with a shard order over one dataset (got permutation="
                          f"{spec.permutation!r}, shards={'set' if spec.shards else None}, sources={spec.sources!r})")
-    order = ShardOrder(spec.shards, spec.seed, spec.shard_window)
+    order = ShardOrder(shards, spec.seed, spec.shard_window)
     table = _epoch_table(order, cursor.epoch)
-    off = _offsets(spec.shards)
+    off = _offsets(shards)
     sizes = shard_sizes(spec)
     rem = np.array(cursor.remaining, dtype=np.int64).reshape(-1, 2)  # (intervals, 2) sorted, disjoint
     if rem.size == 0:

@@ -16,7 +16,7 @@ import numpy as np
 
 from croupier.core.checks import check_int
 from croupier.core.cursor import Cursor
-from croupier.core.shards import consumed_rows
+from croupier.core.shards import consumed_rows, has_own_shard_order
 from croupier.core.spec import Spec
 
 #: The board's header: its format, the clock (indices announced by every process so far), the resume point it was
@@ -221,7 +221,7 @@ def seed_at(board: DemandBoard, spec: Spec, cursor: Cursor) -> bool:
     Returns:
         Whether this call seeded the board.
     """
-    if spec.shards is None or spec.permutation != "shards" or spec.sources is not None:
+    if not has_own_shard_order(spec):
         return False
     text = f"{spec.fingerprint}/{cursor.epoch}/{cursor.remaining}".encode()
     point = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1 or 1  # names the point: [1, 2**63)
