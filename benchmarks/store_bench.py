@@ -30,6 +30,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from baseline import Serving, baseline
 
@@ -43,7 +44,35 @@ JOIN_N = 10**8
 TARGET_X = 3.0
 
 
-class BareSqlite:
+class _BareJournal:
+    """A journal table on one connection, one transaction per append: what a subclass inserts (`_insert`)."""
+
+    _seq = 0
+    _conn: Any
+
+    def append(self, records: Sequence[bytes]) -> int:
+        """Appends in a transaction of its own (committed and durable when it returns).
+
+        Args:
+            records: The payloads.
+
+        Returns:
+            The last record's sequence number.
+        """
+        first = self._seq + 1
+        self._insert([(first + i, 0, r) for i, r in enumerate(records)])
+        self._seq += len(records)
+        return self._seq
+
+    def _insert(self, rows: list[tuple[int, int, bytes]]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Closes the connection."""
+        self._conn.close()
+
+
+class BareSqlite(_BareJournal):
     """The floor: the same table and pragmas as the store, one transaction per append, nothing else."""
 
     def __init__(self, path: Path) -> None:
@@ -59,32 +88,16 @@ class BareSqlite:
         self._conn.execute(
             "CREATE TABLE journal (seq INTEGER PRIMARY KEY, crc INTEGER NOT NULL, payload BLOB NOT NULL)"
         )
-        self._seq = 0
 
-    def append(self, records: Sequence[bytes]) -> int:
-        """Appends in a transaction of its own.
-
-        Args:
-            records: The payloads.
-
-        Returns:
-            The last record's sequence number.
-        """
-        first = self._seq + 1
-        rows = [(first + i, 0, r) for i, r in enumerate(records)]
+    def _insert(self, rows: list[tuple[int, int, bytes]]) -> None:
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.executemany("INSERT INTO journal (seq, crc, payload) VALUES (?, ?, ?)", rows)
         self._conn.execute("COMMIT")
-        self._seq += len(records)
-        return self._seq
-
-    def close(self) -> None:
-        """Closes the connection."""
-        self._conn.close()
 
 
-class BarePostgres:
-    """The floor on PostgreSQL: a table like the store's journal, one transaction per append, one connection."""
+class BarePostgres(_BareJournal):
+    """The floor on PostgreSQL: a table like the store's journal, one transaction per append (the WAL flushed),
+    one connection."""
 
     def __init__(self, url: str) -> None:
         """Connects to the (empty) database at ``url`` and makes the table.
@@ -97,27 +110,10 @@ class BarePostgres:
         self._conn = psycopg.connect(url, autocommit=True)
         self._conn.execute("SET synchronous_commit = on")
         self._conn.execute("CREATE TABLE bare_journal (seq BIGINT PRIMARY KEY, crc BIGINT NOT NULL, payload BYTEA NOT NULL)")
-        self._seq = 0
 
-    def append(self, records: Sequence[bytes]) -> int:
-        """Appends in a transaction of its own (committed, the WAL flushed).
-
-        Args:
-            records: The payloads.
-
-        Returns:
-            The last record's sequence number.
-        """
-        first = self._seq + 1
+    def _insert(self, rows: list[tuple[int, int, bytes]]) -> None:
         with self._conn.transaction(), self._conn.cursor() as cur:
-            cur.executemany("INSERT INTO bare_journal (seq, crc, payload) VALUES (%s, %s, %s)",
-                            [(first + i, 0, r) for i, r in enumerate(records)])
-        self._seq += len(records)
-        return self._seq
-
-    def close(self) -> None:
-        """Closes the connection."""
-        self._conn.close()
+            cur.executemany("INSERT INTO bare_journal (seq, crc, payload) VALUES (%s, %s, %s)", rows)
 
 
 def run(append: Callable[[Sequence[bytes]], int], batch: int, appends: int) -> tuple[list[float], float]:
